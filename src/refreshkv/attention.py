@@ -1,0 +1,29 @@
+"""The attention function registered with transformers under the name "refreshkv".
+
+With a `PolicyCache`, each layer's attention is computed by the cache's method (see cache.py). Without one (plain
+forward, `use_cache=False`, another cache class) it is exactly transformers' SDPA attention, and masks are built as
+for SDPA, so a model loaded with this implementation behaves like an SDPA model everywhere else.
+"""
+
+from __future__ import annotations
+
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .cache import take_handoff
+
+ATTENTION_NAME = "refreshkv"
+
+
+def policy_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    layer = take_handoff(key)
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return layer.attend(module, query, key, value, attention_mask, scaling), None
+
+
+AttentionInterface.register(ATTENTION_NAME, policy_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)

@@ -1,0 +1,98 @@
+"""Attention math for one layer: SDPA calls in the layouts the stores use, and the scores that selection needs
+(for the few queries that need them, never an L x L matrix).
+
+Shapes: query (B, Hq, q, D); keys (B, Hkv, n, D). Grouped-query attention is handled by packing the G = Hq / Hkv
+query heads of a group next to each other, so every product is one batched matmul against the KV-head-sized cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+AGGREGATIONS = ("max", "mean", "first")
+# Finite, so that a pad query whose keys are all masked gets a uniform row instead of NaN.
+_MASKED = torch.finfo(torch.float32).min
+
+
+def pack_queries(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, Hq, q, D) -> (B, Hkv, G * q, D), rows ordered (group member, query position)."""
+    batch, heads, q_len, dim = query.shape
+    return query.reshape(batch, kv_heads, (heads // kv_heads) * q_len, dim)
+
+
+def unpack_output(output: torch.Tensor, query_heads: int) -> torch.Tensor:
+    """(B, Hkv, G * q, D) -> (B, q, Hq, D), the layout transformers expects from an attention function."""
+    batch, _, rows, dim = output.shape
+    q_len = rows * output.shape[1] // query_heads
+    return output.reshape(batch, query_heads, q_len, dim).transpose(1, 2)
+
+
+def prompt_attention(query, key, value, mask, scaling: float) -> torch.Tensor:
+    """Causal attention over the prompt (mask: transformers' boolean (B, 1, L, L) padding mask, or None)."""
+    output = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True
+    )
+    return output.transpose(1, 2)
+
+
+def decode_attention(query, keys, values, scaling: float, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token over a KV-head-sized cache, without repeating keys per query head."""
+    kv_heads = keys.shape[1]
+    mask = None if valid is None else valid.view(valid.shape[0], -1, 1, keys.shape[2])
+    output = F.scaled_dot_product_attention(pack_queries(query, kv_heads), keys, values, attn_mask=mask, scale=scaling)
+    return unpack_output(output, query.shape[1])
+
+
+def attention_probs(
+    query: torch.Tensor, keys: torch.Tensor, scaling: float, valid: torch.Tensor | None = None, causal_tail: bool = False
+) -> torch.Tensor:
+    """Softmax attention of `query` over `keys` in float32: (B, Hkv, G, q, n).
+
+    `valid` (broadcastable to (B, Hkv, 1, n)) masks pads and empty slots. With `causal_tail`, the q queries are the
+    last q positions of the key sequence and each one only sees keys up to itself.
+    """
+    batch, heads, q_len, _ = query.shape
+    kv_heads, n = keys.shape[1], keys.shape[2]
+    logits = torch.matmul(pack_queries(query, kv_heads), keys.transpose(-1, -2)).float() * scaling
+    logits = logits.view(batch, kv_heads, heads // kv_heads, q_len, n)
+    if valid is not None:
+        logits = logits.masked_fill(~valid.view(valid.shape[0], -1, 1, 1, n), _MASKED)
+    if causal_tail and q_len > 1:
+        future = torch.ones(q_len, q_len, dtype=torch.bool, device=keys.device).triu(1)
+        logits[..., n - q_len :] = logits[..., n - q_len :].masked_fill(future, _MASKED)
+    return logits.softmax(dim=-1)
+
+
+def pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Max-pool over positions (last dim), same length, so a selected token brings its neighbours (SnapKV)."""
+    if kernel == 1:
+        return scores
+    shape = scores.shape
+    pooled = F.max_pool1d(scores.reshape(-1, 1, shape[-1]), kernel_size=kernel, stride=1, padding=kernel // 2)
+    return pooled.view(shape)
+
+
+def aggregate_group(scores: torch.Tensor, how: str) -> torch.Tensor:
+    """(B, Hkv, G, n) -> (B, Hkv, n): one score per KV head from the query heads sharing it."""
+    if how == "max":
+        return scores.amax(dim=2)
+    if how == "mean":
+        return scores.mean(dim=2)
+    if how == "first":
+        return scores[:, :, 0]
+    raise ValueError(f"unknown aggregation '{how}'; choose from: {', '.join(AGGREGATIONS)}")
+
+
+def selection_scores(probs: torch.Tensor, kernel: int, how: str) -> torch.Tensor:
+    """Token importance per KV head from window probabilities (B, Hkv, G, w, n).
+
+    Order (a choice the papers leave open): average over the observation window per query head, max-pool over
+    positions per query head, then aggregate across the group. For `max` aggregation pooling and aggregation commute.
+    """
+    return aggregate_group(pool(probs.mean(dim=3), kernel), how)
+
+
+def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (B, H, k) of the k highest scores, in position order (keeps the cache layout monotone and readable)."""
+    return scores.topk(k, dim=-1).indices.sort(dim=-1).values

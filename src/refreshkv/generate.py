@@ -1,0 +1,156 @@
+"""The decode loop: prefill the prompt once, then one token per step through the method's cache.
+
+Rows of a batch are left-padded; each row gets its own positions (0 at its first real token), so a row's output
+equals running it alone (for greedy decoding; sampling draws from one generator for the whole batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from .attention import ATTENTION_NAME
+from .cache import PolicyCache
+from .policy import Policy, make_policy
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    tokens: list[list[int]]  # new tokens per row, up to and including the end-of-sequence token
+    prompt_tokens: list[int]
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    cache: PolicyCache
+    logits: list[torch.Tensor] | None = None  # per step (B, vocab), if asked for
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        return 1000 * self.decode_s / self.decode_steps if self.decode_steps else 0.0
+
+    def stats(self) -> dict:
+        """The numbers `refreshkv generate --json` reports (sizes in bytes, summed over layers)."""
+        per_layer = self.cache.nbytes_per_layer()
+        return {
+            "new_tokens": [len(t) for t in self.tokens],
+            "prompt_tokens": self.prompt_tokens,
+            "prefill_s": round(self.prefill_s, 4),
+            "decode_ms_per_token": round(self.decode_ms_per_token, 3),
+            "full_step_fraction": round(self.cache.full_step_fraction(), 4),
+            "kv_bytes_full": sum(per_layer),
+            "kv_bytes_per_layer": per_layer,
+            "kv_bytes_attended_mean": round(self.cache.attended_bytes_mean()),
+            "budget": self.cache.budget,
+        }
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _next_token(logits, do_sample, temperature, top_k, top_p, generator) -> torch.Tensor:
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        drop = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1) > top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+def check_length(model, prompt_length: int, max_new_tokens: int) -> None:
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and prompt_length + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
+            f"{limit} tokens"
+        )
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    method: str | Policy = "full",
+    max_new_tokens: int = 64,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    return_logits: bool = False,
+    **method_params,
+) -> GenerationOutput:
+    """Generate with a KV method, e.g. `generate(model, ids, method="refreshkv", budget=1024)`."""
+    policy = method if isinstance(method, Policy) else make_policy(method, **method_params)
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise ValueError("input_ids must be a non-empty (batch, length) tensor")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if model.config._attn_implementation != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)
+    device = input_ids.device
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    padded = bool((attention_mask == 0).any())
+    check_length(model, int(attention_mask.sum(-1).max()), max_new_tokens)
+    if eos_token_id is None:
+        eos_token_id = model.generation_config.eos_token_id
+    eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).flatten()
+    generator = None if seed is None else torch.Generator(device).manual_seed(seed)
+
+    cache = PolicyCache(policy, model.config, max_new_tokens)
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    start = time.perf_counter()
+    logits = model(
+        input_ids,
+        attention_mask=attention_mask if padded else None,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]
+    _synchronize(device)
+    prefill_s = time.perf_counter() - start
+
+    batch = input_ids.shape[0]
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    position = positions[:, -1:]
+    steps, chosen, all_logits = [], [], []
+    start = time.perf_counter()
+    for step in range(max_new_tokens):
+        if return_logits:
+            all_logits.append(logits.float().cpu())
+        token = _next_token(logits, do_sample, temperature, top_k, top_p, generator)
+        chosen.append(token)
+        steps.append(finished.clone())
+        finished |= torch.isin(token, eos)
+        if step == max_new_tokens - 1 or bool(finished.all()):
+            break
+        position = position + 1
+        logits = model(token[:, None], position_ids=position, past_key_values=cache, use_cache=True).logits[:, -1]
+    _synchronize(device)
+    decode_s = time.perf_counter() - start
+
+    tokens = torch.stack(chosen, dim=1).tolist()
+    done_before = torch.stack(steps, dim=1).tolist()
+    rows = [[t for t, done in zip(row, dones) if not done] for row, dones in zip(tokens, done_before)]
+    return GenerationOutput(
+        tokens=rows,
+        prompt_tokens=attention_mask.sum(-1).tolist(),
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        decode_steps=cache.step,
+        cache=cache,
+        logits=all_logits if return_logits else None,
+    )

@@ -1,0 +1,84 @@
+"""Key/value storage that every method builds on: preallocated, written in place, stored at KV-head size.
+
+- `FullStore`: the whole sequence, appended one token at a time into a buffer that grows by doubling (a method that
+  knows the final length preallocates it exactly), so a decode step never copies the whole cache.
+- `SlotStore`: a fixed number of slots per KV head holding a per-head selection of tokens, with each slot's absolute
+  position (-1 = empty). Methods overwrite slots in place (scatter) instead of concatenating.
+
+Positions are indices into the (left-padded) input; a slot is valid when its position is >= the row's pad count.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class FullStore:
+    def __init__(self, like: torch.Tensor, capacity: int):
+        batch, heads, _, head_dim = like.shape
+        self.keys = like.new_empty(batch, heads, capacity, head_dim)
+        self.values = like.new_empty(batch, heads, capacity, head_dim)
+        self.length = 0
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        n = keys.shape[2]
+        if self.length + n > self.keys.shape[2]:
+            self._grow(max(2 * self.keys.shape[2], self.length + n))
+        self.keys[:, :, self.length : self.length + n] = keys
+        self.values[:, :, self.length : self.length + n] = values
+        self.length += n
+
+    def _grow(self, capacity: int) -> None:
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def nbytes(self) -> int:
+        return _bytes(self.keys, self.values)
+
+    def attended_bytes(self) -> int:
+        return self.nbytes() * self.length // self.keys.shape[2]
+
+
+class SlotStore:
+    def __init__(self, like: torch.Tensor, slots: int):
+        batch, heads, _, head_dim = like.shape
+        self.keys = like.new_zeros(batch, heads, slots, head_dim)
+        self.values = like.new_zeros(batch, heads, slots, head_dim)
+        self.positions = torch.full((batch, heads, slots), -1, dtype=torch.long, device=like.device)
+
+    @property
+    def slots(self) -> int:
+        return self.keys.shape[2]
+
+    def load(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, positions: torch.Tensor) -> None:
+        """Fill the first index.shape[-1] slots with keys/values gathered at `index` (B, H, n); empty the rest."""
+        n = index.shape[-1]
+        gather = index.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+        self.keys[:, :, :n] = keys.gather(2, gather)
+        self.values[:, :, :n] = values.gather(2, gather)
+        self.positions[:, :, :n] = positions
+        self.positions[:, :, n:] = -1
+
+    def put(self, slot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:
+        """Write one token (keys/values of shape (B, H, 1, D)) into the per-head slots `slot` (B, H)."""
+        index = slot.unsqueeze(-1)
+        self.keys.scatter_(2, index.unsqueeze(-1).expand_as(keys), keys)
+        self.values.scatter_(2, index.unsqueeze(-1).expand_as(values), values)
+        self.positions.scatter_(2, index, position)
+
+    def valid(self, pads: torch.Tensor | None) -> torch.Tensor:
+        """(B, H, slots) bool: the slot holds a real token (not empty, not left padding)."""
+        return self.positions >= (0 if pads is None else pads.view(-1, 1, 1))
+
+    def nbytes(self) -> int:
+        return _bytes(self.keys, self.values)

@@ -1,0 +1,28 @@
+"""`full`: vanilla attention over the whole KV cache (the reference every method is compared with)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..attention_math import decode_attention, prompt_attention
+from ..kvstore import FullStore
+from ..policy import Policy, register
+
+
+@register
+@dataclasses.dataclass
+class Full(Policy):
+    name = "full"
+    summary = "vanilla attention over every token"
+
+    def prefill(self, layer, query, key, value, mask, scaling):
+        layer.state = FullStore(key, layer.cache.capacity())
+        layer.state.append(key, value)
+        return prompt_attention(query, key, value, mask, scaling)
+
+    def decode(self, layer, query, key, value, scaling):
+        store: FullStore = layer.state
+        store.append(key, value)
+        keys, values = store.view()
+        layer.record(1.0, store.attended_bytes())
+        return decode_attention(query, keys, values, scaling, layer.cache.valid_positions(store.length, key.device))

@@ -1,0 +1,184 @@
+"""`refreshkv` (RefreshKV, dynamic schedule) and `recycled` (Recycled Attention, fixed stride).
+
+Each layer keeps the full cache C_f and a partial cache C_p of K tokens per KV head (refreshkv.txt §2.2, Fig. 2;
+recycled-attention.txt §2.3, §6):
+- prefill: full attention; C_p = top-K tokens by the attention of the last `window` prompt tokens, max-pooled over
+  positions (`kernel`) and aggregated over the query heads of a GQA group (`aggregation`, max by default, A.3);
+- partial step: attend to C_p plus the new token, which takes the slot of the lowest-scored entry, so C_p keeps K
+  entries besides the newest token;
+- full step: attend to all of C_f, recompute the current query's scores (one row per head) and rebuild C_p.
+Schedules: `stride` S = a full step every S decode steps (Recycled Attention). Otherwise dynamic: every `qc_stride`
+steps each layer compares its head-averaged query with the one of its last full step (the prefill's last token at
+first) and attends fully when the cosine similarity is below `threshold`.
+
+Choices where the papers are silent:
+- Tokens appended by partial steps are never evicted before recycled ones (the papers evict "the recycled token with
+  the lowest score"); if all recycled tokens are gone, the oldest appended token goes first.
+- C_f receives every token as it is decoded (one in-place write) instead of in a batch at the next full step: the
+  result is the same and no separate buffer is needed.
+- A full step's own token is a candidate for the refreshed C_p; decode steps are counted from 1 after the prompt, so
+  with `stride` S steps S, 2S, ... are full. With rows of a batch on different schedules, the full-step rows are
+  computed on C_f and the others on C_p, and only the full-step rows are refreshed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..attention_math import (
+    AGGREGATIONS,
+    attention_probs,
+    decode_attention,
+    prompt_attention,
+    selection_scores,
+    top_k,
+    unpack_output,
+)
+from ..kvstore import FullStore, SlotStore
+from ..policy import BudgetPolicy, PolicyError, check_choice, check_kernel, check_positive, register
+
+DEFAULT_QC_STRIDE = 10
+DEFAULT_THRESHOLD = 0.85  # the paper's value for Llama-3.1-8B (A.4)
+APPENDED = 2.0  # score base of decoded tokens: above any attention probability, so recycled tokens go first
+
+
+@dataclasses.dataclass
+class RefreshState:
+    full: FullStore
+    partial: SlotStore
+    scores: torch.Tensor  # (B, Hkv, slots) float32 eviction score of each C_p slot; -inf = empty
+    anchor: torch.Tensor  # (B, D) head-averaged query of the last full step
+    filled: int = 0  # slots holding a token in every row; below `slots` some must be masked
+
+    def nbytes(self) -> int:
+        return self.full.nbytes() + self.partial.nbytes()
+
+
+@register
+@dataclasses.dataclass
+class RefreshKV(BudgetPolicy):
+    name = "refreshkv"
+    summary = "full cache + top-K partial cache, refreshed when the query drifts (or every `stride` steps)"
+
+    stride: int | None = None
+    qc_stride: int | None = None
+    threshold: float | None = None
+    kernel: int = 7
+    window: int = 1
+    aggregation: str = "max"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive("stride", self.stride, allow_none=True)
+        check_positive("qc_stride", self.qc_stride, allow_none=True)
+        if self.threshold is not None and (
+            isinstance(self.threshold, bool)
+            or not isinstance(self.threshold, (int, float))
+            or not math.isfinite(self.threshold)
+        ):
+            raise PolicyError(f"threshold must be a finite number (cosine similarity, -1..1), got {self.threshold!r}")
+        if self.stride is not None and (self.qc_stride is not None or self.threshold is not None):
+            raise PolicyError("stride (fixed schedule) excludes qc_stride and threshold (dynamic schedule)")
+        check_kernel(self.kernel)
+        check_positive("window", self.window)
+        check_choice("aggregation", self.aggregation, AGGREGATIONS)
+
+    # -- prefill ---------------------------------------------------------------------------------------------------
+    def prefill(self, layer, query, key, value, mask, scaling):
+        cache = layer.cache
+        length = key.shape[2]
+        if self.window > length:
+            raise PolicyError(f"window ({self.window}) is larger than the prompt ({length} tokens)")
+        full = FullStore(key, cache.capacity())
+        full.append(key, value)
+        slots = min(cache.budget, cache.capacity()) + 1
+        partial = SlotStore(key, slots)
+        scores = torch.full(partial.positions.shape, float("-inf"), device=key.device)
+        layer.state = RefreshState(full, partial, scores, anchor=query[:, :, -1].mean(dim=1))
+        valid = cache.valid_positions(length, key.device)
+        probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
+        self._refresh(layer.state, selection_scores(probs, self.kernel, self.aggregation), valid)
+        return prompt_attention(query, key, value, mask, scaling)
+
+    # -- decode ----------------------------------------------------------------------------------------------------
+    def decode(self, layer, query, key, value, scaling):
+        state: RefreshState = layer.state
+        state.full.append(key, value)
+        current = query[:, :, -1].mean(dim=1)
+        need = self._needs_full(state, current, layer.cache.step)
+        if need is False:
+            layer.record(0.0, state.partial.nbytes())
+            return self._partial_step(layer, query, key, value, scaling)
+        if need is True:
+            layer.record(1.0, state.full.attended_bytes())
+            return self._full_step(layer, query, current, scaling)
+        # Rows of the batch disagree: compute both and keep each row's own result.
+        partial_out = self._partial_step(layer, query, key, value, scaling)
+        full_out = self._full_step(layer, query, current, scaling, rows=need)
+        layer.record(need.float().mean().item(), state.partial.nbytes() + state.full.attended_bytes())
+        return torch.where(need.view(-1, 1, 1, 1), full_out, partial_out)
+
+    def _needs_full(self, state: RefreshState, current: torch.Tensor, step: int):
+        """True / False for the whole batch, or a (B,) bool tensor when rows disagree."""
+        if self.stride is not None:
+            return step % self.stride == 0
+        if step % (self.qc_stride or DEFAULT_QC_STRIDE) != 0:
+            return False
+        threshold = DEFAULT_THRESHOLD if self.threshold is None else self.threshold
+        need = F.cosine_similarity(current.float(), state.anchor.float(), dim=-1) < threshold
+        count = int(need.sum())
+        return True if count == need.numel() else False if count == 0 else need
+
+    def _partial_step(self, layer, query, key, value, scaling):
+        state: RefreshState = layer.state
+        slot = state.scores.argmin(dim=-1)  # empty slot first, then the lowest-scored recycled token
+        state.partial.put(slot, key, value, state.full.length - 1)
+        state.scores.scatter_(-1, slot.unsqueeze(-1), APPENDED + layer.cache.step)
+        state.filled = min(state.filled + 1, state.partial.slots)
+        valid = None
+        if layer.cache.pads is not None or state.filled < state.partial.slots:
+            valid = state.partial.valid(layer.cache.pads)
+        return decode_attention(query, state.partial.keys, state.partial.values, scaling, valid)
+
+    def _full_step(self, layer, query, current, scaling, rows=None):
+        state: RefreshState = layer.state
+        keys, values = state.full.view()
+        valid = layer.cache.valid_positions(state.full.length, keys.device)
+        probs = attention_probs(query, keys, scaling, valid)  # (B, Hkv, G, 1, n)
+        batch, kv_heads, group, _, length = probs.shape
+        output = torch.matmul(probs.view(batch, kv_heads, group, length).to(values.dtype), values)
+        self._refresh(state, selection_scores(probs, self.kernel, self.aggregation), valid, rows)
+        state.anchor = current if rows is None else torch.where(rows[:, None], current, state.anchor)
+        return unpack_output(output, query.shape[1])
+
+    def _refresh(self, state: RefreshState, scores, valid, rows=None) -> None:
+        """Rebuild C_p from per-KV-head scores (B, Hkv, n) over C_f; only `rows` (B,) bool if given."""
+        if valid is not None:
+            scores = scores.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
+        keep = min(state.partial.slots - 1, scores.shape[-1])
+        index = top_k(scores, keep)
+        keys, values = state.full.view()
+        tensors = (state.partial.keys, state.partial.values, state.partial.positions, state.scores)
+        before = None if rows is None else [tensor.clone() for tensor in tensors]
+        state.partial.load(keys, values, index, index)
+        state.scores[..., :keep] = scores.gather(-1, index)
+        state.scores[..., keep:] = float("-inf")
+        if before is None:
+            state.filled = keep
+            return
+        for tensor, old in zip(tensors, before):
+            tensor[~rows] = old[~rows]
+        state.filled = min(state.filled, keep)
+
+
+@register
+@dataclasses.dataclass
+class Recycled(RefreshKV):
+    name = "recycled"
+    summary = "Recycled Attention: refreshkv with a full step every `stride` steps for all layers"
+
+    stride: int | None = 10
