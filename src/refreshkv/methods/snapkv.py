@@ -1,0 +1,57 @@
+"""`snapkv` (Li et al., 2024): keep the prompt tokens the last `window` prompt queries attend to, decided once.
+
+Per recycled-attention.txt §3.2 and refreshkv.txt A.1: attention of the observation window (the last `window`
+prompt tokens) averaged over the window, max-pooled over positions (`kernel`), aggregated over the query heads of a
+GQA group (`aggregation`, max as in the seeds); the top `budget` tokens per KV head are kept, plus the window itself.
+Decoded tokens are appended without eviction (memory K + window + T, as in the seeds' Table 1).
+Choice: the window is kept on top of the budget (SnapKV's recipe), so the cache holds K + window prompt tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..attention_math import AGGREGATIONS, attention_probs, selection_scores, top_k
+from ..policy import PolicyError, check_choice, check_kernel, check_positive, register
+from ..selection import SelectionPolicy
+
+WINDOW_SCORE = 1.0  # the observation window is always kept: score above any pooled probability
+
+
+@register
+@dataclasses.dataclass
+class SnapKV(SelectionPolicy):
+    name = "snapkv"
+    summary = "keep the top-K prompt tokens by the observation window's pooled attention, once at prefill"
+
+    window: int = 32
+    kernel: int = 7
+    aggregation: str = "max"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive("window", self.window)
+        check_kernel(self.kernel)
+        check_choice("aggregation", self.aggregation, AGGREGATIONS)
+
+    def layer_budget(self, layer) -> int:
+        return layer.cache.budget
+
+    def select(self, layer, query, key, scaling, valid):
+        length = key.shape[2]
+        if self.window > length:
+            raise PolicyError(f"window ({self.window}) is larger than the prompt ({length} tokens)")
+        probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
+        scores = selection_scores(probs, self.kernel, self.aggregation)
+        if valid is not None:
+            scores = scores.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
+        prefix = length - self.window
+        keep = min(self.layer_budget(layer), prefix)
+        index = top_k(scores[..., :prefix], keep)
+        window = torch.arange(prefix, length, device=key.device).expand(*index.shape[:2], -1)
+        index = torch.cat([index, window], dim=-1)
+        chosen = scores.gather(-1, index)
+        chosen[..., keep:] = WINDOW_SCORE
+        return index, chosen
