@@ -94,5 +94,10 @@ def selection_scores(probs: torch.Tensor, kernel: int, how: str) -> torch.Tensor
 
 
 def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices (B, H, k) of the k highest scores, in position order (keeps the cache layout monotone and readable)."""
-    return scores.topk(k, dim=-1).indices.sort(dim=-1).values
+    """Indices (B, H, k) of the k highest scores, in position order.
+
+    Ties, which max-pooling makes common, go to the earlier position (a stable sort), so the choice does not
+    depend on left padding or on the sort kernel.
+    """
+    order = scores.sort(dim=-1, descending=True, stable=True).indices
+    return order[..., :k].sort(dim=-1).values

@@ -10,6 +10,7 @@ import dataclasses
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 from .attention import ATTENTION_NAME
 from .cache import PolicyCache
@@ -89,6 +90,7 @@ def generate(
     seed: int | None = None,
     eos_token_id: int | list[int] | None = None,
     return_logits: bool = False,
+    progress: bool = False,
     **method_params,
 ) -> GenerationOutput:
     """Generate with a KV method, e.g. `generate(model, ids, method="refreshkv", budget=1024)`."""
@@ -127,8 +129,10 @@ def generate(
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     position = positions[:, -1:]
     steps, chosen, all_logits = [], [], []
+    bar = tqdm(total=max_new_tokens, desc=f"{policy.name} decode", unit="tok", disable=not progress, leave=False)
     start = time.perf_counter()
     for step in range(max_new_tokens):
+        bar.update()
         if return_logits:
             all_logits.append(logits.float().cpu())
         token = _next_token(logits, do_sample, temperature, top_k, top_p, generator)
@@ -141,6 +145,7 @@ def generate(
         logits = model(token[:, None], position_ids=position, past_key_values=cache, use_cache=True).logits[:, -1]
     _synchronize(device)
     decode_s = time.perf_counter() - start
+    bar.close()
 
     tokens = torch.stack(chosen, dim=1).tolist()
     done_before = torch.stack(steps, dim=1).tolist()

@@ -1,0 +1,263 @@
+"""The `refreshkv` command line. Bad input ends with one line on stderr and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from typer.exceptions import TyperException
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+out = Console()
+
+
+def print_error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+
+
+def fail(message: str) -> None:
+    print_error(message)
+    raise typer.Exit(2)
+
+
+def user_errors(command):
+    """Turn the library's input errors (ValueError and subclasses) into one line and exit code 2."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (ValueError, FileNotFoundError) as error:
+            fail(str(error).splitlines()[0] if str(error) else type(error).__name__)
+
+    return wrapper
+
+
+def parse_params(pairs: list[str]) -> dict:
+    """`--param name=value` pairs; values are read as int, float, or kept as text."""
+    params = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--param expects NAME=VALUE, got '{pair}'")
+        for kind in (int, float):
+            try:
+                params[name.replace("-", "_")] = kind(raw)
+                break
+            except ValueError:
+                continue
+        else:
+            params[name.replace("-", "_")] = raw
+    return params
+
+
+ModelOpt = Annotated[Optional[str], typer.Option(help="Local model directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")]
+MethodOpt = Annotated[str, typer.Option(help="KV method (see `refreshkv methods`).")]
+BudgetOpt = Annotated[Optional[int], typer.Option(help="Tokens kept/attended per layer and KV head (K).")]
+RatioOpt = Annotated[Optional[float], typer.Option(help="K as a fraction of the prompt length, in (0, 1] (papers: 0.125).")]
+StrideOpt = Annotated[Optional[int], typer.Option(help="Fixed schedule: a full-attention step every S decode steps.")]
+QcOpt = Annotated[Optional[int], typer.Option(help="Dynamic schedule: compare queries every N steps (default 10).")]
+ThresholdOpt = Annotated[Optional[float], typer.Option(help="Dynamic schedule: full step when query cosine < s (default 0.85).")]
+KernelOpt = Annotated[Optional[int], typer.Option(help="Max-pooling kernel over positions (odd).")]
+WindowOpt = Annotated[Optional[int], typer.Option(help="Observation window: last prompt tokens whose attention selects.")]
+AggOpt = Annotated[Optional[str], typer.Option(help="GQA aggregation of scores: max, mean or first.")]
+ParamOpt = Annotated[list[str], typer.Option("--param", help="Any other method parameter, NAME=VALUE (repeatable).")]
+DtypeOpt = Annotated[str, typer.Option(help="float32 or bfloat16.")]
+DeviceOpt = Annotated[str, typer.Option(help="cpu or cuda.")]
+
+
+def method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param) -> dict:
+    given = dict(
+        budget=budget, budget_ratio=budget_ratio, stride=stride, qc_stride=qc_stride,
+        threshold=threshold, kernel=kernel, window=window, aggregation=aggregation,
+    )
+    return {**{k: v for k, v in given.items() if v is not None}, **parse_params(param)}
+
+
+def check_runtime(dtype: str, device: str):
+    import torch
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if dtype not in dtypes:
+        raise ValueError(f"unknown dtype '{dtype}'; choose from: {', '.join(dtypes)}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device '{device}'; choose from: cpu, cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA GPU is available")
+    return dtypes[dtype]
+
+
+def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
+    if (prompt is None) == (prompt_file is None):
+        raise ValueError("give exactly one of --prompt TEXT or --prompt-file FILE")
+    if prompt_file is not None:
+        if not prompt_file.is_file():
+            raise ValueError(f"prompt file '{prompt_file}' does not exist")
+        prompt = prompt_file.read_text(encoding="utf-8")
+    if not prompt.strip():
+        raise ValueError("the prompt is empty")
+    return prompt
+
+
+def encode(tokenizer, text: str, chat: bool):
+    import torch
+
+    if chat:
+        messages = [{"role": "user", "content": text}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    else:
+        ids = torch.tensor([tokenizer.encode(text)])
+    return ids
+
+
+def run_generation(model, tokenizer, ids, method: str, params: dict, max_new_tokens: int, **sampling) -> dict:
+    from .generate import generate
+
+    result = generate(model, ids.to(model.device), method=method, max_new_tokens=max_new_tokens, progress=True,
+                      **sampling, **params)
+    stats = result.stats()
+    row = result.tokens[0]
+    return {
+        "method": method,
+        "params": params,
+        "text": tokenizer.decode(row, skip_special_tokens=True),
+        **{k: v[0] if isinstance(v, list) and k in ("new_tokens", "prompt_tokens") else v for k, v in stats.items()},
+    }
+
+
+STAT_ROWS = (
+    ("prompt tokens", "prompt_tokens"),
+    ("new tokens", "new_tokens"),
+    ("budget K", "budget"),
+    ("prefill s", "prefill_s"),
+    ("decode ms/token", "decode_ms_per_token"),
+    ("full-step fraction", "full_step_fraction"),
+    ("KV MB held", "kv_bytes_full"),
+    ("KV MB attended/step", "kv_bytes_attended_mean"),
+)
+
+
+def stats_table(results: list[dict]) -> Table:
+    table = Table(title="generation")
+    table.add_column("")
+    for result in results:
+        table.add_column(result["method"], justify="right")
+    for label, key in STAT_ROWS:
+        values = [r[key] for r in results]
+        if key.startswith("kv_bytes"):
+            values = [f"{v / 2**20:.1f}" for v in values]
+        table.add_row(label, *map(str, values))
+    return table
+
+
+def show(results: list[dict], as_json: bool) -> None:
+    if as_json:
+        payload = results[0] if len(results) == 1 else {"runs": results}
+        print(json.dumps(payload))
+        return
+    for result in results:
+        out.rule(f"[bold]{result['method']}[/bold]")
+        out.print(result["text"], markup=False, highlight=False)
+    out.print(stats_table(results))
+
+
+@app.command()
+@user_errors
+def generate(
+    method: MethodOpt = "refreshkv",
+    model: ModelOpt = None,
+    budget: BudgetOpt = None,
+    budget_ratio: RatioOpt = None,
+    stride: StrideOpt = None,
+    qc_stride: QcOpt = None,
+    threshold: ThresholdOpt = None,
+    kernel: KernelOpt = None,
+    window: WindowOpt = None,
+    aggregation: AggOpt = None,
+    param: ParamOpt = [],
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 64,
+    prompt: Annotated[Optional[str], typer.Option(help="Prompt text.")] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option(help="UTF-8 file holding the prompt.")] = None,
+    chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
+    compare: Annotated[Optional[str], typer.Option(help="Also run this method (e.g. full) on the same prompt.")] = None,
+    sample: Annotated[bool, typer.Option(help="Sample instead of greedy decoding.")] = False,
+    temperature: Annotated[float, typer.Option(min=1e-6)] = 1.0,
+    top_p: Annotated[Optional[float], typer.Option(min=0.0, max=1.0)] = None,
+    seed: Annotated[Optional[int], typer.Option()] = None,
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+):
+    """Generate from a prompt with a KV method and report its speed and KV memory."""
+    from .model import load_model
+    from .policy import make_policy
+
+    params = method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param)
+    make_policy(method, **params)  # validate before loading anything
+    if compare is not None:
+        make_policy(compare)
+    text = read_prompt(prompt, prompt_file)
+    torch_dtype = check_runtime(dtype, device)
+    lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
+    ids = encode(tokenizer, text, chat)
+    sampling = dict(do_sample=sample, temperature=temperature, top_p=top_p, seed=seed)
+    results = [run_generation(lm, tokenizer, ids, method, params, max_new_tokens, **sampling)]
+    if compare is not None:
+        results.append(run_generation(lm, tokenizer, ids, compare, {}, max_new_tokens, **sampling))
+    show(results, as_json)
+
+
+@app.command()
+@user_errors
+def demo(
+    length: Annotated[int, typer.Option(min=64, help="Prompt length in tokens (book text + question).")] = 4096,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
+    budget: BudgetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+):
+    """The main job on the embedded model: a long book prompt decoded with `full` and with `refreshkv`."""
+    from .demo import demo_prompt
+    from .model import load_model
+
+    lm, tokenizer = load_model()
+    ids = demo_prompt(tokenizer, length)
+    params = {} if budget is None else {"budget": budget}
+    results = [
+        run_generation(lm, tokenizer, ids, "full", {}, max_new_tokens),
+        run_generation(lm, tokenizer, ids, "refreshkv", params, max_new_tokens),
+    ]
+    show(results, as_json)
+
+
+@app.command()
+def methods():
+    """List the KV methods with their parameters and defaults."""
+    from .policy import METHODS, make_policy
+
+    make_policy("full")  # imports and registers every method
+    table = Table(title="KV methods")
+    for column in ("method", "parameters (default)", "what it does"):
+        table.add_column(column)
+    for name in sorted(METHODS):
+        cls = METHODS[name]
+        params = ", ".join(f"{k}={'-' if v is None else v}" for k, v in cls.parameters().items()) or "-"
+        table.add_row(name, params, cls.summary)
+    out.print(table)
+
+
+def main() -> None:
+    """Console entry point: usage errors (bad option values, unknown options) also end in one line, exit code 2."""
+    try:
+        code = app(standalone_mode=False)
+    except TyperException as error:  # typer's own click: usage errors carry exit code 2
+        print_error(error.format_message())
+        code = getattr(error, "exit_code", 2)
+    except typer.Abort:
+        code = 130
+    sys.exit(code or 0)

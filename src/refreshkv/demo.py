@@ -1,0 +1,28 @@
+"""The demo prompt: the opening chapters of Pride and Prejudice (public domain, packaged) and a question on them."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+QUESTION = "\n\nQuestion: what is the name of the young man who has taken Netherfield Park, and how much does he earn a year?"
+
+
+def book_text() -> str:
+    return resources.files("refreshkv.data").joinpath("pride-and-prejudice-opening.txt").read_text(encoding="utf-8")
+
+
+def demo_prompt(tokenizer, length: int):
+    """Chat-formatted token ids of about `length` tokens: as much of the book as fits, then the question."""
+    book = tokenizer.encode(book_text(), add_special_tokens=False)
+    overhead = len(_chat_ids(tokenizer, QUESTION)[0])
+    if length - overhead < 16:
+        raise ValueError(f"demo length must be at least {overhead + 16} tokens")
+    if length - overhead > len(book):
+        raise ValueError(f"demo length must be at most {len(book) + overhead} tokens (the packaged text's size)")
+    excerpt = tokenizer.decode(book[: length - overhead])
+    return _chat_ids(tokenizer, excerpt + QUESTION)
+
+
+def _chat_ids(tokenizer, text: str):
+    messages = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]

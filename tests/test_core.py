@@ -1,0 +1,214 @@
+"""The core engine on tiny random models: equivalence with `full`, schedules, batching, selection, bad input."""
+
+import pytest
+import torch
+from conftest import random_prompt, tiny_model
+
+from refreshkv import PolicyCache, PolicyError, generate, make_policy
+from refreshkv.attention_math import aggregate_group, pool, selection_scores, top_k
+
+NEW = 24
+
+
+def assert_same_generation(a, b, atol=1e-4):
+    assert a.tokens == b.tokens
+    for x, y in zip(a.logits, b.logits):
+        torch.testing.assert_close(x, y, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_full_matches_plain_transformers(family):
+    model = tiny_model(family)
+    ids = random_prompt(50)
+    ours = generate(model, ids, method="full", max_new_tokens=NEW, eos_token_id=[])
+    model.set_attn_implementation("sdpa")
+    reference = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert ours.tokens[0] == reference[0, 50:].tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"budget": 50 + NEW},  # budget covers every token: nothing is ever left out
+        {"budget": 4, "stride": 1},  # a full step at every step
+        {"budget": 50 + NEW, "stride": 3, "kernel": 1, "aggregation": "mean"},
+    ],
+)
+def test_refreshkv_equals_full(family, params):
+    model = tiny_model(family)
+    ids = random_prompt(50)
+    full = generate(model, ids, method="full", max_new_tokens=NEW, return_logits=True, eos_token_id=[])
+    refresh = generate(model, ids, method="refreshkv", max_new_tokens=NEW, return_logits=True, eos_token_id=[], **params)
+    assert_same_generation(full, refresh)
+
+
+def test_small_budget_changes_the_output_and_reads_less(llama):
+    ids = random_prompt(200)
+    full = generate(llama, ids, method="full", max_new_tokens=NEW, return_logits=True, eos_token_id=[])
+    small = generate(llama, ids, method="refreshkv", budget=8, max_new_tokens=NEW, return_logits=True, eos_token_id=[])
+    assert any((x - y).abs().max() > 1e-3 for x, y in zip(full.logits, small.logits))
+    assert small.stats()["kv_bytes_attended_mean"] < full.stats()["kv_bytes_attended_mean"] / 5
+
+
+def test_dynamic_threshold_below_minus_one_never_refreshes(llama):
+    result = generate(llama, random_prompt(60), method="refreshkv", budget=8, threshold=-1.0, qc_stride=2,
+                      max_new_tokens=NEW, eos_token_id=[])
+    assert result.cache.full_step_fraction() == 0.0
+    assert result.cache.stats.full_steps == [0.0] * 3
+
+
+def test_dynamic_threshold_above_one_refreshes_at_every_qc_step(llama):
+    qc = 5
+    result = generate(llama, random_prompt(60), method="refreshkv", budget=8, threshold=1.5, qc_stride=qc,
+                      max_new_tokens=NEW, eos_token_id=[])
+    steps = result.cache.step
+    assert steps == NEW - 1
+    assert result.cache.stats.full_steps == [float(steps // qc)] * 3
+
+
+def test_fixed_stride_full_step_fraction(llama):
+    result = generate(llama, random_prompt(60), method="recycled", budget=8, stride=4, max_new_tokens=21,
+                      eos_token_id=[])
+    assert result.cache.full_step_fraction() == pytest.approx((20 // 4) / 20)
+
+
+def test_partial_cache_after_prefill_is_pooled_top_k(llama, monkeypatch):
+    """C_p after the prompt = the top-K of the last token's max-pooled, group-max attention, per KV head."""
+    from refreshkv.methods import refreshkv as method
+
+    seen = []
+    original = method.attention_probs
+
+    def spy(query, keys, *args, **kwargs):
+        seen.append((query.clone(), keys.clone()))
+        return original(query, keys, *args, **kwargs)
+
+    monkeypatch.setattr(method, "attention_probs", spy)
+    cache = PolicyCache(make_policy("refreshkv", budget=10), llama.config, max_new_tokens=1)
+    with torch.no_grad():
+        llama(random_prompt(64), past_key_values=cache)
+    query, keys = seen[0]  # layer 0: query (1, 4, 1, 16), keys (1, 2, 64, 16)
+    assert query.shape == (1, 4, 1, 16)
+    probs = (query @ keys.repeat_interleave(2, dim=1).transpose(-1, -2) * 16**-0.5).softmax(-1)
+    pooled = torch.nn.functional.max_pool1d(probs[:, :, 0], kernel_size=7, stride=1, padding=3)
+    scores = pooled.view(1, 2, 2, 64).amax(dim=2)
+    # Ties (frequent after pooling) go to the earlier position.
+    ranked = [sorted(range(64), key=lambda i: (-float(row[i]), i))[:10] for row in scores[0]]
+    expected = torch.tensor([sorted(r) for r in ranked])[None]
+    positions = cache.layers[0].state.partial.positions
+    assert torch.equal(positions[..., :10], expected)
+    assert (positions[..., 10:] == -1).all()  # the one free slot for the next token
+
+
+def test_partial_step_evicts_the_lowest_scored_recycled_token(llama):
+    ids = random_prompt(64)
+    cache = PolicyCache(make_policy("refreshkv", budget=10, threshold=-1.0), llama.config, max_new_tokens=4)
+    with torch.no_grad():
+        logits = llama(ids, past_key_values=cache).logits[:, -1:]
+        state = cache.layers[1].state
+        before = {int(p): float(s) for p, s in zip(state.partial.positions[0, 0], state.scores[0, 0]) if p >= 0}
+        for step in range(2):
+            token = logits.argmax(-1)
+            logits = llama(token, past_key_values=cache, position_ids=torch.tensor([[64 + step]])).logits
+    after = set(state.partial.positions[0, 0].tolist())
+    lowest = min(before, key=before.get)
+    # First step fills the free slot, second evicts the lowest-scored recycled token; both new tokens stay.
+    assert after == (set(before) - {lowest}) | {64, 65}
+
+
+@pytest.mark.parametrize(
+    "method, params",
+    [("full", {}), ("refreshkv", {"budget": 12, "qc_stride": 3}), ("recycled", {"budget": 12, "stride": 3})],
+)
+def test_batch_equals_rows(llama, method, params):
+    rows = [random_prompt(40, seed=3)[0], random_prompt(25, seed=4)[0]]
+    ids = torch.zeros(2, 40, dtype=torch.long)
+    mask = torch.zeros(2, 40, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, 40 - len(row):] = row
+        mask[i, 40 - len(row):] = 1
+    batched = generate(llama, ids, mask, method=method, max_new_tokens=NEW, return_logits=True, eos_token_id=[],
+                       **params)
+    for i, row in enumerate(rows):
+        alone = generate(llama, row[None], method=method, max_new_tokens=NEW, return_logits=True, eos_token_id=[],
+                         **params)
+        assert batched.tokens[i] == alone.tokens[0]
+        for x, y in zip(batched.logits, alone.logits):
+            torch.testing.assert_close(x[i], y[0], atol=1e-4, rtol=0)
+
+
+def test_model_generate_accepts_the_cache(llama):
+    ids = random_prompt(50)
+    ours = generate(llama, ids, method="refreshkv", budget=10, qc_stride=4, max_new_tokens=NEW, eos_token_id=[])
+    cache = PolicyCache(make_policy("refreshkv", budget=10, qc_stride=4), llama.config, max_new_tokens=NEW)
+    theirs = llama.generate(ids, past_key_values=cache, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)
+    assert theirs[0, 50:].tolist() == ours.tokens[0]
+
+
+def test_sampling_is_reproducible_with_a_seed(llama):
+    ids = random_prompt(30)
+    runs = [generate(llama, ids, method="refreshkv", budget=8, do_sample=True, top_p=0.9, top_k=20, temperature=0.8,
+                     seed=7, max_new_tokens=12, eos_token_id=[]).tokens for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_stops_at_end_of_sequence(llama):
+    ids = random_prompt(30)
+    free = generate(llama, ids, method="full", max_new_tokens=10, eos_token_id=[]).tokens[0]
+    stopped = generate(llama, ids, method="full", max_new_tokens=10, eos_token_id=free[3]).tokens[0]
+    assert stopped == free[: free.index(free[3]) + 1]
+
+
+def test_pool_and_aggregation_on_hand_made_scores():
+    scores = torch.tensor([0.0, 0.1, 0.9, 0.0, 0.0, 0.0, 0.3])
+    assert pool(scores, 3).tolist() == pytest.approx([0.1, 0.9, 0.9, 0.9, 0.0, 0.3, 0.3])
+    group = torch.tensor([[[[0.1, 0.5, 0.2], [0.4, 0.1, 0.3]]]])  # (B=1, Hkv=1, G=2, n=3)
+    assert aggregate_group(group, "max").flatten().tolist() == pytest.approx([0.4, 0.5, 0.3])
+    assert aggregate_group(group, "mean").flatten().tolist() == pytest.approx([0.25, 0.3, 0.25])
+    assert aggregate_group(group, "first").flatten().tolist() == pytest.approx([0.1, 0.5, 0.2])
+    # Two queries in the window (B=1, Hkv=1, G=1, w=2, n=10): averaged, pooled, then top-4 with ties to the earlier.
+    window = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0],
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0]]).view(1, 1, 1, 2, 10)
+    kept = top_k(selection_scores(window, kernel=3, how="max"), 4)
+    assert kept.tolist() == [[[0, 1, 2, 7]]]
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"budget": 0}, "budget must be a positive integer"),
+        ({"budget_ratio": 1.5}, "budget_ratio must be in (0, 1]"),
+        ({"budget_ratio": 0.0}, "budget_ratio must be in (0, 1]"),
+        ({"stride": 0}, "stride must be an integer >= 1"),
+        ({"qc_stride": 0}, "qc_stride must be an integer >= 1"),
+        ({"threshold": "high"}, "threshold must be a finite number"),
+        ({"threshold": float("nan")}, "threshold must be a finite number"),
+        ({"aggregation": "median"}, "choose from: max, mean, first"),
+        ({"kernel": 4}, "kernel must be an odd integer"),
+        ({"stride": 5, "threshold": 0.9}, "excludes qc_stride and threshold"),
+        ({"budget": 4, "budget_ratio": 0.1}, "either budget or budget_ratio"),
+        ({"sinks": 4}, "has no parameter sinks"),
+    ],
+)
+def test_bad_parameters(params, message):
+    with pytest.raises(PolicyError, match=None) as error:
+        make_policy("refreshkv", **params)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_unknown_method_names_the_choices():
+    with pytest.raises(PolicyError, match="unknown method 'nope'; choose from: .*full.*refreshkv"):
+        make_policy("nope")
+
+
+def test_prompt_longer_than_context_is_refused(llama):
+    with pytest.raises(ValueError, match="exceeds the model's context of 1024"):
+        generate(llama, random_prompt(1020), method="full", max_new_tokens=10)
+
+
+def test_window_larger_than_prompt_is_refused(llama):
+    with pytest.raises(PolicyError, match="window"):
+        generate(llama, random_prompt(5), method="refreshkv", window=8, max_new_tokens=2)
