@@ -39,6 +39,9 @@ def embedded_gguf_path() -> Path:
 def _offline() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # loading a cached model takes under a second
 
 
 def _check_family(config) -> None:

@@ -1,0 +1,1 @@
+"""Offline evaluation: task generators and scorers (see `refreshkv.eval.tasks`)."""

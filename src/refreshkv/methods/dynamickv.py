@@ -1,0 +1,291 @@
+"""`dynamickv` (DynamicKV, Zhou et al.): layer-adaptive budgets decided during prefill (dynamickv.txt §4,
+Algorithm 1, Eq. 2-6).
+
+Per layer l, as the prompt passes through it (Alg. 1 lines 13-22):
+- A^l = attention of the last `window` (ws) prompt tokens, averaged over the window and max-pooled over positions
+  (`kernel`), Eq. 2 / line 16; aggregated over the query heads of a GQA group (`aggregation`, max as in snapkv);
+- the layer first keeps its maximum budget B^l = (wt - ws) * r_max tokens per KV head (Eq. 3, line 20), plus the
+  window (line 21).
+Every `interval` (m) layers (line 24), Update_Buffer_Length (lines 4-11, Eq. 4-6) recomputes the budgets of all
+layers processed so far: the global top-((wt - ws) * H * l) entries of the concatenated A^1..A^l are counted per
+layer (Eq. 4, Phi), Z = int(B^l * cnt / max(cnt)) (Eq. 5, line 8), and Z is rescaled so that it sums to the total
+budget B = (wt - ws) * L (Eq. 6, lines 9-10). Each processed layer's cache is shrunk to its top-Z' tokens (lines
+27-30): a new, smaller SlotStore replaces the old one, so the memory is really freed.
+
+Budget mapping: the CLI's `budget` K (BudgetPolicy; default L/8) is the average number of *selected* prompt
+tokens per layer, wt - ws = K, i.e. wt = K + ws. The window is kept on top in every layer, exactly as snapkv does
+here, so snapkv and dynamickv with the same K hold the same number of prompt tokens in total (K + ws per layer on
+average); B = K * L selected tokens are distributed over the layers.
+
+Choices where the paper is ambiguous:
+- Final normalisation: Alg. 1 updates at l % m == 0 and ends with "update the K/V cache K^c from K^b" (line 33).
+  Here the last layer always runs the update too, so the final budgets always come from counts over all L layers
+  and sum to B, whatever L % m.
+- Intermediate updates normalise to the whole B over the l layers seen so far (line 9 divides by (wt - ws) * L);
+  as a layer can only shrink (its evicted tokens are gone), this bounds the prefill's buffered total by B and only
+  shrinks once the processed layers together hold more than B.
+- Eq. 5's scaling by B^l / max(cnt) cancels in Eq. 6 except for line 8's int(); the normalisation of line 7 and
+  the division by l (line 6) cancel entirely. B^l remains the cap of every layer (its buffer size): Eq. 6 alone can
+  give a layer more than B^l (or more than the tokens it still holds); the excess is redistributed proportionally
+  among the other layers (repeated until no layer exceeds its cap; layers with zero count share leftovers
+  uniformly), and rounding uses largest remainders, so the budgets sum to min(B, total capacity) exactly rather
+  than to B minus flooring losses. With r_max < 1 the capacity L * B^l is below B.
+- Per KV head (like snapkv) every head of a layer keeps the layer's budget; counting uses the KV-head scores
+  (H = KV heads). A batch is handled row by row in parallel: budgets are per row, and a layer's store is sized for
+  the largest row (the others' slots are empty and masked). Pad positions never count and are never kept.
+- Bad input: r_max <= 0 or non-positive window/interval raise a PolicyError; a window larger than the prompt raises
+  a PolicyError; a prompt of at most K + ws tokens (wt >= prompt) keeps everything (equals `full`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..attention_math import AGGREGATIONS, attention_probs, selection_scores, top_k
+from ..kvstore import SlotStore
+from ..policy import PolicyError, check_choice, check_kernel, check_positive, register
+from ..selection import SelectionPolicy, SelectionState
+
+WINDOW_SCORE = 1.0  # the window is always kept: above any pooled probability
+
+
+@dataclasses.dataclass
+class DynamicState(SelectionState):
+    selected: int = (
+        0  # slots [0, selected) hold the selected prompt tokens, then the window
+    )
+    window: int = 0
+    budget: torch.Tensor | None = None  # (B,) selected tokens per KV head in each row
+    attention: torch.Tensor | None = (
+        None  # (B, Hkv, prefix) A^l, kept until the final update
+    )
+
+
+def layer_counts(scores: list[torch.Tensor], per_layer: int) -> torch.Tensor:
+    """Eq. 4 / Alg. 1 line 6: per row, how many of the global top-(per_layer * H * l) entries of the concatenated
+    scores (l tensors (B, H, P), -inf = never selectable) fall in each layer -> (B, l)."""
+    batch = scores[0].shape[0]
+    size = scores[0][0].numel()
+    gathered = torch.cat([s.reshape(batch, -1) for s in scores], dim=-1)
+    k = min(per_layer * scores[0].shape[1] * len(scores), gathered.shape[-1])
+    values, indices = gathered.topk(k, dim=-1)
+    layer_of = torch.where(torch.isfinite(values), indices // size, len(scores))
+    counts = torch.zeros(
+        batch, len(scores) + 1, dtype=torch.long, device=gathered.device
+    )
+    counts.scatter_add_(1, layer_of, torch.ones_like(layer_of))
+    return counts[:, :-1]
+
+
+def apportion(
+    weights: torch.Tensor, total: torch.Tensor, caps: torch.Tensor
+) -> torch.Tensor:
+    """Integers (B, l) proportional to `weights` (B, l), each <= `caps` (B, l), summing to min(total, caps.sum()).
+
+    Proportional shares (Eq. 6); a layer whose share reaches its cap gets the cap and the rest is shared again among
+    the others; if the uncapped layers all have zero weight they share it uniformly. Largest-remainder rounding.
+    """
+    weights, caps = weights.double(), caps.long()
+    target = torch.minimum(total.long(), caps.sum(-1))
+    alloc = torch.zeros_like(weights)
+    free = caps > 0
+    remaining = target.double()
+    for _ in range(weights.shape[-1] + 1):
+        w = torch.where(free, weights, 0.0)
+        uniform = (w.sum(-1, keepdim=True) <= 0) & free
+        w = torch.where(uniform, 1.0, w)
+        wsum = w.sum(-1, keepdim=True)
+        share = torch.where(
+            wsum > 0, w / wsum.clamp(min=1e-300) * remaining.unsqueeze(-1), 0.0
+        )
+        over = free & (share >= caps)
+        if not bool(over.any()):
+            alloc = torch.where(free, share, alloc)
+            break
+        alloc = torch.where(over, caps.double(), alloc)
+        remaining = remaining - torch.where(over, caps.double(), 0.0).sum(-1)
+        free = free & ~over
+    base = alloc.floor().long().minimum(caps)
+    missing = (target - base.sum(-1)).clamp(min=0)
+    room = base < caps
+    fraction = torch.where(room, alloc - base, -1.0)
+    rank = fraction.argsort(dim=-1, descending=True).argsort(dim=-1)
+    return base + ((rank < missing.unsqueeze(-1)) & room).long()
+
+
+def allocate(
+    counts: torch.Tensor, layer_max: int, total: int, caps: torch.Tensor
+) -> torch.Tensor:
+    """Update_Buffer_Length's budgets Z' (B, l) from the counts (B, l): Eq. 5 with line 8's int(), Eq. 6 to `total`."""
+    peak = counts.amax(dim=-1, keepdim=True).clamp(min=1)
+    provisional = (
+        layer_max * counts // peak
+    ).double()  # Eq. 5: Z = int(B^l * t / max(C))
+    return apportion(provisional, torch.full_like(counts[:, 0], total), caps)
+
+
+def _sorted_by_position(
+    index: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor
+):
+    """Order the kept entries by position, unused ones (-1) last."""
+    order = torch.where(keep, positions, torch.iinfo(torch.long).max).argsort(dim=-1)
+    return index.gather(-1, order), keep.gather(-1, order)
+
+
+@register
+@dataclasses.dataclass
+class DynamicKV(SelectionPolicy):
+    name = "dynamickv"
+    summary = "layer-adaptive budgets: every m layers, reallocate the total budget by global top-k counts"
+
+    window: int = 32
+    kernel: int = 7
+    aggregation: str = "max"
+    r_max: float = 2.0
+    interval: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive("window", self.window)
+        check_kernel(self.kernel)
+        check_choice("aggregation", self.aggregation, AGGREGATIONS)
+        check_positive("interval", self.interval)
+        if (
+            isinstance(self.r_max, bool)
+            or not isinstance(self.r_max, (int, float))
+            or not (self.r_max > 0 and math.isfinite(self.r_max))
+        ):
+            raise PolicyError(f"r_max must be a number > 0, got {self.r_max!r}")
+
+    def layer_max(self, layer) -> int:
+        """B^l = (wt - ws) * r_max with wt - ws = K."""
+        return int(layer.cache.budget * self.r_max)
+
+    def select(self, layer, query, key, scaling, valid):
+        length = key.shape[2]
+        if self.window > length:
+            raise PolicyError(
+                f"window ({self.window}) is larger than the prompt ({length} tokens)"
+            )
+        probs = attention_probs(
+            query[:, :, -self.window :], key, scaling, valid, causal_tail=True
+        )
+        scores = selection_scores(probs, self.kernel, self.aggregation)
+        if valid is not None:
+            scores = scores.masked_fill(
+                ~valid.view(valid.shape[0], 1, -1), float("-inf")
+            )
+        prefix = length - self.window
+        attention = scores[..., :prefix]
+        keep = min(self.layer_max(layer), prefix)
+        index = top_k(attention, keep)
+        chosen = attention.gather(-1, index)
+        index = index.masked_fill(torch.isinf(chosen), -1)  # pads are not kept
+        index, _ = _sorted_by_position(index, index, index >= 0)
+        chosen = attention.gather(-1, index.clamp(min=0))
+        window = torch.arange(prefix, length, device=key.device).expand(
+            *index.shape[:2], -1
+        )
+        scores_out = torch.cat(
+            [chosen, torch.full(window.shape, WINDOW_SCORE, device=key.device)], dim=-1
+        )
+        self._pending = (attention, keep)
+        return torch.cat([index, window], dim=-1), scores_out
+
+    def prefill(self, layer, query, key, value, mask, scaling):
+        output = super().prefill(layer, query, key, value, mask, scaling)
+        attention, keep = self._pending
+        del self._pending
+        state = layer.state
+        budget = (state.store.positions[..., :keep] >= 0).sum(-1)[
+            :, 0
+        ]  # same in every head of a row
+        layer.state = DynamicState(
+            state.store,
+            state.scores,
+            state.filled,
+            selected=keep,
+            window=self.window,
+            budget=budget,
+            attention=attention,
+        )
+        cache = layer.cache
+        last = layer.layer_idx == cache.num_layers - 1
+        if (layer.layer_idx + 1) % self.interval == 0 or last:
+            self.update(
+                cache.layers[: layer.layer_idx + 1],
+                cache.budget,
+                cache.num_layers,
+                final=last,
+            )
+        return output
+
+    def update(
+        self, layers, per_layer: int, num_layers: int, final: bool
+    ) -> torch.Tensor:
+        """Update_Buffer_Length over `layers` (Alg. 1 lines 4-11) and shrink their stores (lines 27-30)."""
+        states: list[DynamicState] = [layer.state for layer in layers]
+        if states[0].attention.shape[-1] == 0:
+            return torch.stack([s.budget for s in states], dim=-1)
+        counts = layer_counts([s.attention for s in states], per_layer)
+        caps = torch.stack(
+            [s.budget for s in states], dim=-1
+        )  # what each layer still holds
+        layer_max = int(per_layer * self.r_max)
+        budgets = allocate(counts, layer_max, per_layer * num_layers, caps)
+        for layer, state, budget in zip(layers, states, budgets.unbind(-1)):
+            if not torch.equal(budget, state.budget):
+                layer.state = self.shrink(layer, state, budget)
+            if final:
+                layer.state.attention = None  # no longer needed
+        return budgets
+
+    def shrink(self, layer, state: DynamicState, budget: torch.Tensor) -> DynamicState:
+        """A new, smaller store holding each head's top-`budget` selected tokens (by A^l) and the window."""
+        old = state.store
+        selected = state.scores[..., : state.selected]
+        width = int(budget.max())
+        chosen = selected.topk(width, dim=-1)
+        keep = (
+            torch.arange(width, device=selected.device) < budget.view(-1, 1, 1)
+        ) & torch.isfinite(chosen.values)
+        positions = old.positions.gather(-1, chosen.indices)
+        slot_index, keep = _sorted_by_position(chosen.indices, positions, keep)
+        window = torch.arange(
+            state.selected, state.selected + state.window, device=selected.device
+        )
+        slot_index = torch.cat(
+            [slot_index, window.expand(*slot_index.shape[:2], -1)], dim=-1
+        )
+        keep = torch.cat(
+            [
+                keep,
+                torch.ones(
+                    *keep.shape[:2], state.window, dtype=torch.bool, device=keep.device
+                ),
+            ],
+            -1,
+        )
+        kept = slot_index.shape[-1]
+        store = SlotStore(old.keys, self.slots(layer, kept))
+        positions = old.positions.gather(-1, slot_index).masked_fill(~keep, -1)
+        store.load(old.keys, old.values, slot_index, positions)
+        scores = torch.full(
+            store.positions.shape, float("-inf"), device=selected.device
+        )
+        scores[..., :kept] = state.scores.gather(-1, slot_index).masked_fill(
+            ~keep, float("-inf")
+        )
+        filled = kept if bool(keep.all()) else 0
+        return DynamicState(
+            store,
+            scores,
+            filled,
+            selected=width,
+            window=state.window,
+            budget=budget,
+            attention=state.attention,
+        )
