@@ -13,6 +13,8 @@ from typer.exceptions import TyperException
 from rich.console import Console
 from rich.table import Table
 
+from .eval.commands import register as register_eval_commands
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 out = Console()
 
@@ -249,6 +251,9 @@ def methods():
         params = ", ".join(f"{k}={'-' if v is None else v}" for k, v in cls.parameters().items()) or "-"
         table.add_row(name, params, cls.summary)
     out.print(table)
+
+
+register_eval_commands(app, user_errors)
 
 
 def main() -> None:
