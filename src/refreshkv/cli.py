@@ -119,17 +119,22 @@ def encode(tokenizer, text: str, chat: bool):
 
 
 def run_generation(model, tokenizer, ids, method: str, params: dict, max_new_tokens: int, **sampling) -> dict:
+    from .budget_report import budget_report
     from .generate import generate
 
     result = generate(model, ids.to(model.device), method=method, max_new_tokens=max_new_tokens, progress=True,
                       **sampling, **params)
     stats = result.stats()
-    row = result.tokens[0]
+    kept = budget_report(result.cache)
     return {
         "method": method,
         "params": params,
-        "text": tokenizer.decode(row, skip_special_tokens=True),
-        **{k: v[0] if isinstance(v, list) and k in ("new_tokens", "prompt_tokens") else v for k, v in stats.items()},
+        "text": tokenizer.decode(result.tokens[0], skip_special_tokens=True),
+        **{k: v[0] if k in ("new_tokens", "prompt_tokens") else v for k, v in stats.items()},
+        "budget_ratio": round(kept["budget_ratio"], 4),
+        "budget_per_layer": kept["budget_per_layer"],
+        "budget_per_head": kept["budget_per_head"],
+        "ratio_per_layer": kept["ratio_per_layer"],
     }
 
 
@@ -137,6 +142,7 @@ STAT_ROWS = (
     ("prompt tokens", "prompt_tokens"),
     ("new tokens", "new_tokens"),
     ("budget K", "budget"),
+    ("kept prompt ratio", "budget_ratio"),
     ("prefill s", "prefill_s"),
     ("decode ms/token", "decode_ms_per_token"),
     ("full-step fraction", "full_step_fraction"),
@@ -163,9 +169,13 @@ def show(results: list[dict], as_json: bool) -> None:
         payload = results[0] if len(results) == 1 else {"runs": results}
         print(json.dumps(payload))
         return
+    from .budget_report import budget_table
+
     for result in results:
         out.rule(f"[bold]{result['method']}[/bold]")
         out.print(result["text"], markup=False, highlight=False)
+        if len(set(result["budget_per_layer"])) > 1:  # layer-adaptive methods: show what each layer kept
+            out.print(budget_table(result, title=f"{result['method']}: kept prompt tokens"))
     out.print(stats_table(results))
 
 
@@ -235,6 +245,78 @@ def demo(
         run_generation(lm, tokenizer, ids, "refreshkv", params, max_new_tokens),
     ]
     show(results, as_json)
+
+
+def bench_methods(names: str, budget: int, param: list[str]) -> dict[str, dict]:
+    """Method name -> parameters: `budget` for every method that has one, plus `--param METHOD:NAME=VALUE`."""
+    from .policy import METHODS, make_policy
+
+    make_policy("full")
+    methods = {}
+    for name in filter(None, (n.strip() for n in names.split(","))):
+        if name not in METHODS:
+            raise ValueError(f"unknown method '{name}'; choose from: {', '.join(sorted(METHODS))}")
+        methods[name] = {"budget": budget} if "budget" in METHODS[name].parameters() else {}
+    if not methods:
+        raise ValueError("--methods is empty; give a comma-separated list, e.g. full,refreshkv")
+    for item in param:
+        method, sep, pair = item.partition(":")
+        if not sep or method not in methods:
+            raise ValueError(f"--param expects METHOD:NAME=VALUE with METHOD among --methods, got '{item}'")
+        methods[method].update(parse_params([pair]))
+    return methods
+
+
+def parse_lengths(lengths: str) -> list[int]:
+    try:
+        values = [int(v) for v in lengths.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--lengths expects comma-separated integers, got '{lengths}'") from None
+    if not values or min(values) < 16:
+        raise ValueError(f"--lengths expects integers >= 16, got '{lengths}'")
+    return values
+
+
+@app.command()
+@user_errors
+def bench(
+    methods: Annotated[str, typer.Option(help="Comma-separated methods.")] = "full,refreshkv,recycled,snapkv,streamingllm,h2o",
+    lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths in tokens.")] = "1024,2048,4096,8192",
+    new_tokens: Annotated[int, typer.Option(min=2, help="Decode steps per run.")] = 128,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds; every round runs every method once.")] = 3,
+    budget: Annotated[int, typer.Option(min=1, help="K for every method with a budget.")] = 1024,
+    param: Annotated[list[str], typer.Option("--param", help="METHOD:NAME=VALUE (repeatable).")] = [],
+    model: ModelOpt = None,
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    threads: Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads.")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results here as JSON.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="Write a PNG of decode time per token vs length.")] = None,
+):
+    """Decode speed, memory and distance to the bandwidth floor of methods, interleaved in one run."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from .bench import run_bench
+    from .bench_report import bench_tables, check_plotting, plot_bench
+    from .model import load_model
+
+    chosen = bench_methods(methods, budget, param)
+    length_list = parse_lengths(lengths)
+    torch_dtype = check_runtime(dtype, device)
+    if plot is not None:
+        check_plotting()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
+    with tqdm(total=rounds * len(chosen) * len(length_list), desc="bench runs", unit="run") as bar:
+        result = run_bench(lm, tokenizer, chosen, length_list, new_tokens, rounds, progress=bar.update)
+    for table in bench_tables(result):
+        out.print(table)
+    if json_out is not None:
+        json_out.write_text(json.dumps(result, indent=1))
+    if plot is not None:
+        plot_bench(result, plot)
 
 
 @app.command()

