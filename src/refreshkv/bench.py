@@ -1,6 +1,6 @@
 """Decode speed and memory of methods, measured in one run so that machine drift cancels.
 
-For each prompt length, every round runs every method once on the same prompt (the method order rotates from round
+A length is the context size at the end of decoding (prompt = length - new tokens). For each length, every round runs every method once on the same prompt (the method order rotates from round
 to round); a method's figures are medians over rounds. Per-step decode times are kept, so the median step (a partial
 step for methods that attend fully only now and then) is reported next to the mean.
 
@@ -79,6 +79,7 @@ class PeakMemory:
 class Run:
     method: str
     length: int
+    new_tokens: int
     prefill_s: float
     decode_mean_s: float
     decode_median_s: float
@@ -94,7 +95,8 @@ def run_once(model, ids, method, params, new_tokens, peak: PeakMemory) -> Run:
     stats = result.stats()
     return Run(
         method=method,
-        length=ids.shape[1],
+        length=ids.shape[1] + new_tokens,
+        new_tokens=new_tokens,
         prefill_s=result.prefill_s,
         decode_mean_s=statistics.fmean(result.step_s),
         decode_median_s=statistics.median(result.step_s),
@@ -118,7 +120,7 @@ def summarize(runs: list[Run], weights: int, bandwidth: float) -> dict:
         "length": runs[0].length,
         "rounds": len(runs),
         "prefill_s": prefill,
-        "prefill_tokens_per_s": runs[0].length / prefill,
+        "prefill_tokens_per_s": (runs[0].length - runs[0].new_tokens) / prefill,
         "decode_ms_per_token": 1000 * median_token,
         "decode_ms_spread": 1000 * (max(per_token) - min(per_token)),
         "decode_ms_median_step": 1000 * statistics.median(r.decode_median_s for r in runs),
@@ -138,7 +140,9 @@ def run_bench(model, tokenizer, methods: dict[str, dict], lengths: list[int], ne
     for name, params in methods.items():
         make_policy(name, **params)
     for length in lengths:
-        check_length(model, length, new_tokens)
+        if length - new_tokens < 16:
+            raise ValueError(f"length {length} leaves no room for a prompt before {new_tokens} new tokens")
+        check_length(model, length - new_tokens, new_tokens)
     device = model.device
     bandwidth = memory_bandwidth(device)
     weights = weight_bytes(model)
@@ -146,7 +150,7 @@ def run_bench(model, tokenizer, methods: dict[str, dict], lengths: list[int], ne
     names = list(methods)
     rows = []
     for length in lengths:
-        ids = bench_prompt(tokenizer, length).to(device)
+        ids = bench_prompt(tokenizer, length - new_tokens).to(device)  # decoding ends at `length` tokens
         runs: dict[str, list[Run]] = {name: [] for name in names}
         for round_index in range(rounds):
             shift = round_index % len(names)

@@ -1,0 +1,73 @@
+"""`streamingllm` (Xiao et al., 2023): attention sinks + a sliding window of recent tokens, everything else evicted.
+
+Per refreshkv.txt A.1 and recycled-attention.txt §3.2: a cache of `sinks` (4) initial tokens and the K - 4 most recent
+tokens, K = the budget. The store holds exactly K slots per KV head (fewer if the whole generation fits: a short
+prompt with a large budget keeps everything). Each decoded token takes the slot of the oldest non-sink token, so the
+window always ends at the current token. Eviction score of a slot = its position (sinks: +inf, never evicted).
+
+Choices:
+- With a budget K <= `sinks`, only K - 1 sinks are kept so that the window holds at least the current token.
+- With left padding, a row's sinks are its first real tokens (what the row would keep alone); a row with fewer real
+  tokens than K keeps all of them and leaves the other slots empty (masked) until decoded tokens fill them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..policy import PolicyError, register
+from ..selection import SelectionPolicy
+
+
+def check_sinks(value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise PolicyError(f"sinks must be an integer >= 0, got {value!r}")
+
+
+def effective_sinks(sinks: int, budget: int) -> int:
+    """Sinks actually kept: at most budget - 1, so the window always holds the current token."""
+    return max(0, min(sinks, budget - 1))
+
+
+def sink_recent_scores(length: int, sinks: int, pads: torch.Tensor | None, batch: int, device) -> torch.Tensor:
+    """(B, length) float32 keep-priority of each prompt position: +inf for a row's sinks, the position for the
+    others, -inf for left padding. Keeping the top K gives sinks + most recent; evicting the minimum the oldest."""
+    positions = torch.arange(length, device=device)
+    start = torch.zeros(batch, 1, dtype=torch.long, device=device) if pads is None else pads.view(-1, 1)
+    relative = positions - start  # (B, L): position within the row's real tokens
+    scores = positions.float().expand(batch, -1)
+    scores = scores.masked_fill(relative < sinks, float("inf"))
+    return scores.masked_fill(relative < 0, float("-inf"))
+
+
+@register
+@dataclasses.dataclass
+class StreamingLLM(SelectionPolicy):
+    name = "streamingllm"
+    summary = "keep `sinks` initial tokens + the most recent K - sinks tokens; evict the rest for good"
+
+    sinks: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_sinks(self.sinks)
+
+    def slots(self, layer, kept: int) -> int:
+        return min(layer.cache.budget, layer.cache.capacity())
+
+    def appended_score(self, layer) -> float:
+        return float(layer.seen - 1)  # its position: the oldest non-sink token is evicted first
+
+    def select(self, layer, query, key, scaling, valid):
+        batch, kv_heads, length, _ = key.shape
+        budget = layer.cache.budget
+        scores = sink_recent_scores(
+            length, effective_sinks(self.sinks, budget), layer.cache.pads, batch, key.device
+        )
+        scores = scores.unsqueeze(1).expand(-1, kv_heads, -1)
+        keep = min(budget, length)
+        index = scores.topk(keep, dim=-1).indices.sort(dim=-1).values
+        chosen = scores.gather(-1, index)
+        return index.masked_fill(chosen == float("-inf"), -1), chosen

@@ -1,0 +1,94 @@
+"""`streamingllm++` (recycled-attention.txt §3.2): StreamingLLM's window on most steps, full attention every S steps.
+
+The baseline that matches Recycled Attention in memory and compute: the full cache is kept (memory L + T, like
+`recycled`/`refreshkv`); decode step t attends to all of it when t % `stride` == 0 (steps S, 2S, ..., as in
+`recycled`), and otherwise to StreamingLLM's cache: the `sinks` first tokens plus the K - sinks most recent tokens,
+ending at the current one (K = the budget). Nothing is evicted, so the window simply slides over the full cache.
+
+Choices:
+- `stride` defaults to 10, the stride the seeds use for StreamingLLM++ and Recycled Attention in the language
+  modelling experiments (recycled-attention.txt Table 4; refreshkv.txt Table 8 "stride as 10").
+- A partial step reads two slices of the full store, the sinks and the recent window, concatenated (K tokens copied,
+  the same order of work as attending to them); the rest of the cache is not touched. With left padding a row's
+  sinks are its first real tokens, gathered with a (B, Hkv, sinks) index; positions that would be counted twice
+  (short rows) or are padding are masked.
+- With a budget K <= `sinks`, only K - 1 sinks are used so that the window holds at least the current token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..attention_math import decode_attention, prompt_attention
+from ..kvstore import FullStore
+from ..policy import BudgetPolicy, check_positive, register
+from .streamingllm import check_sinks, effective_sinks
+
+
+@dataclasses.dataclass
+class WindowState:
+    full: FullStore
+
+    def nbytes(self) -> int:
+        return self.full.nbytes()
+
+
+@register
+@dataclasses.dataclass
+class StreamingLLMPlusPlus(BudgetPolicy):
+    name = "streamingllm++"
+    summary = "full cache; StreamingLLM's sinks + recent window on most steps, full attention every `stride` steps"
+
+    sinks: int = 4
+    stride: int = 10
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_sinks(self.sinks)
+        check_positive("stride", self.stride)
+
+    def prefill(self, layer, query, key, value, mask, scaling):
+        full = FullStore(key, layer.cache.capacity())
+        full.append(key, value)
+        layer.state = WindowState(full)
+        return prompt_attention(query, key, value, mask, scaling)
+
+    def decode(self, layer, query, key, value, scaling):
+        cache = layer.cache
+        full = layer.state.full
+        full.append(key, value)
+        length = full.length
+        budget = cache.budget
+        if cache.step % self.stride == 0 or (cache.pads is None and length <= budget):
+            # Full step (or the whole sequence fits in the window: the same keys either way).
+            keys, values = full.view()
+            layer.record(1.0 if cache.step % self.stride == 0 else 0.0, full.attended_bytes())
+            return decode_attention(query, keys, values, scaling, cache.valid_positions(length, key.device))
+        keys, values, valid = self._window(full, cache.pads, effective_sinks(self.sinks, budget), budget)
+        layer.record(0.0, 2 * keys.numel() * keys.element_size())
+        return decode_attention(query, keys, values, scaling, valid)
+
+    @staticmethod
+    def _window(full: FullStore, pads, sinks: int, budget: int):
+        """Keys/values of the sinks followed by the recent window, and a (B, 1, 1, n) validity mask (or None)."""
+        length = full.length
+        start = max(0, length - (budget - sinks))
+        recent_k, recent_v = full.keys[:, :, start:length], full.values[:, :, start:length]
+        if pads is None:
+            if sinks == 0:
+                return recent_k, recent_v, None
+            keys = torch.cat([full.keys[:, :, :sinks], recent_k], dim=2)
+            values = torch.cat([full.values[:, :, :sinks], recent_v], dim=2)
+            return keys, values, None  # length > budget here, so sinks and window do not overlap
+        device = full.keys.device
+        sink_pos = pads.view(-1, 1) + torch.arange(sinks, device=device)  # (B, s)
+        sink_valid = sink_pos < length
+        index = sink_pos.clamp(max=length - 1).view(-1, 1, sinks, 1)
+        index = index.expand(-1, full.keys.shape[1], -1, full.keys.shape[3])
+        keys = torch.cat([full.keys.gather(2, index), recent_k], dim=2)
+        values = torch.cat([full.values.gather(2, index), recent_v], dim=2)
+        recent_valid = torch.arange(start, length, device=device) >= (pads.view(-1, 1) + sinks)  # no pads, no sinks
+        valid = torch.cat([sink_valid, recent_valid], dim=1)
+        return keys, values, valid.view(valid.shape[0], 1, 1, -1)
