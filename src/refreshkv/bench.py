@@ -5,7 +5,8 @@ to round); a method's figures are medians over rounds. Per-step decode times are
 step for methods that attend fully only now and then) is reported next to the mean.
 
 The physical floor of a decode step is (weight bytes + KV bytes attended) / memory bandwidth, with the bandwidth
-measured once by copying a large tensor: a step cannot be faster than reading what it must read.
+measured once by copying a large tensor: a step cannot be faster than reading what it must read. The pseudo-method
+`transformers` times stock transformers decoding (DynamicCache + SDPA) on the same prompt, for reference.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from .demo import book_text
-from .generate import check_length, generate
+from .generate import check_length, generate, synchronize
 from .policy import make_policy
+
+REFERENCE = "transformers"  # not a method: stock transformers decoding, benchmarked for reference
 
 
 def memory_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5) -> float:
@@ -90,6 +94,8 @@ class Run:
 
 
 def run_once(model, ids, method, params, new_tokens, peak: PeakMemory) -> Run:
+    if method == REFERENCE:
+        return run_transformers_once(model, ids, new_tokens, peak)
     peak.reset()
     result = generate(model, ids, method=method, max_new_tokens=new_tokens, eos_token_id=[], **params)
     stats = result.stats()
@@ -105,6 +111,28 @@ def run_once(model, ids, method, params, new_tokens, peak: PeakMemory) -> Run:
         kv_bytes_attended=stats["kv_bytes_attended_mean"],
         peak_bytes=peak.peak_bytes(),
     )
+
+
+def run_transformers_once(model, ids, new_tokens, peak: PeakMemory) -> Run:
+    """Stock transformers decoding (DynamicCache + SDPA): the reference the project's speed targets quote."""
+    peak.reset()
+    cache = DynamicCache(config=model.config)
+    device = ids.device
+    with torch.inference_mode():
+        start = time.perf_counter()
+        logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        synchronize(device)
+        prefill_s = time.perf_counter() - start
+        step_s = []
+        for _ in range(new_tokens - 1):
+            token = logits.argmax(dim=-1, keepdim=True)
+            start = time.perf_counter()
+            logits = model(token, past_key_values=cache, use_cache=True).logits[:, -1]
+            synchronize(device)
+            step_s.append(time.perf_counter() - start)
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    return Run(REFERENCE, ids.shape[1] + new_tokens, new_tokens, prefill_s, statistics.fmean(step_s),
+               statistics.median(step_s), 1.0, held, held, peak.peak_bytes())
 
 
 def summarize(runs: list[Run], weights: int, bandwidth: float) -> dict:
@@ -138,7 +166,8 @@ def run_bench(model, tokenizer, methods: dict[str, dict], lengths: list[int], ne
               progress=None) -> dict:
     """Interleaved benchmark; `methods` maps a method name to its parameters. Returns rows + machine facts."""
     for name, params in methods.items():
-        make_policy(name, **params)
+        if name != REFERENCE:
+            make_policy(name, **params)
     for length in lengths:
         if length - new_tokens < 16:
             raise ValueError(f"length {length} leaves no room for a prompt before {new_tokens} new tokens")

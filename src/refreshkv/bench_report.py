@@ -48,8 +48,8 @@ def bench_tables(result: dict) -> list[Table]:
     for length in sorted({row["length"] for row in result["rows"]}):
         for kind, columns in (("speed", SPEED), ("memory and bandwidth floor", MEMORY)):
             table = Table(title=f"{kind} at {length} tokens of context", caption=caption if kind != "speed" else None)
-            for label, _, _ in columns:
-                table.add_column(label, justify="right")
+            for label, key, _ in columns:
+                table.add_column(label, justify="right", no_wrap=key == "method", min_width=14 if key == "method" else None)
             for row in (r for r in result["rows"] if r["length"] == length):
                 table.add_row(*(_cell(row.get(key), fmt) for _, key, fmt in columns))
             tables.append(table)

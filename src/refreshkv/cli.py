@@ -249,13 +249,17 @@ def demo(
 
 def bench_methods(names: str, budget: int, param: list[str]) -> dict[str, dict]:
     """Method name -> parameters: `budget` for every method that has one, plus `--param METHOD:NAME=VALUE`."""
+    from .bench import REFERENCE
     from .policy import METHODS, make_policy
 
     make_policy("full")
     methods = {}
     for name in filter(None, (n.strip() for n in names.split(","))):
+        if name == REFERENCE:
+            methods[name] = {}
+            continue
         if name not in METHODS:
-            raise ValueError(f"unknown method '{name}'; choose from: {', '.join(sorted(METHODS))}")
+            raise ValueError(f"unknown method '{name}'; choose from: {', '.join(sorted(METHODS))}, {REFERENCE}")
         methods[name] = {"budget": budget} if "budget" in METHODS[name].parameters() else {}
     if not methods:
         raise ValueError("--methods is empty; give a comma-separated list, e.g. full,refreshkv")
@@ -280,7 +284,7 @@ def parse_lengths(lengths: str) -> list[int]:
 @app.command()
 @user_errors
 def bench(
-    methods: Annotated[str, typer.Option(help="Comma-separated methods.")] = "full,refreshkv,recycled,snapkv,streamingllm,h2o",
+    methods: Annotated[str, typer.Option(help="Comma-separated methods; `transformers` = stock decoding, for reference.")] = "full,refreshkv,recycled,snapkv,streamingllm,h2o",
     lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths in tokens.")] = "1024,2048,4096,8192",
     new_tokens: Annotated[int, typer.Option(min=2, help="Decode steps per run.")] = 128,
     rounds: Annotated[int, typer.Option(min=1, help="Rounds; every round runs every method once.")] = 3,

@@ -48,7 +48,7 @@ class GenerationOutput:
         }
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -123,7 +123,7 @@ def generate(
         use_cache=True,
         logits_to_keep=1,
     ).logits[:, -1]
-    _synchronize(device)
+    synchronize(device)
     prefill_s = time.perf_counter() - start
 
     batch = input_ids.shape[0]
@@ -145,7 +145,7 @@ def generate(
         position = position + 1
         step_start = time.perf_counter()
         logits = model(token[:, None], position_ids=position, past_key_values=cache, use_cache=True).logits[:, -1]
-        _synchronize(device)
+        synchronize(device)
         step_s.append(time.perf_counter() - step_start)
     decode_s = time.perf_counter() - start
     bar.close()
