@@ -1,0 +1,41 @@
+"""Offline model loading: local directories, family checks, clear errors."""
+
+import json
+
+import pytest
+from conftest import random_prompt, tiny_model
+from transformers import AutoTokenizer
+
+from refreshkv import generate, load_model
+from refreshkv.model import ModelError, resolve_model_dir
+
+
+def test_local_directory_loads_with_the_policy_attention(tmp_path, monkeypatch):
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *args, **kwargs: "tokenizer")
+    loaded, tokenizer = load_model(tmp_path)
+    assert tokenizer == "tokenizer"
+    assert loaded.config._attn_implementation == "refreshkv"
+    ids = random_prompt(20)
+    assert generate(loaded, ids, method="full", max_new_tokens=5).tokens == generate(
+        model, ids, method="full", max_new_tokens=5).tokens
+
+
+def test_unsupported_family_names_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ModelError, match="'gpt2' is not supported; supported: llama, qwen2, mistral"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: p / "missing", "does not exist"),
+        (lambda p: p, "has no config.json"),
+        (lambda p: (p / "weights.bin").write_bytes(b"") or p / "weights.bin", "neither a directory nor a .gguf file"),
+    ],
+)
+def test_bad_model_paths(tmp_path, make, message):
+    with pytest.raises(ModelError, match=message):
+        resolve_model_dir(make(tmp_path))
