@@ -44,24 +44,19 @@ import math
 
 import torch
 
-from ..attention_math import AGGREGATIONS, attention_probs, selection_scores, top_k
+from ..attention_math import top_k
 from ..kvstore import SlotStore
-from ..policy import PolicyError, check_choice, check_kernel, check_positive, register
-from ..selection import SelectionPolicy, SelectionState
-
-WINDOW_SCORE = 1.0  # the window is always kept: above any pooled probability
+from ..policy import PolicyError, check_positive, register
+from ..selection import SelectionState
+from .snapkv import SnapKV
 
 
 @dataclasses.dataclass
 class DynamicState(SelectionState):
-    selected: int = (
-        0  # slots [0, selected) hold the selected prompt tokens, then the window
-    )
+    selected: int = 0  # slots [0, selected) hold the selected prompt tokens, then the window
     window: int = 0
     budget: torch.Tensor | None = None  # (B,) selected tokens per KV head in each row
-    attention: torch.Tensor | None = (
-        None  # (B, Hkv, prefix) A^l, kept until the final update
-    )
+    attention: torch.Tensor | None = None  # (B, Hkv, prefix) A^l, kept until the final update
 
 
 def layer_counts(scores: list[torch.Tensor], per_layer: int) -> torch.Tensor:
@@ -137,21 +132,15 @@ def _sorted_by_position(
 
 @register
 @dataclasses.dataclass
-class DynamicKV(SelectionPolicy):
+class DynamicKV(SnapKV):
     name = "dynamickv"
     summary = "layer-adaptive budgets: every m layers, reallocate the total budget by global top-k counts"
 
-    window: int = 32
-    kernel: int = 7
-    aggregation: str = "max"
     r_max: float = 2.0
     interval: int = 4
 
     def __post_init__(self):
         super().__post_init__()
-        check_positive("window", self.window)
-        check_kernel(self.kernel)
-        check_choice("aggregation", self.aggregation, AGGREGATIONS)
         check_positive("interval", self.interval)
         if (
             isinstance(self.r_max, bool)
@@ -160,40 +149,18 @@ class DynamicKV(SelectionPolicy):
         ):
             raise PolicyError(f"r_max must be a number > 0, got {self.r_max!r}")
 
-    def layer_max(self, layer) -> int:
-        """B^l = (wt - ws) * r_max with wt - ws = K."""
+    def layer_budget(self, layer) -> int:
+        """B^l = (wt - ws) * r_max with wt - ws = K: what a layer keeps before the first update."""
         return int(layer.cache.budget * self.r_max)
 
     def select(self, layer, query, key, scaling, valid):
-        length = key.shape[2]
-        if self.window > length:
-            raise PolicyError(
-                f"window ({self.window}) is larger than the prompt ({length} tokens)"
-            )
-        probs = attention_probs(
-            query[:, :, -self.window :], key, scaling, valid, causal_tail=True
-        )
-        scores = selection_scores(probs, self.kernel, self.aggregation)
-        if valid is not None:
-            scores = scores.masked_fill(
-                ~valid.view(valid.shape[0], 1, -1), float("-inf")
-            )
-        prefix = length - self.window
-        attention = scores[..., :prefix]
-        keep = min(self.layer_max(layer), prefix)
+        attention = self.prefix_scores(query, key, scaling, valid)
+        keep = min(self.layer_budget(layer), attention.shape[-1])
         index = top_k(attention, keep)
-        chosen = attention.gather(-1, index)
-        index = index.masked_fill(torch.isinf(chosen), -1)  # pads are not kept
+        index = index.masked_fill(torch.isinf(attention.gather(-1, index)), -1)  # pads are not kept
         index, _ = _sorted_by_position(index, index, index >= 0)
-        chosen = attention.gather(-1, index.clamp(min=0))
-        window = torch.arange(prefix, length, device=key.device).expand(
-            *index.shape[:2], -1
-        )
-        scores_out = torch.cat(
-            [chosen, torch.full(window.shape, WINDOW_SCORE, device=key.device)], dim=-1
-        )
         self._pending = (attention, keep)
-        return torch.cat([index, window], dim=-1), scores_out
+        return self.with_window(index, attention.gather(-1, index.clamp(min=0)), key.shape[2])
 
     def prefill(self, layer, query, key, value, mask, scaling):
         output = super().prefill(layer, query, key, value, mask, scaling)

@@ -39,7 +39,8 @@ class SnapKV(SelectionPolicy):
     def layer_budget(self, layer) -> int:
         return layer.cache.budget
 
-    def select(self, layer, query, key, scaling, valid):
+    def prefix_scores(self, query, key, scaling, valid) -> torch.Tensor:
+        """Window attention averaged, pooled and group-aggregated, over the tokens before the window; pads -inf."""
         length = key.shape[2]
         if self.window > length:
             raise PolicyError(f"window ({self.window}) is larger than the prompt ({length} tokens)")
@@ -47,11 +48,15 @@ class SnapKV(SelectionPolicy):
         scores = selection_scores(probs, self.kernel, self.aggregation)
         if valid is not None:
             scores = scores.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
-        prefix = length - self.window
-        keep = min(self.layer_budget(layer), prefix)
-        index = top_k(scores[..., :prefix], keep)
-        window = torch.arange(prefix, length, device=key.device).expand(*index.shape[:2], -1)
-        index = torch.cat([index, window], dim=-1)
-        chosen = scores.gather(-1, index)
-        chosen[..., keep:] = WINDOW_SCORE
-        return index, chosen
+        return scores[..., : length - self.window]
+
+    def with_window(self, index, scores, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the observation window (always kept) to the selected prefix tokens."""
+        window = torch.arange(length - self.window, length, device=index.device).expand(*index.shape[:2], -1)
+        return torch.cat([index, window], dim=-1), torch.cat([scores, torch.full_like(window, WINDOW_SCORE,
+                                                                                     dtype=scores.dtype)], dim=-1)
+
+    def select(self, layer, query, key, scaling, valid):
+        scores = self.prefix_scores(query, key, scaling, valid)
+        index = top_k(scores, min(self.layer_budget(layer), scores.shape[-1]))
+        return self.with_window(index, scores.gather(-1, index), key.shape[2])
