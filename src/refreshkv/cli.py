@@ -349,6 +349,7 @@ def main() -> None:
     except TyperException as error:  # typer's own click: usage errors carry exit code 2
         print_error(error.format_message())
         code = getattr(error, "exit_code", 2)
-    except typer.Abort:
+    except (typer.Abort, KeyboardInterrupt):
+        print_error("interrupted")
         code = 130
     sys.exit(code or 0)
