@@ -212,3 +212,18 @@ def test_prompt_longer_than_context_is_refused(llama):
 def test_window_larger_than_prompt_is_refused(llama):
     with pytest.raises(PolicyError, match="window"):
         generate(llama, random_prompt(5), method="refreshkv", window=8, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "streamingllm", "h2o", "refreekv"])
+def test_stores_grow_when_more_tokens_come_than_announced(llama, method):
+    """A cache told to expect 2 new tokens still keeps every token its method keeps (nothing evicted early)."""
+    ids = random_prompt(40)
+    params = {"threshold": 0.0} if method == "refreekv" else {"budget": 100, "window": 4}
+    if method == "streamingllm":
+        params.pop("window")
+    full = generate(llama, ids, method="full", max_new_tokens=NEW, eos_token_id=[])
+    cache = PolicyCache(make_policy(method, **params), llama.config, max_new_tokens=2)
+    tokens = llama.generate(ids, past_key_values=cache, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)
+    assert tokens[0, 40:].tolist() == full.tokens[0]
+    assert cache.layers[0].state.store.slots > 42

@@ -69,6 +69,13 @@ class SlotStore:
         self.positions[:, :, :n] = positions
         self.positions[:, :, n:] = -1
 
+    def grow(self, extra: int) -> None:
+        """Add `extra` empty slots (a store sized for fewer decoded tokens than are coming)."""
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            setattr(self, name, torch.cat([old, old.new_zeros(*old.shape[:2], extra, old.shape[3])], dim=2))
+        self.positions = torch.cat([self.positions, self.positions.new_full((*self.positions.shape[:2], extra), -1)], 2)
+
     def put(self, slot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:
         """Write one token (keys/values of shape (B, H, 1, D)) into the per-head slots `slot` (B, H)."""
         index = slot.unsqueeze(-1)

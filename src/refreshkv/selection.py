@@ -19,6 +19,7 @@ from .kvstore import SlotStore
 from .policy import BudgetPolicy
 
 APPENDED = 2.0  # above any attention probability: decoded tokens outrank prompt tokens unless a method says otherwise
+DEFAULT_ROOM = 256  # decoded tokens to make room for when the cache was not told how many are coming
 
 
 @dataclasses.dataclass
@@ -26,9 +27,15 @@ class SelectionState:
     store: SlotStore
     scores: torch.Tensor  # (B, Hkv, slots) float32 eviction score; -inf = empty slot
     filled: int  # slots filled in every row and head; below the slot count some must be masked
+    empty: int  # empty slots left in every row and head (decoded tokens fill these before anything is evicted)
 
     def nbytes(self) -> int:
         return self.store.nbytes()
+
+    def grow(self, extra: int) -> None:
+        self.store.grow(extra)
+        self.scores = torch.cat([self.scores, self.scores.new_full((*self.scores.shape[:2], extra), float("-inf"))], 2)
+        self.empty += extra
 
 
 @dataclasses.dataclass
@@ -37,12 +44,22 @@ class SelectionPolicy(BudgetPolicy):
         """Per KV head: (index (B, Hkv, k) of prompt tokens to keep, -1 = none; their eviction scores (B, Hkv, k))."""
         raise NotImplementedError
 
+    def max_slots(self, layer) -> int | None:
+        """Fixed store size of a method that evicts while decoding; None: room for every decoded token."""
+        return None
+
     def slots(self, layer, kept: int) -> int:
-        """Store size; by default room for every decoded token, so nothing is evicted after the prompt."""
-        return kept + (layer.cache.max_new_tokens or 256)
+        """Initial store size: the kept tokens plus the decoded tokens to come, within `max_slots`."""
+        wanted = kept + (layer.cache.max_new_tokens or DEFAULT_ROOM)
+        limit = self.max_slots(layer)
+        return wanted if limit is None else min(wanted, limit)
 
     def appended_score(self, layer) -> float:
         return APPENDED + layer.cache.step
+
+    def eviction_scores(self, layer) -> torch.Tensor:
+        """(B, Hkv, slots): the decoded token replaces the minimum (empty slots are -inf, so they go first)."""
+        return layer.state.scores
 
     def prefill(self, layer, query, key, value, mask, scaling):
         cache = layer.cache
@@ -54,16 +71,25 @@ class SelectionPolicy(BudgetPolicy):
         store_scores[..., :kept] = scores.float().masked_fill(index < 0, float("-inf"))
         # With ragged heads (some index -1), mask until every slot has been written once.
         filled = kept if bool((index >= 0).all()) else 0
-        layer.state = SelectionState(store, store_scores, filled)
+        layer.state = SelectionState(store, store_scores, filled, empty=store.slots - kept)
         return prompt_attention(query, key, value, mask, scaling)
 
     def append(self, layer, key, value) -> None:
-        """Store the decoded token in the lowest-scored slot (an empty one while there is room)."""
+        """Store the decoded token in the lowest-scored slot (an empty one while there is room).
+
+        A store that runs out of empty slots below its method's `max_slots` doubles (up to that size) instead of
+        evicting, so a method that keeps every decoded token never loses one when more come than were announced.
+        """
         state: SelectionState = layer.state
-        slot = state.scores.argmin(dim=-1)
+        limit = self.max_slots(layer)
+        if state.empty == 0 and (limit is None or state.store.slots < limit):
+            slots = state.store.slots
+            state.grow((2 * slots if limit is None else min(2 * slots, limit)) - slots)
+        slot = self.eviction_scores(layer).argmin(dim=-1)
         state.store.put(slot, key, value, layer.seen - 1)
         state.scores.scatter_(-1, slot.unsqueeze(-1), self.appended_score(layer))
         state.filled = min(state.filled + 1, state.store.slots)
+        state.empty = max(state.empty - 1, 0)
 
     def valid_slots(self, layer) -> torch.Tensor | None:
         state: SelectionState = layer.state

@@ -47,8 +47,8 @@ class H2O(SelectionPolicy):
         check_positive("window", self.window)
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
 
-    def slots(self, layer, kept: int) -> int:
-        return min(layer.cache.budget + 1, layer.cache.capacity())
+    def max_slots(self, layer) -> int:
+        return layer.cache.budget + 1  # K kept + the newest token
 
     def select(self, layer, query, key, scaling, valid):
         length = key.shape[2]
@@ -69,19 +69,20 @@ class H2O(SelectionPolicy):
         index = index.masked_fill(priority.gather(-1, index) == float("-inf"), -1)
         return index, cumulative.gather(-1, index.clamp(min=0))
 
+    def appended_score(self, layer) -> float:
+        return 0.0  # a decoded token starts with no accumulated attention
+
+    def eviction_scores(self, layer) -> torch.Tensor:
+        """Cumulative scores, with the recent window protected (empty slots, position -1, stay candidates)."""
+        _, recent = split_budget(layer.cache.budget)
+        protected = layer.state.store.positions >= max(layer.seen - 1 - recent, 0)
+        return layer.state.scores.masked_fill(protected, float("inf"))
+
     def decode(self, layer, query, key, value, scaling):
+        self.append(layer, key, value)
         state: SelectionState = layer.state
         store = state.store
-        _, recent = split_budget(layer.cache.budget)
-        position = layer.seen - 1
-        # Evict (overwrite) the lowest cumulative score outside the recent window; empty slots (-inf) go first.
-        protected = store.positions >= max(position - recent, 0)  # empty slots (position -1) stay candidates
-        slot = state.scores.masked_fill(protected, float("inf")).argmin(dim=-1)
-        store.put(slot, key, value, position)
-        state.scores.scatter_(-1, slot.unsqueeze(-1), 0.0)
-        state.filled = min(state.filled + 1, store.slots)
-        valid = self.valid_slots(layer)
-        probs = attention_probs(query, store.keys, scaling, valid)  # (B, Hkv, G, 1, n)
+        probs = attention_probs(query, store.keys, scaling, self.valid_slots(layer))  # (B, Hkv, G, 1, n)
         batch, kv_heads, group, _, slots = probs.shape
         probs = probs.view(batch, kv_heads, group, slots)
         output = torch.matmul(probs.to(store.values.dtype), store.values)  # (B, Hkv, G, D)

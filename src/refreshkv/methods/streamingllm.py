@@ -54,8 +54,8 @@ class StreamingLLM(SelectionPolicy):
         super().__post_init__()
         check_sinks(self.sinks)
 
-    def slots(self, layer, kept: int) -> int:
-        return min(layer.cache.budget, layer.cache.capacity())
+    def max_slots(self, layer) -> int:
+        return layer.cache.budget
 
     def appended_score(self, layer) -> float:
         return float(layer.seen - 1)  # its position: the oldest non-sink token is evicted first
