@@ -1,11 +1,18 @@
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 import refreshkv  # noqa: F401  (registers the attention function)
 
 
-def tiny_model(family: str = "llama", layers: int = 3, seed: int = 0):
+def tiny_model(family: str = "llama", layers: int = 3, seed: int = 0, **overrides):
     """A randomly initialised model with GQA (4 query heads, 2 KV heads), small enough for unit tests."""
     torch.manual_seed(seed)
     common = dict(
@@ -17,9 +24,12 @@ def tiny_model(family: str = "llama", layers: int = 3, seed: int = 0):
         num_key_value_heads=2,
         max_position_embeddings=1024,
         attn_implementation="refreshkv",
+        **overrides,
     )
     if family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**{"sliding_window": None, **common}))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     # Random init gives near-uniform logits; sharpen them so greedy decoding is not decided by rounding.

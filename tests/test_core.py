@@ -16,7 +16,7 @@ def assert_same_generation(a, b, atol=1e-4):
         torch.testing.assert_close(x, y, atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_full_matches_plain_transformers(family):
     model = tiny_model(family)
     ids = random_prompt(50)
@@ -207,6 +207,12 @@ def test_unknown_method_names_the_choices():
 def test_prompt_longer_than_context_is_refused(llama):
     with pytest.raises(ValueError, match="exceeds the model's context of 1024"):
         generate(llama, random_prompt(1020), method="full", max_new_tokens=10)
+
+
+def test_sliding_window_beyond_the_window_is_refused():
+    model = tiny_model("mistral", sliding_window=32)
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        generate(model, random_prompt(30), method="refreshkv", max_new_tokens=8)
 
 
 def test_window_larger_than_prompt_is_refused(llama):

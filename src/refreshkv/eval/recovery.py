@@ -1,0 +1,151 @@
+"""Attention-mass recovery (recycled-attention.txt §2.2, Fig. 2), measured under `full` with teacher forcing.
+
+Task `recovery`: each example is a window of real text (built like `ppl`'s): the first `length` tokens are prefilled,
+then the next tokens are fed one at a time under full attention. The first fed token is step t (its query sees the
+t + 1 keys 0..t); the following `steps` tokens are steps t+1 .. t+S. At step t each query head's top-K keys are
+taken from its own attention probabilities; at every step t+i (offset i = 0..S) the row records, per layer, the
+share of that head's attention mass that falls on
+
+- `topk`: step t's top-K tokens plus the tokens decoded after step t (what Recycled Attention attends to at
+  step t+i: the recycled top-K and the tokens appended since), and
+- `streaming`: StreamingLLM's cache of the same size K at step t+i: `sinks` (4) initial tokens + the K - sinks most
+  recent tokens, i.e. what StreamingLLM attends to (sinks capped at K - 1 as the method does).
+
+Both are means over query heads. With K >= t + 1 both caches hold every token and recover 1.0; at offset 0 the
+top-K set is the optimal set of size K, so its recovery is >= StreamingLLM's.
+
+Only the current query's probabilities are computed (`attention_probs`, never L x L): `RecoveryProbe` is `full`
+with a decode hook that measures after attending.
+
+Options: `paths` (UTF-8 text files; default: the bundled Pride and Prejudice opening), `budget` (K in tokens) or
+`budget_ratio` (K = ceil(ratio * length), default 1/8 as in the seeds), `steps` (S, default 10), `sinks` (4).
+Score: mean `topk` recovery over layers and offsets 1..S.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..attention_math import attention_probs
+from ..methods.full import Full
+from ..policy import DEFAULT_BUDGET_RATIO
+from .tasks.base import Example, example_id
+from .tasks.ppl import PerplexityTask
+
+BOOK = "pride-and-prejudice-opening.txt"
+
+
+def default_paths() -> list[str]:
+    return [str(importlib.resources.files("refreshkv.data") / BOOK)]
+
+
+def resolve_k(length: int, budget: int | None, budget_ratio: float | None) -> int:
+    if budget is not None and budget_ratio is not None:
+        raise ValueError("task 'recovery': give either budget or budget_ratio, not both")
+    if budget is not None:
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise ValueError(f"task 'recovery': budget must be an integer >= 1, got {budget!r}")
+        return budget
+    ratio = DEFAULT_BUDGET_RATIO if budget_ratio is None else budget_ratio
+    if not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ValueError(f"task 'recovery': budget_ratio must be in (0, 1], got {ratio!r}")
+    return max(1, math.ceil(ratio * length))
+
+
+class RecoveryTask:
+    name = "recovery"
+
+    def build(
+        self,
+        tokenizer,
+        length: int,
+        num_examples: int,
+        seed: int,
+        paths: Sequence[str] | str | None = None,
+        budget: int | None = None,
+        budget_ratio: float | None = None,
+        steps: int = 10,
+        sinks: int = 4,
+    ) -> list[Example]:
+        resolve_k(length, budget, budget_ratio)
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"task 'recovery': steps must be an integer >= 1, got {steps!r}")
+        if not isinstance(sinks, int) or sinks < 0:
+            raise ValueError(f"task 'recovery': sinks must be an integer >= 0, got {sinks!r}")
+        # steps t .. t+S are fed, and the last token of a ppl window is never fed: S + 2 target tokens
+        windows = PerplexityTask().build(
+            tokenizer, length, num_examples, seed, paths=paths or default_paths(), target_tokens=steps + 2
+        )
+        for index, window in enumerate(windows):
+            window["task"] = self.name
+            window["id"] = example_id(self.name, length, seed, index)
+        return windows
+
+    def score(self, prediction: str, example: Example) -> float:
+        raise NotImplementedError("recovery examples are scored from attention: see refreshkv.eval.recovery")
+
+
+@dataclasses.dataclass
+class RecoveryProbe(Full):
+    """`full` attention that also measures attention-mass recovery at decode steps 0..steps (batch of one)."""
+
+    top_k: int = 1
+    steps: int = 10
+    sinks: int = 4
+    topk: dict = dataclasses.field(default_factory=dict)  # layer -> [recovery at offset 0..steps]
+    streaming: dict = dataclasses.field(default_factory=dict)
+    _chosen: dict = dataclasses.field(default_factory=dict)  # layer -> (heads, n0) bool: step t's top-K
+
+    def decode(self, layer, query, key, value, scaling):
+        output = super().decode(layer, query, key, value, scaling)
+        offset = layer.cache.step - 1
+        if offset > self.steps:
+            return output
+        if query.shape[0] != 1:
+            raise ValueError("recovery is measured one example at a time")
+        keys, _ = layer.state.view()
+        n = keys.shape[2]
+        probs = attention_probs(query, keys, scaling)[0].reshape(-1, n)  # (query heads, n), float32
+        index = layer.layer_idx
+        if offset == 0:
+            chosen = torch.zeros_like(probs, dtype=torch.bool)
+            chosen.scatter_(1, probs.topk(min(self.top_k, n), dim=-1).indices, True)
+            self._chosen[index] = chosen
+        chosen = self._chosen[index]
+        decoded_since = probs[:, chosen.shape[1] :].sum(-1)
+        topk = (probs[:, : chosen.shape[1]] * chosen).sum(-1) + decoded_since
+        sinks = max(0, min(self.sinks, self.top_k - 1))
+        keep = torch.zeros(n, dtype=torch.bool, device=probs.device)
+        keep[:sinks] = True
+        keep[max(sinks, n - (self.top_k - sinks)) :] = True
+        streaming = (probs * keep).sum(-1)
+        self.topk.setdefault(index, []).append(float(topk.mean()))
+        self.streaming.setdefault(index, []).append(float(streaming.mean()))
+        return output
+
+    def result(self) -> dict:
+        layers = sorted(self.topk)
+        topk = [self.topk[i] for i in layers]
+        streaming = [self.streaming[i] for i in layers]
+        if not topk or len(topk[0]) != self.steps + 1:
+            raise ValueError(f"recovery needs {self.steps + 1} decode steps, measured {len(topk[0]) if topk else 0}")
+        return {"k": self.top_k, "steps": self.steps, "sinks": self.sinks, "topk": topk, "streaming": streaming}
+
+
+def recovery_score(result: dict) -> float:
+    """Mean top-K recovery over layers and offsets 1..S."""
+    values = [value for layer in result["topk"] for value in layer[1:]]
+    return sum(values) / len(values)
+
+
+def probe_for(length: int, options: dict) -> RecoveryProbe:
+    return RecoveryProbe(
+        top_k=resolve_k(length, options.get("budget"), options.get("budget_ratio")),
+        steps=options.get("steps", 10),
+        sinks=options.get("sinks", 4),
+    )
