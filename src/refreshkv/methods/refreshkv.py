@@ -46,6 +46,11 @@ DEFAULT_THRESHOLD = 0.85  # the paper's value for Llama-3.1-8B (A.4)
 APPENDED = 2.0  # score base of decoded tokens: above any attention probability, so recycled tokens go first
 
 
+def head_mean(query: torch.Tensor) -> torch.Tensor:
+    """(B, D): the last token's query averaged over the query heads, what the dynamic schedule compares."""
+    return query[:, :, -1].mean(dim=1)
+
+
 @dataclasses.dataclass
 class RefreshState:
     full: FullStore
@@ -98,7 +103,7 @@ class RefreshKV(BudgetPolicy):
         slots = min(cache.budget, cache.capacity()) + 1
         partial = SlotStore(key, slots)
         scores = torch.full(partial.positions.shape, float("-inf"), device=key.device)
-        layer.state = RefreshState(full, partial, scores, anchor=query[:, :, -1].mean(dim=1))
+        layer.state = RefreshState(full, partial, scores, anchor=head_mean(query))
         valid = cache.valid_positions(length, key.device)
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
         self._refresh(layer.state, selection_scores(probs, self.kernel, self.aggregation), valid)
@@ -108,28 +113,27 @@ class RefreshKV(BudgetPolicy):
     def decode(self, layer, query, key, value, scaling):
         state: RefreshState = layer.state
         state.full.append(key, value)
-        current = query[:, :, -1].mean(dim=1)
-        need = self._needs_full(state, current, layer.cache.step)
+        need = self._needs_full(state, query, layer.cache.step)
         if need is False:
             layer.record(0.0, state.partial.nbytes())
             return self._partial_step(layer, query, key, value, scaling)
         if need is True:
             layer.record(1.0, state.full.attended_bytes())
-            return self._full_step(layer, query, current, scaling)
+            return self._full_step(layer, query, scaling)
         # Rows of the batch disagree: compute both and keep each row's own result.
         partial_out = self._partial_step(layer, query, key, value, scaling)
-        full_out = self._full_step(layer, query, current, scaling, rows=need)
+        full_out = self._full_step(layer, query, scaling, rows=need)
         layer.record(need.float().mean().item(), state.partial.nbytes() + state.full.attended_bytes())
         return torch.where(need.view(-1, 1, 1, 1), full_out, partial_out)
 
-    def _needs_full(self, state: RefreshState, current: torch.Tensor, step: int):
+    def _needs_full(self, state: RefreshState, query: torch.Tensor, step: int):
         """True / False for the whole batch, or a (B,) bool tensor when rows disagree."""
         if self.stride is not None:
             return step % self.stride == 0
         if step % (self.qc_stride or DEFAULT_QC_STRIDE) != 0:
             return False
         threshold = DEFAULT_THRESHOLD if self.threshold is None else self.threshold
-        need = F.cosine_similarity(current.float(), state.anchor.float(), dim=-1) < threshold
+        need = F.cosine_similarity(head_mean(query).float(), state.anchor.float(), dim=-1) < threshold
         count = int(need.sum())
         return True if count == need.numel() else False if count == 0 else need
 
@@ -144,7 +148,7 @@ class RefreshKV(BudgetPolicy):
             valid = state.partial.valid(layer.cache.pads)
         return decode_attention(query, state.partial.keys, state.partial.values, scaling, valid)
 
-    def _full_step(self, layer, query, current, scaling, rows=None):
+    def _full_step(self, layer, query, scaling, rows=None):
         state: RefreshState = layer.state
         keys, values = state.full.view()
         valid = layer.cache.valid_positions(state.full.length, keys.device)
@@ -152,6 +156,7 @@ class RefreshKV(BudgetPolicy):
         batch, kv_heads, group, _, length = probs.shape
         output = torch.matmul(probs.view(batch, kv_heads, group, length).to(values.dtype), values)
         self._refresh(state, selection_scores(probs, self.kernel, self.aggregation), valid, rows)
+        current = head_mean(query)
         state.anchor = current if rows is None else torch.where(rows[:, None], current, state.anchor)
         return unpack_output(output, query.shape[1])
 
