@@ -1,0 +1,159 @@
+"""PNG plots of a report (matplotlib, Agg backend); each plot is written only when its data exists."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .report import Group, mean
+
+
+def check_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError:
+        raise ValueError("plots need the optional package matplotlib: pip install 'refreshkv[eval]' (or --no-plots)") from None
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
+def score_vs_decode(groups: list[Group], path: Path) -> Path | None:
+    """One panel per (task, length): mean score against mean decode ms/token, one point per method."""
+    panels: dict[tuple, list[Group]] = {}
+    for g in groups:
+        if g.task != "recovery":
+            panels.setdefault((g.task, g.length), []).append(g)
+    if not panels:
+        return None
+    plt = _pyplot()
+    columns = min(3, len(panels))
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 4 * rows), squeeze=False)
+    for ax, ((task, length), members) in zip(axes.flat, panels.items()):
+        for g in members:
+            s = g.summary()
+            ax.scatter(s["decode_ms"], s["score"], s=50, marker="*" if g.is_reference else "o", label=g.label)
+            ax.annotate(g.label, (s["decode_ms"], s["score"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        ax.set_title(f"{task}, L={length}")
+        ax.set_xlabel("decode ms / token")
+        ax.set_ylabel("perplexity (lower is better)" if task == "ppl" else "mean score")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle("Score vs decode time")
+    return _save(fig, path)
+
+
+def ppl_ratio(groups: list[Group], path: Path) -> Path | None:
+    curves = [(g, g.ppl_ratio_by_position()) for g in groups if not g.is_reference]
+    curves = [(g, c) for g, c in curves if c]
+    if not curves:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for g, (starts, ratios) in curves:
+        ax.plot(starts, ratios, marker="o", label=f"{g.label} L={g.length}")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel("target token position (bin start)")
+    ax.set_ylabel("perplexity / perplexity of full")
+    ax.set_title("PPL ratio to full by position")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def effective_stride(groups: list[Group], path: Path) -> Path | None:
+    series = [(g, g.effective_stride()) for g in groups if not g.is_reference]
+    series = [(g, s) for g, s in series if s and all(v is not None for v in s)]
+    if not series:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for g, strides in series:
+        ax.plot(range(len(strides)), strides, marker="o", label=f"{g.task} L={g.length} {g.label}")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("decode steps / full-attention steps")
+    ax.set_title("Effective stride per layer")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def recovery(groups: list[Group], path: Path) -> Path | None:
+    series = [(g, g.recovery()) for g in groups]
+    series = [(g, r) for g, r in series if r]
+    if not series:
+        return None
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for g, r in series:
+        offsets = range(len(r["topk"][0]))
+        topk = [mean(layer[o] for layer in r["topk"]) for o in offsets]
+        streaming = [mean(layer[o] for layer in r["streaming"]) for o in offsets]
+        line = left.plot(offsets, topk, marker="o", label=f"top-K of step t (t={g.length}, K={r['k']})")[0]
+        left.plot(offsets, streaming, marker="s", linestyle="--", color=line.get_color(),
+                  label=f"StreamingLLM cache (t={g.length}, K={r['k']})")
+        layers = range(len(r["topk"]))
+        right.plot(layers, [mean(layer[1:]) for layer in r["topk"]], marker="o", color=line.get_color(),
+                   label=f"top-K (t={g.length})")
+        right.plot(layers, [mean(layer[1:]) for layer in r["streaming"]], marker="s", linestyle="--",
+                   color=line.get_color(), label=f"StreamingLLM (t={g.length})")
+    left.set_xlabel("steps after the top-K step (i)")
+    left.set_ylabel("attention mass recovered (mean over layers, heads)")
+    left.set_title("Attention recovery at t + i")
+    right.set_xlabel("layer")
+    right.set_ylabel("recovered mass (mean over i = 1..S)")
+    right.set_title("Recovery per layer")
+    for ax in (left, right):
+        ax.set_ylim(0, 1.02)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def budget_per_layer(groups: list[Group], path: Path) -> Path | None:
+    series = [(g, g.budget_per_layer()) for g in groups if not g.is_reference]
+    series = [(g, b) for g, b in series if b and (mean(r.get("budget_ratio") for r in g.rows) or 1) < 1]
+    if not series:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for g, kept in series:
+        ax.plot(range(len(kept)), kept, marker="o", label=f"{g.task} L={g.length} {g.label}")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("kept prompt tokens (mean over KV heads, examples)")
+    ax.set_title("Budget per layer")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+PLOTS = (
+    ("score_vs_decode.png", score_vs_decode),
+    ("ppl_ratio_by_position.png", ppl_ratio),
+    ("effective_stride.png", effective_stride),
+    ("recovery.png", recovery),
+    ("budget_per_layer.png", budget_per_layer),
+)
+
+
+def write_plots(groups: list[Group], out_dir: Path) -> list[Path]:
+    written = []
+    for name, plot in PLOTS:
+        path = plot(groups, out_dir / name)
+        if path is not None:
+            written.append(path)
+    return written

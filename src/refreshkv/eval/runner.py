@@ -1,0 +1,385 @@
+"""Run one configuration (task x method x parameters x length x seed) over examples, appending to a JSONL file.
+
+One row per example, written as one whole line with a single `write` on a file opened in append mode, then fsync'd:
+a run killed at any moment loses at most the example in flight. Rows are keyed by `config` (a hash of the
+configuration, see `RunConfig.key`) and the example `id`; re-running skips the keys already in the file.
+
+Every row also carries `run`, the identity of what wrote the file (`refreshkv eval`: the configuration key;
+`refreshkv sweep`: the sweep's key). A file whose rows have another `run` is refused before anything is written.
+
+Torn last line: a row counts only once its newline is written. A final line without a newline (a write cut short,
+e.g. by a full disk or a crash of the machine) is ignored when reading and cut off before the next row is appended,
+so the example is simply run again. A complete line that is not a JSON object is an error naming file and line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import inspect
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from ..budget_report import budget_report
+from ..generate import check_length, generate
+from ..policy import make_policy
+from .perplexity import teacher_forced
+from .recovery import RecoveryProbe, RecoveryTask, probe_for, recovery_score
+from .tasks import TASKS, get_task
+from .tasks.ppl import PerplexityTask
+
+EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
+EXTRA_TASKS = {"recovery": RecoveryTask()}
+TEACHER_FORCED = ("ppl", "recovery")
+
+
+class ResultsError(ValueError):
+    """A results file that cannot be read or does not belong to this run (one line: file, line, what)."""
+
+
+def all_tasks() -> dict:
+    return {**TASKS, **EXTRA_TASKS}
+
+
+def find_task(name: str):
+    if name in EXTRA_TASKS:
+        return EXTRA_TASKS[name]
+    try:
+        return get_task(name)
+    except ValueError:
+        raise ValueError(f"unknown task '{name}'; choose from: {', '.join(all_tasks())}") from None
+
+
+def task_kind(task) -> str:
+    if isinstance(task, RecoveryTask):
+        return "recovery"
+    if isinstance(task, PerplexityTask):
+        return "ppl"
+    return "generation"
+
+
+def check_task_options(name: str, options: dict) -> None:
+    task = find_task(name)
+    fixed = {"self", "tokenizer", "length", "num_examples", "seed"}
+    allowed = [p for p in inspect.signature(task.build).parameters if p not in fixed]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"task '{name}' has no option {', '.join(unknown)}; its options: {', '.join(allowed) or 'none'}"
+        )
+
+
+def model_identity(path: str | os.PathLike | None) -> str:
+    return EMBEDDED_MODEL if path is None else str(Path(path).resolve())
+
+
+def canonical(value) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def short_hash(value) -> str:
+    return hashlib.sha256(canonical(value).encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What determines a row's result (the number of examples does not: more examples extend a run)."""
+
+    task: str
+    method: str
+    length: int
+    seed: int = 0
+    params: dict = dataclasses.field(default_factory=dict)
+    task_options: dict = dataclasses.field(default_factory=dict)
+    model: str = EMBEDDED_MODEL
+    chat: bool = True
+    dtype: str = "float32"
+
+    def fields(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def key(self) -> str:
+        return short_hash(self.fields())
+
+    def label(self) -> str:
+        params = ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+        return f"{self.task} {self.method}{f'({params})' if params else ''} L={self.length}"
+
+    def validate(self, model=None) -> None:
+        """Everything that can be checked without the tokenizer: task, options, method, parameters, length."""
+        task = find_task(self.task)
+        check_task_options(self.task, self.task_options)
+        make_policy(self.method, **self.params)
+        if task_kind(task) == "recovery" and self.method != "full":
+            raise ValueError(f"task 'recovery' measures attention under 'full', got method '{self.method}'")
+        if not isinstance(self.length, int) or isinstance(self.length, bool) or self.length < 1:
+            raise ValueError(f"length must be a positive integer, got {self.length!r}")
+        limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if limit is not None and self.length >= limit:
+            raise ValueError(f"length {self.length} exceeds the model's context of {limit} tokens")
+
+
+# ---- examples --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Prepared:
+    example: dict
+    input_ids: list[int]
+
+
+def encode_prompt(tokenizer, example: dict, chat: bool) -> list[int]:
+    """The chat-templated user message (or the raw prompt) followed by the example's answer prefix."""
+    prefix = example.get("answer_prefix", "") or ""
+    if chat:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat template; use --no-chat")
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": example["prompt"]}], add_generation_prompt=True, tokenize=False
+        )
+        return list(tokenizer.encode(text + prefix, add_special_tokens=False))
+    return list(tokenizer.encode(example["prompt"] + prefix))
+
+
+def prepare(model, tokenizer, config: RunConfig, num_examples: int) -> list[Prepared]:
+    """Build and encode the examples, checking that every one fits the model, before anything is run."""
+    config.validate(model)
+    task = find_task(config.task)
+    examples = task.build(tokenizer, config.length, num_examples, config.seed, **config.task_options)
+    prepared = []
+    for example in examples:
+        if task_kind(task) == "generation":
+            ids = encode_prompt(tokenizer, example, config.chat)
+            check_length(model, len(ids), example["max_new_tokens"])
+        else:
+            ids = list(example["input_ids"])
+            check_length(model, example["target_start"], len(ids) - example["target_start"] - 1)
+        prepared.append(Prepared(example, ids))
+    return prepared
+
+
+# ---- running one example ---------------------------------------------------------------------------------------
+
+
+def cache_fields(cache) -> dict:
+    per_layer = cache.nbytes_per_layer()
+    kept = budget_report(cache)
+    return {
+        "decode_steps": cache.step,
+        "full_step_fraction": round(cache.full_step_fraction(), 4),
+        "full_steps_per_layer": [round(v, 4) for v in cache.stats.full_steps],
+        "kv_bytes_full": sum(per_layer),
+        "kv_bytes_per_layer": per_layer,
+        "kv_bytes_attended_mean": round(cache.attended_bytes_mean()),
+        "budget": cache.budget,
+        "budget_ratio": round(kept["budget_ratio"], 4),
+        "budget_per_layer": [round(v, 2) for v in kept["budget_per_layer"]],
+    }
+
+
+def run_example(model, tokenizer, config: RunConfig, item: Prepared) -> dict:
+    """The measured part of a row (everything but the identifying fields)."""
+    import torch
+
+    task = find_task(config.task)
+    kind = task_kind(task)
+    example = item.example
+    if kind == "generation":
+        ids = torch.tensor([item.input_ids], device=model.device)
+        out = generate(model, ids, method=config.method, max_new_tokens=example["max_new_tokens"], **config.params)
+        prediction = tokenizer.decode(out.tokens[0], skip_special_tokens=True)
+        return {
+            "prediction": prediction,
+            "reference": example["reference"],
+            "score": float(task.score(prediction, example)),
+            "prompt_tokens": len(item.input_ids),
+            "new_tokens": len(out.tokens[0]),
+            "prefill_s": round(out.prefill_s, 4),
+            "decode_ms_per_token": round(out.decode_ms_per_token, 3),
+            **cache_fields(out.cache),
+        }
+    if kind == "ppl":
+        policy = make_policy(config.method, **config.params)
+    else:
+        policy = probe_for(config.length, config.task_options)
+    forced = teacher_forced(model, item.input_ids, example["target_start"], policy)
+    row = {
+        "prediction": "",
+        "reference": example.get("reference"),
+        "prompt_tokens": example["target_start"],
+        "new_tokens": len(forced.losses),
+        "prefill_s": round(forced.prefill_s, 4),
+        "decode_ms_per_token": round(forced.decode_ms_per_token, 3),
+        **cache_fields(forced.cache),
+        "losses": [round(v, 6) for v in forced.losses],
+    }
+    if kind == "ppl":
+        row["score"] = PerplexityTask.score_losses(forced.losses)
+    else:
+        assert isinstance(policy, RecoveryProbe)
+        row["recovery"] = policy.result()
+        row["score"] = recovery_score(row["recovery"])
+    return row
+
+
+# ---- the results file ------------------------------------------------------------------------------------------
+
+REQUIRED = ("run", "config", "id")
+
+
+def read_results(path: str | os.PathLike, required: Iterable[str] = REQUIRED, warn: bool = True):
+    """(rows, bytes of complete lines, whether a torn last line was found). Malformed rows raise ResultsError."""
+    path = Path(path)
+    if not path.exists():
+        return [], 0, False
+    if not path.is_file():
+        raise ResultsError(f"{path} is not a file")
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    torn = bool(data[end:].strip())
+    rows = []
+    for number, line in enumerate(data[:end].split(b"\n")[:-1], 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ResultsError(f"{path}:{number}: malformed JSONL row ({error})") from None
+        if not isinstance(row, dict):
+            raise ResultsError(f"{path}:{number}: malformed JSONL row (not a JSON object)")
+        missing = [name for name in required if name not in row]
+        if missing:
+            raise ResultsError(f"{path}:{number}: row lacks the field(s) {', '.join(missing)}")
+        rows.append(row)
+    if torn and warn:
+        print(f"warning: {path}:{len(rows) + 1}: ignoring an incomplete last line (a cut-short write)", file=sys.stderr)
+    return rows, end, torn
+
+
+class ResultsFile:
+    """The JSONL output of one run: the rows already done, and whole-line appends."""
+
+    def __init__(self, path: str | os.PathLike, run: str):
+        self.path = Path(path)
+        self.run = run
+        rows, self._end, self._torn = read_results(self.path)
+        others = sorted({str(row["run"]) for row in rows if row["run"] != run})
+        if others:
+            raise ResultsError(
+                f"{self.path} holds results of another configuration (run {others[0]}, this run is {run}); "
+                "choose another output file, nothing was written"
+            )
+        self.done = {(row["config"], row["id"]) for row in rows}
+        self._fd = None
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ResultsError(f"{self.path} is being written by another run") from None
+        if self._torn:  # cut the torn tail off so that the next row starts on its own line
+            os.ftruncate(fd, self._end)
+            self._torn = False
+        self._fd = fd
+
+    def append(self, row: dict) -> None:
+        if self._fd is None:
+            self._open()
+        data = (json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        written = os.write(self._fd, data)  # O_APPEND: one write of the whole line at the end of the file
+        if written != len(data):
+            raise OSError(f"short write to {self.path} ({written} of {len(data)} bytes)")
+        os.fsync(self._fd)
+        self.done.add((row["config"], row["id"]))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---- runs ------------------------------------------------------------------------------------------------------
+
+
+def row_for(config: RunConfig, run: str, item: Prepared, measured: dict) -> dict:
+    example = item.example
+    head = {
+        "run": run,
+        "config": config.key(),
+        "task": config.task,
+        "example_task": example["task"],
+        "method": config.method,
+        "params": config.params,
+        "length": config.length,
+        "seed": config.seed,
+        "task_options": config.task_options,
+        "model": config.model,
+        "chat": config.chat,
+        "dtype": config.dtype,
+        "id": example["id"],
+    }
+    if "source_id" in example:
+        head["source_id"] = example["source_id"]
+    return {**head, **measured, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+@dataclasses.dataclass
+class Job:
+    config: RunConfig
+    items: list[Prepared]
+
+
+def run_jobs(
+    model,
+    tokenizer,
+    jobs: list[Job],
+    results: ResultsFile,
+    progress: bool = True,
+    on_row: Callable[[dict], None] | None = None,
+) -> dict:
+    """Run every (configuration, example) not yet in `results`; returns counts {done_before, ran}."""
+    from tqdm.auto import tqdm
+
+    todo = [(job.config, item) for job in jobs for item in job.items if (job.config.key(), item.example["id"]) not in results.done]
+    total = sum(len(job.items) for job in jobs)
+    with tqdm(total=total, initial=total - len(todo), desc="eval", unit="ex", disable=not progress) as bar:
+        for config, item in todo:
+            bar.set_postfix_str(config.label(), refresh=False)
+            row = row_for(config, results.run, item, run_example(model, tokenizer, config, item))
+            results.append(row)
+            if on_row is not None:
+                on_row(row)
+            bar.update()
+    return {"done_before": total - len(todo), "ran": len(todo)}
+
+
+def run_eval(
+    model,
+    tokenizer,
+    config: RunConfig,
+    num_examples: int,
+    out: str | os.PathLike,
+    progress: bool = True,
+) -> dict:
+    """`refreshkv eval`: one configuration; the file's `run` is the configuration key."""
+    if not isinstance(num_examples, int) or num_examples < 1:
+        raise ValueError(f"num_examples must be a positive integer, got {num_examples!r}")
+    config.validate(model)
+    results = ResultsFile(out, run=config.key())  # refuses a foreign file before any work
+    with results:
+        items = prepare(model, tokenizer, config, num_examples)
+        return run_jobs(model, tokenizer, [Job(config, items)], results, progress)

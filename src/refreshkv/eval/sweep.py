@@ -1,0 +1,204 @@
+"""`refreshkv sweep config.yaml`: methods x parameter grids x tasks x lengths, into one resumable JSONL file.
+
+Schema (see docs/evaluation.md for an example):
+
+    out: results.jsonl          # required unless --out is given; relative to the YAML file's folder
+    model: null                 # local model directory or .gguf; null/absent = embedded SmolLM2
+    chat: true                  # chat template (default true)
+    dtype: float32              # float32 or bfloat16
+    seed: 0                     # int or list of ints
+    num_examples: 10
+    lengths: [2048, 4096]       # int or list
+    tasks:                      # names, or {name, options}
+      - ruler/niah_single_1
+      - {name: ppl, options: {paths: [book.txt], target_tokens: 256}}
+    methods:                    # names, or {name, params, grid}
+      - full
+      - {name: refreshkv, params: {budget_ratio: 0.125}, grid: {qc_stride: [5, 10]}}
+
+`grid` values are lists; every combination is one configuration (`params` holds the fixed ones). The sweep's
+identity (`run` in every row) hashes everything except `out` and `num_examples`, so raising `num_examples`
+extends a finished sweep while a changed sweep refuses the old file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+from ..policy import make_policy
+from .recovery import RecoveryTask
+from .runner import RunConfig, check_task_options, find_task, model_identity, short_hash
+
+TOP_KEYS = ("out", "model", "chat", "dtype", "seed", "num_examples", "lengths", "tasks", "methods")
+DTYPES = ("float32", "bfloat16")
+
+
+class SweepError(ValueError):
+    """An invalid sweep file; one line naming the file and what is wrong."""
+
+
+@dataclasses.dataclass
+class Sweep:
+    path: Path
+    out: Path | None
+    model: str | None
+    chat: bool
+    dtype: str
+    seeds: list[int]
+    num_examples: int
+    lengths: list[int]
+    tasks: list[tuple[str, dict]]
+    methods: list[tuple[str, dict]]  # expanded: one entry per parameter combination
+
+    def identity(self) -> str:
+        return "sweep-" + short_hash(
+            {
+                "model": model_identity(self.model),
+                "chat": self.chat,
+                "dtype": self.dtype,
+                "seeds": self.seeds,
+                "lengths": self.lengths,
+                "tasks": self.tasks,
+                "methods": self.methods,
+            }
+        )
+
+    def configs(self) -> list[RunConfig]:
+        """In run order: length, task, seed outermost, so the examples are built once for all methods."""
+        return [
+            RunConfig(
+                task=task, method=method, length=length, seed=seed, params=params, task_options=options,
+                model=model_identity(self.model), chat=self.chat, dtype=self.dtype,
+            )
+            for length in self.lengths
+            for task, options in self.tasks
+            for seed in self.seeds
+            for method, params in self.methods
+        ]
+
+
+def _int_list(value, name: str, where: str, minimum: int) -> list[int]:
+    values = value if isinstance(value, list) else [value]
+    if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in values):
+        raise SweepError(f"{where}: '{name}' must be an integer >= {minimum} or a non-empty list of them, got {value!r}")
+    return values
+
+
+def _entries(value, name: str, where: str, inner: tuple[str, ...]) -> list[tuple[str, dict]]:
+    if not isinstance(value, list) or not value:
+        raise SweepError(f"{where}: '{name}' must be a non-empty list")
+    entries = []
+    for i, entry in enumerate(value, 1):
+        if isinstance(entry, str):
+            entry = {"name": entry}
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise SweepError(f"{where}: {name} entry {i} must be a name or a mapping with 'name'")
+        unknown = sorted(set(entry) - {"name", *inner})
+        if unknown:
+            raise SweepError(
+                f"{where}: {name} entry {i} ({entry['name']}) has unknown key(s) {', '.join(unknown)}; "
+                f"allowed: name, {', '.join(inner)}"
+            )
+        for key in inner:
+            if entry.get(key) is not None and not isinstance(entry[key], dict):
+                raise SweepError(f"{where}: {name} entry {i} ({entry['name']}): '{key}' must be a mapping")
+        entries.append((entry["name"], {key: dict(entry.get(key) or {}) for key in inner}))
+    return entries
+
+
+def load_sweep(path: str | Path, out: str | Path | None = None) -> Sweep:
+    """Read and validate a sweep file (every error is one line starting with the file name)."""
+    import yaml
+
+    path = Path(path)
+    where = str(path)
+    if not path.is_file():
+        raise SweepError(f"sweep file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise SweepError(f"{where}{line}: not valid YAML ({getattr(error, 'problem', None) or error})") from None
+    if not isinstance(data, dict):
+        raise SweepError(f"{where}: expected a mapping with keys {', '.join(TOP_KEYS)}")
+    unknown = sorted(set(data) - set(TOP_KEYS))
+    if unknown:
+        raise SweepError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(TOP_KEYS)}")
+    for key in ("lengths", "tasks", "methods"):
+        if key not in data:
+            raise SweepError(f"{where}: missing required key '{key}'")
+
+    out_path = out if out is not None else data.get("out")
+    if out_path is None:
+        raise SweepError(f"{where}: no output file: set 'out' in the file or pass --out")
+    if not isinstance(out_path, (str, Path)):
+        raise SweepError(f"{where}: 'out' must be a file path, got {out_path!r}")
+    out_path = Path(out_path) if out is not None else path.parent / out_path
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise SweepError(f"{where}: 'model' must be a path or null, got {model!r}")
+    if model is not None and not Path(model).is_absolute():
+        model = str(path.parent / model)
+    chat = data.get("chat", True)
+    if not isinstance(chat, bool):
+        raise SweepError(f"{where}: 'chat' must be true or false, got {chat!r}")
+    dtype = data.get("dtype", "float32")
+    if dtype not in DTYPES:
+        raise SweepError(f"{where}: unknown dtype {dtype!r}; choose from: {', '.join(DTYPES)}")
+    seeds = _int_list(data.get("seed", 0), "seed", where, 0)
+    num_examples = data.get("num_examples", 10)
+    if not isinstance(num_examples, int) or isinstance(num_examples, bool) or num_examples < 1:
+        raise SweepError(f"{where}: 'num_examples' must be an integer >= 1, got {num_examples!r}")
+    lengths = _int_list(data["lengths"], "lengths", where, 1)
+
+    tasks = []
+    for name, parts in _entries(data["tasks"], "tasks", where, ("options",)):
+        try:
+            find_task(name)
+            check_task_options(name, parts["options"])
+        except ValueError as error:
+            raise SweepError(f"{where}: {error}") from None
+        tasks.append((name, parts["options"]))
+
+    methods = []
+    for name, parts in _entries(data["methods"], "methods", where, ("params", "grid")):
+        grid = parts["grid"]
+        for key, values in grid.items():
+            if not isinstance(values, list) or not values:
+                raise SweepError(f"{where}: method {name}: grid '{key}' must be a non-empty list, got {values!r}")
+        overlap = sorted(set(grid) & set(parts["params"]))
+        if overlap:
+            raise SweepError(f"{where}: method {name}: {', '.join(overlap)} is both in params and grid")
+        for combination in itertools.product(*grid.values()):
+            params = {**parts["params"], **dict(zip(grid, combination))}
+            try:
+                make_policy(name, **params)
+            except ValueError as error:
+                raise SweepError(f"{where}: {error}") from None
+            if (name, params) not in methods:
+                methods.append((name, params))
+    if any(isinstance(find_task(t), RecoveryTask) for t, _ in tasks) and any(m != "full" for m, _ in methods):
+        raise SweepError(f"{where}: task 'recovery' measures attention under 'full' only; put it in its own sweep")
+    return Sweep(path, out_path, model, chat, dtype, seeds, num_examples, lengths, tasks, methods)
+
+
+def run_sweep(sweep: Sweep, model, tokenizer, progress: bool = True) -> dict:
+    """Run (or resume) a sweep with a loaded model; examples are built and checked before anything is run."""
+    from .runner import Job, ResultsFile, prepare, run_jobs
+
+    configs = sweep.configs()
+    for config in configs:
+        config.validate(model)
+    results = ResultsFile(sweep.out, run=sweep.identity())
+    built: dict[str, list] = {}
+    jobs = []
+    for config in configs:
+        shared = short_hash([config.task, config.task_options, config.length, config.seed])
+        if shared not in built:
+            built[shared] = prepare(model, tokenizer, config, sweep.num_examples)
+        jobs.append(Job(config, built[shared]))
+    with results:
+        return run_jobs(model, tokenizer, jobs, results, progress)
