@@ -89,9 +89,12 @@ def plot_bench(result: dict, path: Path) -> None:
     machine = result["machine"]
     axis.set(xlabel="context length (tokens)", ylabel="decode ms / token",
              title=f"Decode time per token ({machine['device']}, {machine['threads']} threads, {machine['dtype']})")
+    lengths = sorted({row["length"] for row in result["rows"]})
     axis.set_xscale("log", base=2)
+    axis.set_xticks(lengths, [str(length) for length in lengths])
+    axis.set_ylim(bottom=0)
     axis.grid(alpha=0.3)
-    axis.legend()
+    axis.legend(loc="upper left", ncol=3, fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
