@@ -233,3 +233,10 @@ def test_stores_grow_when_more_tokens_come_than_announced(llama, method):
                             pad_token_id=0)
     assert tokens[0, 40:].tolist() == full.tokens[0]
     assert cache.layers[0].state.store.slots > 42
+
+
+def test_top_k_breaks_ties_toward_earlier_positions():
+    scores = torch.tensor([[[0.5, 0.5, float("-inf"), 0.5, 0.9, 0.0, -0.0]]])
+    assert top_k(scores, 3).tolist() == [[[0, 1, 4]]]
+    assert top_k(scores, 6).tolist() == [[[0, 1, 3, 4, 5, 6]]]  # -0.0 ties with 0.0; -inf comes last
+    assert top_k(scores, 7).tolist() == [[[0, 1, 2, 3, 4, 5, 6]]]
