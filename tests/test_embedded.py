@@ -7,7 +7,9 @@ import sys
 import pytest
 import torch
 
-from refreshkv import generate, load_model
+from refreshkv import PolicyCache, generate, load_model, make_policy
+from refreshkv.bench import bench_prompt
+from refreshkv.budget_report import budget_report
 from refreshkv.demo import demo_prompt
 
 pytestmark = pytest.mark.embedded
@@ -86,3 +88,30 @@ def test_cli_bad_input_is_one_line_exit_2(args, message, tmp_path):
     assert message in done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert done.stdout == ""
+
+
+def prefill_only(model, ids, method, **params):
+    """Run the prompt through a method's cache (one forward) and return the cache."""
+    cache = PolicyCache(make_policy(method, **params), model.config, max_new_tokens=1)
+    with torch.inference_mode():
+        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def test_eviction_methods_hold_at_most_a_sixth_of_full_at_4k(embedded):
+    """Issue 3: 4K context, budget 512: bytes of the tensors actually allocated, prompt part."""
+    model, tokenizer = embedded
+    ids = bench_prompt(tokenizer, 4096)
+    full = sum(prefill_only(model, ids, "full").nbytes_per_layer())
+    for method in ("snapkv", "streamingllm", "h2o", "pyramidkv"):
+        held = sum(prefill_only(model, ids, method, budget=512).nbytes_per_layer())
+        assert held <= full / 6, (method, held / full)
+
+
+def test_refreekv_keeps_a_layer_dependent_share_of_real_text(embedded):
+    """Issue 4: on real text the threshold-free budget is strictly between 0 and 1 and differs across layers."""
+    model, tokenizer = embedded
+    report = budget_report(prefill_only(model, bench_prompt(tokenizer, 2048), "refreekv"))
+    assert 0 < report["budget_ratio"] < 1
+    assert report["ratio_per_layer"][:2] == [1.0, 1.0]  # the bottom two layers are kept whole
+    assert len({round(r, 3) for r in report["ratio_per_layer"][2:]}) > 5
