@@ -124,6 +124,8 @@ def generate(
 
     cache = PolicyCache(policy, model.config, max_new_tokens)
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    bar = tqdm(total=max_new_tokens, desc=f"{policy.name}: prefill {input_ids.shape[1]} tokens", unit="tok",
+               disable=not progress, leave=False)
     start = time.perf_counter()
     logits = model(
         input_ids,
@@ -140,7 +142,7 @@ def generate(
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     position = positions[:, -1:]
     steps, chosen, all_logits, step_s = [], [], [], []
-    bar = tqdm(total=max_new_tokens, desc=f"{policy.name} decode", unit="tok", disable=not progress, leave=False)
+    bar.set_description(f"{policy.name}: decode")
     start = time.perf_counter()
     for step in range(max_new_tokens):
         bar.update()
