@@ -14,6 +14,24 @@ from rich.console import Console
 from rich.table import Table
 
 from .eval.commands import register as register_eval_commands
+from .options import (
+    AggOpt,
+    BudgetOpt,
+    DeviceOpt,
+    DtypeOpt,
+    KernelOpt,
+    MethodOpt,
+    ModelOpt,
+    ParamOpt,
+    QcOpt,
+    RatioOpt,
+    StrideOpt,
+    ThresholdOpt,
+    WindowOpt,
+    check_runtime,
+    method_params,
+    parse_pairs,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 out = Console()
@@ -39,60 +57,6 @@ def user_errors(command):
             fail(str(error).splitlines()[0] if str(error) else type(error).__name__)
 
     return wrapper
-
-
-def parse_params(pairs: list[str]) -> dict:
-    """`--param name=value` pairs; values are read as int, float, or kept as text."""
-    params = {}
-    for pair in pairs:
-        name, sep, raw = pair.partition("=")
-        if not sep or not name:
-            raise ValueError(f"--param expects NAME=VALUE, got '{pair}'")
-        for kind in (int, float):
-            try:
-                params[name.replace("-", "_")] = kind(raw)
-                break
-            except ValueError:
-                continue
-        else:
-            params[name.replace("-", "_")] = raw
-    return params
-
-
-ModelOpt = Annotated[Optional[str], typer.Option(help="Local model directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")]
-MethodOpt = Annotated[str, typer.Option(help="KV method (see `refreshkv methods`).")]
-BudgetOpt = Annotated[Optional[int], typer.Option(help="Tokens kept/attended per layer and KV head (K).")]
-RatioOpt = Annotated[Optional[float], typer.Option(help="K as a fraction of the prompt length, in (0, 1] (papers: 0.125).")]
-StrideOpt = Annotated[Optional[int], typer.Option(help="Fixed schedule: a full-attention step every S decode steps.")]
-QcOpt = Annotated[Optional[int], typer.Option(help="Dynamic schedule: compare queries every N steps (default 10).")]
-ThresholdOpt = Annotated[Optional[float], typer.Option(help="Dynamic schedule: full step when query cosine < s (default 0.85).")]
-KernelOpt = Annotated[Optional[int], typer.Option(help="Max-pooling kernel over positions (odd).")]
-WindowOpt = Annotated[Optional[int], typer.Option(help="Observation window: last prompt tokens whose attention selects.")]
-AggOpt = Annotated[Optional[str], typer.Option(help="GQA aggregation of scores: max, mean or first.")]
-ParamOpt = Annotated[list[str], typer.Option("--param", help="Any other method parameter, NAME=VALUE (repeatable).")]
-DtypeOpt = Annotated[str, typer.Option(help="float32 or bfloat16.")]
-DeviceOpt = Annotated[str, typer.Option(help="cpu or cuda.")]
-
-
-def method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param) -> dict:
-    given = dict(
-        budget=budget, budget_ratio=budget_ratio, stride=stride, qc_stride=qc_stride,
-        threshold=threshold, kernel=kernel, window=window, aggregation=aggregation,
-    )
-    return {**{k: v for k, v in given.items() if v is not None}, **parse_params(param)}
-
-
-def check_runtime(dtype: str, device: str):
-    import torch
-
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    if dtype not in dtypes:
-        raise ValueError(f"unknown dtype '{dtype}'; choose from: {', '.join(dtypes)}")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device '{device}'; choose from: cpu, cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but no CUDA GPU is available")
-    return dtypes[dtype]
 
 
 def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
@@ -267,7 +231,7 @@ def bench_methods(names: str, budget: int, param: list[str]) -> dict[str, dict]:
         method, sep, pair = item.partition(":")
         if not sep or method not in methods:
             raise ValueError(f"--param expects METHOD:NAME=VALUE with METHOD among --methods, got '{item}'")
-        methods[method].update(parse_params([pair]))
+        methods[method].update(parse_pairs([pair], "--param"))
     return methods
 
 

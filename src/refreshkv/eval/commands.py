@@ -10,50 +10,24 @@ from typing import Annotated, Optional
 
 import typer
 
-DTYPES = ("float32", "bfloat16")
-
-
-def parse_value(raw: str):
-    for kind in (int, float):
-        try:
-            return kind(raw)
-        except ValueError:
-            continue
-    if raw.lower() in ("true", "false"):
-        return raw.lower() == "true"
-    return raw
-
-
-def parse_pairs(pairs: list[str], option: str, repeat_as_list: bool = False) -> dict:
-    """NAME=VALUE pairs (int, float, true/false or text); with `repeat_as_list` a repeated NAME gives a list."""
-    values: dict = {}
-    for pair in pairs:
-        name, sep, raw = pair.partition("=")
-        if not sep or not name:
-            raise ValueError(f"{option} expects NAME=VALUE, got '{pair}'")
-        name = name.replace("-", "_")
-        value = parse_value(raw)
-        if name in values and repeat_as_list:
-            previous = values[name]
-            values[name] = (previous if isinstance(previous, list) else [previous]) + [value]
-        elif name in values:
-            raise ValueError(f"{option} {name} is given twice")
-        else:
-            values[name] = value
-    return values
-
-
-def check_runtime(dtype: str, device: str):
-    import torch
-
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype '{dtype}'; choose from: {', '.join(DTYPES)}")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device '{device}'; choose from: cpu, cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but no CUDA GPU is available")
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-
+from ..options import (
+    AggOpt,
+    BudgetOpt,
+    DeviceOpt,
+    DtypeOpt,
+    KernelOpt,
+    MethodOpt,
+    ModelOpt,
+    ParamOpt,
+    QcOpt,
+    RatioOpt,
+    StrideOpt,
+    ThresholdOpt,
+    WindowOpt,
+    check_runtime,
+    method_params,
+    parse_pairs,
+)
 
 def register(app, user_errors) -> None:
     """Add the evaluation commands to the CLI app; `user_errors` wraps a command so ValueErrors exit with code 2."""
@@ -66,33 +40,32 @@ def register(app, user_errors) -> None:
     def eval_command(
         task: Annotated[str, typer.Option(help="Task name, e.g. ruler/niah_single_1, ppl, recovery.")],
         out: Annotated[Path, typer.Option(help="JSONL results file (appended to; re-running resumes).")],
-        method: Annotated[str, typer.Option(help="KV method (see `refreshkv methods`).")] = "full",
-        budget: Annotated[Optional[int], typer.Option(help="K: tokens kept/attended per layer and KV head.")] = None,
-        budget_ratio: Annotated[Optional[float], typer.Option(help="K as a fraction of the prompt, in (0, 1].")] = None,
-        stride: Annotated[Optional[int], typer.Option(help="Fixed schedule: full step every S decode steps.")] = None,
-        qc_stride: Annotated[Optional[int], typer.Option(help="Dynamic schedule: compare queries every N steps.")] = None,
-        threshold: Annotated[Optional[float], typer.Option(help="Method threshold (refreshkv: query cosine).")] = None,
-        kernel: Annotated[Optional[int], typer.Option(help="Max-pooling kernel over positions (odd).")] = None,
-        window: Annotated[Optional[int], typer.Option(help="Observation window of prompt queries.")] = None,
-        param: Annotated[list[str], typer.Option("--param", help="Other method parameter NAME=VALUE (repeatable).")] = [],
+        method: MethodOpt = "full",
+        budget: BudgetOpt = None,
+        budget_ratio: RatioOpt = None,
+        stride: StrideOpt = None,
+        qc_stride: QcOpt = None,
+        threshold: ThresholdOpt = None,
+        kernel: KernelOpt = None,
+        window: WindowOpt = None,
+        aggregation: AggOpt = None,
+        param: ParamOpt = [],
         task_option: Annotated[
             list[str], typer.Option("--task-option", help="Task option NAME=VALUE (repeatable; repeat a name for a list).")
         ] = [],
         length: Annotated[int, typer.Option(min=1, help="Context length in tokens.")] = 4096,
         num_examples: Annotated[int, typer.Option(min=1, help="Examples to run.")] = 10,
         seed: Annotated[int, typer.Option(help="Seed of the example generator.")] = 0,
-        model: Annotated[Optional[str], typer.Option(help="Local model dir or .gguf (default: embedded SmolLM2).")] = None,
+        model: ModelOpt = None,
         chat: Annotated[bool, typer.Option(help="Wrap prompts in the model's chat template.")] = True,
-        dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
-        device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+        dtype: DtypeOpt = "float32",
+        device: DeviceOpt = "cpu",
     ):
         """Run one task x method configuration over examples into a resumable JSONL file."""
         from ..model import load_model
         from .runner import ResultsFile, RunConfig, model_identity, run_eval
 
-        given = dict(budget=budget, budget_ratio=budget_ratio, stride=stride, qc_stride=qc_stride,
-                     threshold=threshold, kernel=kernel, window=window)
-        params = {**{k: v for k, v in given.items() if v is not None}, **parse_pairs(param, "--param")}
+        params = method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param)
         config = RunConfig(
             task=task, method=method, length=length, seed=seed, params=params,
             task_options=parse_pairs(task_option, "--task-option", repeat_as_list=True),
@@ -114,7 +87,7 @@ def register(app, user_errors) -> None:
     def sweep_command(
         config: Annotated[Path, typer.Argument(help="Sweep YAML file (schema in docs/evaluation.md).")],
         out: Annotated[Optional[Path], typer.Option(help="JSONL results file (overrides `out` in the YAML).")] = None,
-        device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+        device: DeviceOpt = "cpu",
     ):
         """Run methods x parameters x tasks x lengths from a YAML file into one resumable JSONL file."""
         from ..model import load_model

@@ -27,12 +27,12 @@ import dataclasses
 import itertools
 from pathlib import Path
 
+from ..options import DTYPES
 from ..policy import make_policy
 from .recovery import RecoveryTask
 from .runner import RunConfig, check_task_options, find_task, model_identity, short_hash
 
 TOP_KEYS = ("out", "model", "chat", "dtype", "seed", "num_examples", "lengths", "tasks", "methods")
-DTYPES = ("float32", "bfloat16")
 
 
 class SweepError(ValueError):

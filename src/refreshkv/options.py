@@ -1,0 +1,76 @@
+"""Command-line options shared by every command: method parameters, NAME=VALUE pairs, dtype and device."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+DTYPES = ("float32", "bfloat16")
+
+ModelOpt = Annotated[Optional[str], typer.Option(help="Local model directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")]
+MethodOpt = Annotated[str, typer.Option(help="KV method (see `refreshkv methods`).")]
+BudgetOpt = Annotated[Optional[int], typer.Option(help="Tokens kept/attended per layer and KV head (K).")]
+RatioOpt = Annotated[Optional[float], typer.Option(help="K as a fraction of the prompt length, in (0, 1] (papers: 0.125).")]
+StrideOpt = Annotated[Optional[int], typer.Option(help="Fixed schedule: a full-attention step every S decode steps.")]
+QcOpt = Annotated[Optional[int], typer.Option(help="Dynamic schedule: compare queries every N steps (default 10).")]
+ThresholdOpt = Annotated[Optional[float], typer.Option(help="refreshkv: full step when query cosine < s (default 0.85); refreekv: T.")]
+KernelOpt = Annotated[Optional[int], typer.Option(help="Max-pooling kernel over positions (odd).")]
+WindowOpt = Annotated[Optional[int], typer.Option(help="Observation window: last prompt tokens whose attention selects.")]
+AggOpt = Annotated[Optional[str], typer.Option(help="GQA aggregation of scores: max, mean or first.")]
+ParamOpt = Annotated[list[str], typer.Option("--param", help="Any other method parameter, NAME=VALUE (repeatable).")]
+DtypeOpt = Annotated[str, typer.Option(help="float32 or bfloat16.")]
+DeviceOpt = Annotated[str, typer.Option(help="cpu or cuda.")]
+
+
+def parse_value(raw: str):
+    """A command-line value as int, float, true/false, or text."""
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            continue
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    return raw
+
+
+def parse_pairs(pairs: list[str], option: str, repeat_as_list: bool = False) -> dict:
+    """NAME=VALUE pairs; with `repeat_as_list` a repeated NAME gives a list, otherwise it is an error."""
+    values: dict = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"{option} expects NAME=VALUE, got '{pair}'")
+        name = name.replace("-", "_")
+        value = parse_value(raw)
+        if name in values and repeat_as_list:
+            previous = values[name]
+            values[name] = (previous if isinstance(previous, list) else [previous]) + [value]
+        elif name in values:
+            raise ValueError(f"{option} {name} is given twice")
+        else:
+            values[name] = value
+    return values
+
+
+def method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param) -> dict:
+    """The method parameters given on the command line (unset options are left to the method's defaults)."""
+    given = dict(
+        budget=budget, budget_ratio=budget_ratio, stride=stride, qc_stride=qc_stride,
+        threshold=threshold, kernel=kernel, window=window, aggregation=aggregation,
+    )
+    return {**{k: v for k, v in given.items() if v is not None}, **parse_pairs(param, "--param")}
+
+
+def check_runtime(dtype: str, device: str):
+    """The torch dtype for `dtype`, after checking that `device` exists here."""
+    import torch
+
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype '{dtype}'; choose from: {', '.join(DTYPES)}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device '{device}'; choose from: cpu, cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA GPU is available")
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
