@@ -102,12 +102,19 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     return_logits: bool = False,
     progress: bool = False,
+    forced_tokens: torch.Tensor | None = None,
     **method_params,
 ) -> GenerationOutput:
-    """Generate with a KV method, e.g. `generate(model, ids, method="refreshkv", budget=1024)`."""
+    """Generate with a KV method, e.g. `generate(model, ids, method="refreshkv", budget=1024)`.
+
+    With `forced_tokens` (B, N) the loop feeds those tokens instead of its own choices (teacher forcing, for
+    perplexity): N steps, no end-of-sequence stop; the method manages its caches exactly as in generation.
+    """
     policy = method if isinstance(method, Policy) else make_policy(method, **method_params)
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError("input_ids must be a non-empty (batch, length) tensor")
+    if forced_tokens is not None:
+        max_new_tokens, eos_token_id = forced_tokens.shape[1], []
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if model.config._attn_implementation != ATTENTION_NAME:
@@ -148,7 +155,10 @@ def generate(
         bar.update()
         if return_logits:
             all_logits.append(logits.float().cpu())
-        token = _next_token(logits, do_sample, temperature, top_k, top_p, generator)
+        if forced_tokens is None:
+            token = _next_token(logits, do_sample, temperature, top_k, top_p, generator)
+        else:
+            token = forced_tokens[:, step]
         chosen.append(token)
         steps.append(finished.clone())
         finished |= torch.isin(token, eos)
