@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import PolicyCache
-from ..generate import check_length, generate
+from ..generate import generate
 from ..policy import Policy
 
 
@@ -39,8 +39,6 @@ def teacher_forced(model, input_ids: Sequence[int] | torch.Tensor, target_start:
     if not 1 <= target_start < total:
         raise ValueError(f"target_start must be in [1, {total - 1}] for {total} tokens, got {target_start}")
     targets = ids[None, target_start:]
-    # The last target is scored, never fed: the context + all but one target must fit the model.
-    check_length(model, target_start, targets.shape[1] - 1)
     out = generate(model, ids[None, :target_start], method=policy, forced_tokens=targets, return_logits=True)
     logits = torch.cat(out.logits)  # (targets, vocab), float32 on the CPU
     losses = F.cross_entropy(logits, targets[0].cpu(), reduction="none")

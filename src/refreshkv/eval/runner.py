@@ -158,7 +158,7 @@ def prepare(model, tokenizer, config: RunConfig, num_examples: int) -> list[Prep
             check_length(model, len(ids), example["max_new_tokens"])
         else:
             ids = list(example["input_ids"])
-            check_length(model, example["target_start"], len(ids) - example["target_start"] - 1)
+            check_length(model, example["target_start"], len(ids) - example["target_start"])  # as `generate` checks
         prepared.append(Prepared(example, ids))
     return prepared
 
