@@ -20,7 +20,8 @@ from refreshkv.eval.tasks.ruler import SUBTASKS, RulerTask
 pytest.importorskip("long_context_eval")
 pytest.importorskip("wonderwords")
 
-HTML_TSV_DIR = Path("/work/shared/data/longproc-html-to-tsv")
+# The project's shared data folder sits beside the repository checkout (as in CI).
+HTML_TSV_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "longproc-html-to-tsv"
 
 
 class WordTokenizer:
