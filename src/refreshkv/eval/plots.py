@@ -75,21 +75,26 @@ def ppl_ratio(groups: list[Group], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def effective_stride(groups: list[Group], path: Path) -> Path | None:
-    series = [(g, g.effective_stride()) for g in groups if not g.is_reference]
-    series = [(g, s) for g, s in series if s and all(v is not None for v in s)]
+def _per_layer(series, path: Path, ylabel: str, title: str) -> Path | None:
+    """One line per (group, values-per-layer) pair."""
     if not series:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for g, strides in series:
-        ax.plot(range(len(strides)), strides, marker="o", label=f"{g.task} L={g.length} {g.label}")
+    for g, values in series:
+        ax.plot(range(len(values)), values, marker="o", label=f"{g.task} L={g.length} {g.label}")
     ax.set_xlabel("layer")
-    ax.set_ylabel("decode steps / full-attention steps")
-    ax.set_title("Effective stride per layer")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return _save(fig, path)
+
+
+def effective_stride(groups: list[Group], path: Path) -> Path | None:
+    series = [(g, g.effective_stride()) for g in groups if not g.is_reference]
+    series = [(g, s) for g, s in series if s and all(v is not None for v in s)]
+    return _per_layer(series, path, "decode steps / full-attention steps", "Effective stride per layer")
 
 
 def recovery(groups: list[Group], path: Path) -> Path | None:
@@ -127,18 +132,7 @@ def recovery(groups: list[Group], path: Path) -> Path | None:
 def budget_per_layer(groups: list[Group], path: Path) -> Path | None:
     series = [(g, g.budget_per_layer()) for g in groups if not g.is_reference]
     series = [(g, b) for g, b in series if b and (mean(r.get("budget_ratio") for r in g.rows) or 1) < 1]
-    if not series:
-        return None
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for g, kept in series:
-        ax.plot(range(len(kept)), kept, marker="o", label=f"{g.task} L={g.length} {g.label}")
-    ax.set_xlabel("layer")
-    ax.set_ylabel("kept prompt tokens (mean over KV heads, examples)")
-    ax.set_title("Budget per layer")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return _per_layer(series, path, "kept prompt tokens (mean over KV heads, examples)", "Budget per layer")
 
 
 PLOTS = (
