@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .policy import Policy
 
 _handoff = threading.local()
+DEFAULT_NEW_TOKENS = 256
 
 
 def take_handoff(key: torch.Tensor) -> PolicyLayer | None:
@@ -116,9 +117,13 @@ class PolicyCache(Cache):
         budget_for = getattr(self.policy, "budget_for", None)
         self.budget = budget_for(self.prompt_length) if budget_for else 0
 
+    def expected_new_tokens(self) -> int:
+        """Decoded tokens to make room for: `max_new_tokens`, or a guess when it was not given (stores grow)."""
+        return self.max_new_tokens if self.max_new_tokens is not None else DEFAULT_NEW_TOKENS
+
     def capacity(self) -> int:
         """Slots a store needs to hold every token of this generation (grows beyond if the hint was short)."""
-        return self.layers[0].seen + (self.max_new_tokens if self.max_new_tokens is not None else 256)
+        return self.layers[0].seen + self.expected_new_tokens()
 
     def valid_positions(self, length: int, device) -> torch.Tensor | None:
         """(B, 1, 1, length) bool mask of real tokens among the first `length` positions, None without padding."""

@@ -19,7 +19,6 @@ from .kvstore import SlotStore
 from .policy import BudgetPolicy
 
 APPENDED = 2.0  # above any attention probability: decoded tokens outrank prompt tokens unless a method says otherwise
-DEFAULT_ROOM = 256  # decoded tokens to make room for when the cache was not told how many are coming
 
 
 @dataclasses.dataclass
@@ -50,7 +49,7 @@ class SelectionPolicy(BudgetPolicy):
 
     def slots(self, layer, kept: int) -> int:
         """Initial store size: the kept tokens plus the decoded tokens to come, within `max_slots`."""
-        wanted = kept + (layer.cache.max_new_tokens or DEFAULT_ROOM)
+        wanted = kept + layer.cache.expected_new_tokens()
         limit = self.max_slots(layer)
         return wanted if limit is None else min(wanted, limit)
 

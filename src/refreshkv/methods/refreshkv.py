@@ -40,10 +40,10 @@ from ..attention_math import (
 )
 from ..kvstore import FullStore, SlotStore
 from ..policy import BudgetPolicy, PolicyError, check_choice, check_kernel, check_positive, register
+from ..selection import APPENDED  # decoded tokens score above any probability: recycled tokens are evicted first
 
 DEFAULT_QC_STRIDE = 10
 DEFAULT_THRESHOLD = 0.85  # the paper's value for Llama-3.1-8B (A.4)
-APPENDED = 2.0  # score base of decoded tokens: above any attention probability, so recycled tokens go first
 
 
 def head_mean(query: torch.Tensor) -> torch.Tensor:
