@@ -5,7 +5,7 @@ import torch
 from conftest import random_prompt, tiny_model
 
 from refreshkv import PolicyCache, PolicyError, generate, make_policy
-from refreshkv.attention_math import aggregate_group, pool, selection_scores, top_k
+from refreshkv.core.attention_math import aggregate_group, pool, selection_scores, top_k
 
 NEW = 24
 

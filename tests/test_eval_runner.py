@@ -25,7 +25,7 @@ from refreshkv.eval.runner import (
     run_eval,
 )
 from refreshkv.eval.sweep import SweepError, load_sweep, run_sweep
-from refreshkv.policy import make_policy
+from refreshkv.core.policy import make_policy
 
 TESTS = Path(__file__).parent
 pytest.importorskip("long_context_eval")

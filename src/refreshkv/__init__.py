@@ -1,9 +1,12 @@
 """refreshkv: RefreshKV, Recycled Attention and KV-cache eviction baselines on Hugging Face transformers."""
 
-from . import attention  # noqa: F401  (registers the "refreshkv" attention implementation)
-from .cache import PolicyCache
+from .core import attention  # noqa: F401  (registers the "refreshkv" attention implementation)
+from .core.cache import PolicyCache
+from .core.policy import METHODS, Policy, PolicyError, make_policy
 from .generate import GenerationOutput, generate
 from .model import load_model
-from .policy import METHODS, Policy, PolicyError, make_policy
+from .methods import load_methods
+
+load_methods()
 
 __all__ = ["GenerationOutput", "METHODS", "Policy", "PolicyCache", "PolicyError", "generate", "load_model", "make_policy"]

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from .demo import book_text
 from .generate import check_length, generate, synchronize
-from .policy import make_policy
+from .core.policy import make_policy
 
 REFERENCE = "transformers"  # not a method: stock transformers decoding, benchmarked for reference
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .kvstore import FullStore, SlotStore
+from .core.kvstore import FullStore, SlotStore
 
 
 def _stores(state):

@@ -172,7 +172,7 @@ def generate(
 ):
     """Generate from a prompt with a KV method and report its speed and KV memory."""
     from .model import load_model
-    from .policy import make_policy
+    from .core.policy import make_policy
 
     params = method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param)
     make_policy(method, **params)  # validate before loading anything
@@ -214,9 +214,8 @@ def demo(
 def bench_methods(names: str, budget: int, param: list[str]) -> dict[str, dict]:
     """Method name -> parameters: `budget` for every method that has one, plus `--param METHOD:NAME=VALUE`."""
     from .bench import REFERENCE
-    from .policy import METHODS, make_policy
+    from .core.policy import METHODS, make_policy
 
-    make_policy("full")
     methods = {}
     for name in filter(None, (n.strip() for n in names.split(","))):
         if name == REFERENCE:
@@ -290,9 +289,8 @@ def bench(
 @app.command()
 def methods():
     """List the KV methods with their parameters and defaults."""
-    from .policy import METHODS, make_policy
+    from .core.policy import METHODS
 
-    make_policy("full")  # imports and registers every method
     table = Table(title="KV methods")
     for column in ("method", "parameters (default)", "what it does"):
         table.add_column(column)

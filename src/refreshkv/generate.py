@@ -12,9 +12,9 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from .attention import ATTENTION_NAME
-from .cache import PolicyCache
-from .policy import Policy, make_policy
+from .core.attention import ATTENTION_NAME
+from .core.cache import PolicyCache
+from .core.policy import Policy, make_policy
 
 
 @dataclasses.dataclass

@@ -100,7 +100,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
     _offline()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .attention import ATTENTION_NAME
+    from .core.attention import ATTENTION_NAME
 
     model_dir = resolve_model_dir(path)
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)

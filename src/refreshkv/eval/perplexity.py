@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..cache import PolicyCache
+from ..core.cache import PolicyCache
 from ..generate import generate
-from ..policy import Policy
+from ..core.policy import Policy
 
 
 @dataclasses.dataclass

@@ -31,9 +31,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..attention_math import attention_probs
+from ..core.attention_math import attention_probs
 from ..methods.full import Full
-from ..policy import DEFAULT_BUDGET_RATIO
+from ..core.policy import DEFAULT_BUDGET_RATIO
 from .tasks.base import Example, example_id
 from .tasks.ppl import PerplexityTask
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..budget_report import budget_report
 from ..generate import check_length, generate
-from ..policy import make_policy
+from ..core.policy import make_policy
 from .perplexity import teacher_forced
 from .recovery import RecoveryProbe, RecoveryTask, probe_for, recovery_score
 from .tasks import TASKS, get_task

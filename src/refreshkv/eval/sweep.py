@@ -28,7 +28,7 @@ import itertools
 from pathlib import Path
 
 from ..options import DTYPES
-from ..policy import make_policy
+from ..core.policy import make_policy
 from .recovery import RecoveryTask
 from .runner import RunConfig, check_task_options, find_task, model_identity, short_hash
 

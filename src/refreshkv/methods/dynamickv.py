@@ -44,10 +44,10 @@ import math
 
 import torch
 
-from ..attention_math import top_k
-from ..kvstore import SlotStore
-from ..policy import PolicyError, check_positive, register
-from ..selection import SelectionState
+from ..core.attention_math import top_k
+from ..core.kvstore import SlotStore
+from ..core.policy import PolicyError, check_positive, register
+from ..core.selection import SelectionState
 from .snapkv import SnapKV
 
 

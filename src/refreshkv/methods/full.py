@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..attention_math import decode_attention, prompt_attention
-from ..kvstore import FullStore
-from ..policy import Policy, register
+from ..core.attention_math import decode_attention, prompt_attention
+from ..core.kvstore import FullStore
+from ..core.policy import Policy, register
 
 
 @register

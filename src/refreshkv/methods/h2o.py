@@ -22,9 +22,9 @@ import dataclasses
 
 import torch
 
-from ..attention_math import AGGREGATIONS, aggregate_group, attention_probs, unpack_output
-from ..policy import PolicyError, check_choice, check_positive, register
-from ..selection import SelectionPolicy, SelectionState
+from ..core.attention_math import AGGREGATIONS, aggregate_group, attention_probs, unpack_output
+from ..core.policy import PolicyError, check_choice, check_positive, register
+from ..core.selection import SelectionPolicy, SelectionState
 
 
 def split_budget(budget: int) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..policy import PolicyError, register
+from ..core.policy import PolicyError, register
 from .snapkv import SnapKV
 
 DEFAULT_BETA = 20.0

@@ -35,9 +35,9 @@ import dataclasses
 
 import torch
 
-from ..attention_math import attention_probs
-from ..policy import PolicyError, check_choice, check_positive, register
-from ..selection import SelectionPolicy
+from ..core.attention_math import attention_probs
+from ..core.policy import PolicyError, check_choice, check_positive, register
+from ..core.selection import SelectionPolicy
 
 GROUP_REDUCTIONS = ("norm", "max")
 

@@ -29,7 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..attention_math import (
+from ..core.attention_math import (
     AGGREGATIONS,
     attention_probs,
     decode_attention,
@@ -38,9 +38,9 @@ from ..attention_math import (
     top_k,
     unpack_output,
 )
-from ..kvstore import FullStore, SlotStore
-from ..policy import BudgetPolicy, PolicyError, check_choice, check_kernel, check_positive, register
-from ..selection import APPENDED  # decoded tokens score above any probability: recycled tokens are evicted first
+from ..core.kvstore import FullStore, SlotStore
+from ..core.policy import BudgetPolicy, PolicyError, check_choice, check_kernel, check_positive, register
+from ..core.selection import APPENDED  # decoded tokens score above any probability: recycled tokens are evicted first
 
 DEFAULT_QC_STRIDE = 10
 DEFAULT_THRESHOLD = 0.85  # the paper's value for Llama-3.1-8B (A.4)

@@ -13,9 +13,9 @@ import dataclasses
 
 import torch
 
-from ..attention_math import AGGREGATIONS, attention_probs, selection_scores, top_k
-from ..policy import PolicyError, check_choice, check_kernel, check_positive, register
-from ..selection import SelectionPolicy
+from ..core.attention_math import AGGREGATIONS, attention_probs, selection_scores, top_k
+from ..core.policy import PolicyError, check_choice, check_kernel, check_positive, register
+from ..core.selection import SelectionPolicy
 
 WINDOW_SCORE = 1.0  # the observation window is always kept: score above any pooled probability
 

@@ -17,8 +17,8 @@ import dataclasses
 
 import torch
 
-from ..policy import PolicyError, register
-from ..selection import SelectionPolicy
+from ..core.policy import PolicyError, register
+from ..core.selection import SelectionPolicy
 
 
 def check_sinks(value) -> None:

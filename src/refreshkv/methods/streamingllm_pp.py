@@ -21,9 +21,9 @@ import dataclasses
 
 import torch
 
-from ..attention_math import decode_attention, prompt_attention
-from ..kvstore import FullStore
-from ..policy import BudgetPolicy, check_positive, register
+from ..core.attention_math import decode_attention, prompt_attention
+from ..core.kvstore import FullStore
+from ..core.policy import BudgetPolicy, check_positive, register
 from .streamingllm import check_sinks, effective_sinks
 
 

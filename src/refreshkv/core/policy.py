@@ -93,8 +93,6 @@ def register(cls: type[Policy]) -> type[Policy]:
 
 def make_policy(name: str, **params) -> Policy:
     """Build a method by name; parameters set to None are left at their defaults."""
-    from . import methods  # noqa: F401  (importing the package registers every method)
-
     if name not in METHODS:
         raise PolicyError(f"unknown method '{name}'; choose from: {', '.join(sorted(METHODS))}")
     cls = METHODS[name]
