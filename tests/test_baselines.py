@@ -12,7 +12,7 @@ from refreshkv import PolicyCache, PolicyError, make_policy
 from refreshkv.methods.pyramidkv import pyramid_budgets
 
 BASELINES = ["streamingllm", "streamingllm++", "h2o", "pyramidkv", "snapkv"]
-SMALL_WINDOW = {"snapkv": {"window": 8}, "pyramidkv": {"window": 8}, "h2o": {"window": 8}}
+SMALL_WINDOW = {"snapkv": {"window": 8}, "pyramidkv": {"window": 8}}
 
 
 def run(model, ids, method, mask=None, **params):
@@ -101,7 +101,7 @@ def test_streamingllm_budget_below_sinks(llama):
 
 
 def _layer(policy, length, max_new_tokens=8):
-    config = LlamaConfig(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, attn_implementation="refreshkv")
     cache = PolicyCache(policy, config, max_new_tokens)
     layer = cache.layers[0]
     layer.seen = length
@@ -136,14 +136,14 @@ def test_snapkv_selection_by_hand():
 
 
 def test_h2o_prefill_and_eviction_by_hand():
-    policy = make_policy("h2o", budget=4, window=3)
+    policy = make_policy("h2o", budget=4)
     q, k, v = _qkv(10, seed=2)
     cache, layer = _layer(policy, 10)
     cache.start(None, k)
     policy.prefill(layer, q, k, v, None, 0.35)
     store, state = layer.state.store, layer.state
     assert store.slots == 5  # K kept + the newest token
-    cumulative = _probs(q[:, :, -3:], k, 0.35).sum(dim=2).view(1, 2, 2, 10).amax(dim=2)
+    cumulative = _probs(q, k, 0.35).sum(dim=2).view(1, 2, 2, 10).amax(dim=2)  # every prompt query, causal
     for head in range(2):
         heavy = cumulative[0, head, :8].topk(2).indices.sort().values.tolist()
         assert store.positions[0, head, :4].tolist() == heavy + [8, 9]
@@ -173,7 +173,7 @@ def test_h2o_prefill_and_eviction_by_hand():
 
 def test_h2o_keeps_recent_window(llama):
     length, budget, new = 60, 10, 12
-    out = run(llama, random_prompt(length), "h2o", max_new_tokens=new, budget=budget, window=8)
+    out = run(llama, random_prompt(length), "h2o", max_new_tokens=new, budget=budget)
     last = length + new - 2
     for store in stores(out):
         assert store.slots == budget + 1
@@ -229,7 +229,7 @@ def test_short_prompt_large_budget(llama):
     ids = random_prompt(10, seed=9)
     full = run(llama, ids, "full", max_new_tokens=5)
     for method in ["streamingllm", "streamingllm++", "h2o"]:
-        out = run(llama, ids, method, max_new_tokens=5, budget=4096, **({"window": 4} if method == "h2o" else {}))
+        out = run(llama, ids, method, max_new_tokens=5, budget=4096)
         assert out.tokens == full.tokens and all(torch.isfinite(x).all() for x in out.logits)
         assert out.stats()["kv_bytes_full"] <= full.stats()["kv_bytes_full"]
 
@@ -247,8 +247,8 @@ def test_budget_ratio(llama):
     [
         ("streamingllm", {}, 30),
         ("streamingllm", {}, 10),  # shorter than the budget: empty slots until decoded tokens fill them
-        ("h2o", {"window": 8}, 30),
-        ("h2o", {"window": 8}, 10),
+        ("h2o", {}, 30),
+        ("h2o", {}, 10),
         ("streamingllm++", {"stride": 4}, 30),
         ("streamingllm++", {"stride": 4}, 10),
         ("pyramidkv", {"window": 8}, 30),
@@ -283,11 +283,10 @@ def test_batch_equals_rows(llama, method, params, short_length):
         ("pyramidkv", {"kernel": 0}, "kernel"),
         ("pyramidkv", {"beta": 0.5}, "beta"),
         ("h2o", {"aggregation": "sum"}, "max, mean, first"),
-        ("h2o", {"window": 0}, "window"),
         ("streamingllm", {"sinks": -1}, "sinks"),
         ("streamingllm++", {"stride": 0}, "stride"),
         ("streamingllm", {"window": 8}, "budget, budget_ratio, sinks"),
-        ("h2o", {"kernel": 7}, "budget, budget_ratio, window, aggregation"),
+        ("h2o", {"window": 7}, "budget, budget_ratio, aggregation"),
         ("streamingllm++", {"threshold": 0.5}, "sinks, stride"),
     ],
 )
@@ -299,7 +298,7 @@ def test_bad_parameters(llama, method, params, words):
         refreshkv.generate(llama, random_prompt(20), method=method, max_new_tokens=2, **params)
 
 
-@pytest.mark.parametrize("method", ["h2o", "pyramidkv"])
+@pytest.mark.parametrize("method", ["snapkv", "pyramidkv", "refreshkv", "dynamickv"])
 def test_window_larger_than_prompt(llama, method):
     with pytest.raises(PolicyError, match="window") as error:
         refreshkv.generate(llama, random_prompt(12), method=method, max_new_tokens=2, window=16)

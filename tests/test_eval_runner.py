@@ -333,18 +333,16 @@ def test_ppl_rows_and_ratio_by_position(tmp_path, model):
 def test_recovery_is_one_with_a_budget_covering_the_prefix_and_topk_beats_streaming_at_offset_zero(model):
     ids = random_prompt(200, seed=7)[0]
     prefix = RecoveryProbe(top_k=181, steps=5)  # step t sees t + 1 = 181 keys: its top-K is all of them
-    teacher_forced(model, ids[:190], 180, prefix)
-    result = prefix.result()
+    result = prefix.result(teacher_forced(model, ids[:190], 180, prefix).cache)
     assert len(result["topk"]) == 3 and all(len(layer) == 6 for layer in result["topk"])
     assert all(abs(v - 1.0) < 1e-5 for layer in result["topk"] for v in layer)
     # StreamingLLM's K-slot cache starts evicting after step t; with K above every step's keys it keeps all
     assert all(abs(layer[0] - 1.0) < 1e-5 and layer[-1] < 1 for layer in result["streaming"])
     everything = RecoveryProbe(top_k=200, steps=5)
-    teacher_forced(model, ids[:190], 180, everything)
-    assert all(abs(v - 1.0) < 1e-5 for kind in ("topk", "streaming") for layer in everything.result()[kind] for v in layer)
+    result = everything.result(teacher_forced(model, ids[:190], 180, everything).cache)
+    assert all(abs(v - 1.0) < 1e-5 for kind in ("topk", "streaming") for layer in result[kind] for v in layer)
     small = RecoveryProbe(top_k=16, steps=5)
-    teacher_forced(model, ids[:190], 180, small)
-    result = small.result()
+    result = small.result(teacher_forced(model, ids[:190], 180, small).cache)
     for topk, streaming in zip(result["topk"], result["streaming"]):
         assert streaming[0] <= topk[0] + 1e-6
         assert all(0 < v < 1 for v in topk + streaming)

@@ -1,10 +1,9 @@
-"""What a method actually kept of the prompt: counted from the stores' positions, for any method.
+"""What a method actually kept of the prompt: counted from each layer state's `kept()` positions, for any method.
 
 `budget_report(cache)` (call it after `generate`; it reads `output.cache`) counts, per layer, row and KV head, the
-valid prompt positions still in the cache: position >= the row's left-pad count and < the (padded) prompt length.
-A `FullStore` anywhere in a layer's state (full, refreshkv/recycled's C_f, ...) means the whole prompt is kept.
-Otherwise the layer's `SlotStore` (the state's `store`, or the first SlotStore attribute) is counted. Methods that
-evict prompt tokens while decoding report what remains at the time of the call.
+valid prompt positions the layer holds: position >= the row's left-pad count and < the (padded) prompt length.
+Methods that keep the full cache (full, refreshkv/recycled's C_f, ...) report the whole prompt; methods that evict
+prompt tokens while decoding report what remains at the time of the call.
 
 - `budget_ratio`: kept prompt tokens / prompt tokens, summed over layers, rows and KV heads;
 - `budget_per_layer`: mean kept tokens per layer (mean over rows and heads);
@@ -16,53 +15,18 @@ from __future__ import annotations
 
 import torch
 
-from .core.kvstore import FullStore, SlotStore
-
-
-def _stores(state):
-    if isinstance(state, (FullStore, SlotStore)):
-        return [state]
-    fields = vars(state) if hasattr(state, "__dict__") else {}
-    ordered = ([fields["store"]] if "store" in fields else []) + list(fields.values())
-    return [value for value in ordered if isinstance(value, (FullStore, SlotStore))]
-
-
-def _kept(state, length: int, pads: torch.Tensor | None, batch: int) -> torch.Tensor:
-    """(B, Hkv) kept prompt tokens of one layer."""
-    stores = _stores(state)
-    if not stores:
-        raise ValueError(
-            f"cannot read a KV store from layer state of type {type(state).__name__}"
-        )
-    pad = torch.zeros(batch, dtype=torch.long) if pads is None else pads.long().cpu()
-    full = next((s for s in stores if isinstance(s, FullStore)), None)
-    if full is not None:
-        return (length - pad).view(-1, 1).expand(batch, full.keys.shape[1]).clone()
-    positions = stores[0].positions.cpu()
-    valid = (positions >= pad.view(-1, 1, 1)) & (positions < length)
-    return valid.sum(-1)
-
 
 def budget_report(cache) -> dict:
-    """Kept prompt tokens per layer and KV head after prefill (see the module docstring)."""
+    """Kept prompt tokens per layer and KV head (see the module docstring)."""
     states = [layer.state for layer in cache.layers]
     if any(state is None for state in states):
         raise ValueError("the cache has not been prefilled")
-    pads = cache.pads
-    length = cache.prompt_length + (
-        int(pads.min()) if pads is not None else 0
-    )  # padded prompt length
-    first = _stores(states[0])
-    batch = first[0].keys.shape[0] if first else 1
-    prompt = (
-        length
-        - (
-            pads.long().cpu()
-            if pads is not None
-            else torch.zeros(batch, dtype=torch.long)
-        )
-    ).tolist()
-    kept = [_kept(state, length, pads, batch) for state in states]  # each (B, Hkv)
+    kept_positions = [state.kept().cpu() for state in states]  # each (B, Hkv, n)
+    batch = kept_positions[0].shape[0]
+    pads = torch.zeros(batch, dtype=torch.long) if cache.pads is None else cache.pads.long().cpu()
+    length = cache.prompt_length + int(pads.min())  # padded prompt length
+    prompt = (length - pads).tolist()
+    kept = [((p >= pads.view(-1, 1, 1)) & (p < length)).sum(-1) for p in kept_positions]  # each (B, Hkv)
     total_prompt = sum(prompt)
     kept_all = sum(int(k.sum()) for k in kept)
     prompt_slots = sum(total_prompt * k.shape[1] for k in kept)

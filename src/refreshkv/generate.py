@@ -12,7 +12,6 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from .core.attention import ATTENTION_NAME
 from .core.cache import PolicyCache
 from .core.policy import Policy, make_policy
 
@@ -117,11 +116,11 @@ def generate(
         max_new_tokens, eos_token_id = forced_tokens.shape[1], []
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if model.config._attn_implementation != ATTENTION_NAME:
-        model.set_attn_implementation(ATTENTION_NAME)
     device = input_ids.device
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    if not bool(attention_mask.any(dim=-1).all()):
+        raise ValueError("every row of attention_mask needs at least one real token (a row of zeros is an empty prompt)")
     padded = bool((attention_mask == 0).any())
     check_length(model, int(attention_mask.sum(-1).max()), max_new_tokens)
     if eos_token_id is None:
@@ -129,7 +128,7 @@ def generate(
     eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).flatten()
     generator = None if seed is None else torch.Generator(device).manual_seed(seed)
 
-    cache = PolicyCache(policy, model.config, max_new_tokens)
+    cache = PolicyCache(policy, model, max_new_tokens)
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     bar = tqdm(total=max_new_tokens, desc=f"{policy.name}: prefill {input_ids.shape[1]} tokens", unit="tok",
                disable=not progress, leave=False)

@@ -11,9 +11,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .cache import take_handoff
-
-ATTENTION_NAME = "refreshkv"
+from .cache import ATTENTION_NAME, take_handoff
 
 
 def policy_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

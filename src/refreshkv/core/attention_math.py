@@ -37,11 +37,29 @@ def prompt_attention(query, key, value, mask, scaling: float) -> torch.Tensor:
 
 
 def decode_attention(query, keys, values, scaling: float, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token over a KV-head-sized cache, without repeating keys per query head."""
-    kv_heads = keys.shape[1]
-    mask = None if valid is None else valid.view(valid.shape[0], -1, 1, keys.shape[2])
+    """The q newest tokens' queries over a KV-head-sized cache that ends with them, without repeating keys per query
+    head; with q > 1 (assisted decoding's drafted tokens) each query sees the keys up to itself."""
+    kv_heads, n, q_len = keys.shape[1], keys.shape[2], query.shape[2]
+    mask = None if valid is None else valid.reshape(valid.shape[0], -1, 1, n)
+    if q_len > 1:
+        # Packed rows are ordered (group member, query position): row r is query r % q, at key position n - q + r % q.
+        rows = torch.arange(q_len, device=keys.device).repeat(query.shape[1] // kv_heads)
+        causal = torch.arange(n, device=keys.device) <= (n - q_len + rows)[:, None]
+        mask = causal if mask is None else mask & causal
     output = F.scaled_dot_product_attention(pack_queries(query, kv_heads), keys, values, attn_mask=mask, scale=scaling)
     return unpack_output(output, query.shape[1])
+
+
+def attend_with_probs(query, keys, values, scaling: float, valid: torch.Tensor | None = None):
+    """One query token over a KV-head-sized cache, keeping the probabilities for methods that score with them.
+
+    Returns the attention output (as `decode_attention`) and the float32 probabilities (B, Hkv, G, n).
+    """
+    probs = attention_probs(query, keys, scaling, valid)  # (B, Hkv, G, 1, n)
+    batch, kv_heads, group, _, n = probs.shape
+    probs = probs.view(batch, kv_heads, group, n)
+    output = torch.matmul(probs.to(values.dtype), values)  # (B, Hkv, G, D)
+    return unpack_output(output, query.shape[1]), probs
 
 
 def attention_probs(
@@ -93,14 +111,20 @@ def selection_scores(probs: torch.Tensor, kernel: int, how: str) -> torch.Tensor
     return aggregate_group(pool(probs.mean(dim=3), kernel), how)
 
 
-def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices (B, H, k) of the k highest scores (non-negative, or -inf for excluded), in position order.
+def ranked(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (..., k) of the k highest scores (non-negative, or -inf for excluded), highest first.
 
-    Ties, which max-pooling makes common, go to the earlier position, so the choice does not depend on left padding
-    or on the sort kernel. One integer top-k does it: a non-negative float's bits order like the float, so
-    bits * n + (n - 1 - position) orders by score, then by earlier position (4x faster than a stable sort).
+    Ties, which max-pooling makes common, go to the earlier position, so the choice does not depend on left padding,
+    on how many are taken or on the sort kernel. One integer top-k does it: a non-negative float's bits order like
+    the float, so bits * n + (n - 1 - position) orders by score, then by earlier position (4x faster than a stable
+    sort).
     """
     length = scores.shape[-1]
     bits = (scores.float() + 0.0).contiguous().view(torch.int32).long()  # + 0.0 turns -0.0 into 0.0
     tie_break = torch.arange(length - 1, -1, -1, device=scores.device)
-    return (bits * length + tie_break).topk(k, dim=-1).indices.sort(dim=-1).values
+    return (bits * length + tie_break).topk(k, dim=-1).indices
+
+
+def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`ranked`'s k indices in position order (what a store keeps)."""
+    return ranked(scores, k).sort(dim=-1).values

@@ -3,8 +3,14 @@
 transformers calls `Cache.update(key, value, layer_idx)` and then the attention function with the query. Methods need
 the query (to score tokens), so `PolicyLayer.update` only records the new key/value and hands the layer over to the
 attention function registered in attention.py, which calls `PolicyLayer.attend`; the policy stores, selects and
-attends. The same object therefore works in this library's decode loop and in `model.generate(past_key_values=...)`
-for a model loaded with `attn_implementation="refreshkv"`.
+attends. The same object therefore works in this library's decode loop and in `model.generate(past_key_values=...)`:
+built from a model, the cache switches it to the "refreshkv" attention (which is plain SDPA without a PolicyCache);
+built from a config, it refuses one whose model would not hand it the layers. A handoff that is never taken (a
+model whose attention bypasses the registered function) is an error at the next layer, never a silent wrong answer.
+
+Beam search (`reorder_cache`, `batch_repeat_interleave`, `batch_select_indices`) reorders every layer's state
+(`LayerState.select_rows`); `reset` empties the cache for a new generation; `crop` is done by the method (only
+`full` can: the others have dropped tokens).
 """
 
 from __future__ import annotations
@@ -14,19 +20,34 @@ import threading
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .policy import Policy
+from .policy import Policy, PolicyError
 
-_handoff = threading.local()
+ATTENTION_NAME = "refreshkv"
 DEFAULT_NEW_TOKENS = 256
+_handoff = threading.local()
 
 
 def take_handoff(key: torch.Tensor) -> PolicyLayer | None:
     """The layer whose `update` produced `key`, if any (plain attention otherwise, e.g. without a PolicyCache)."""
     layer = getattr(_handoff, "layer", None)
     _handoff.layer = None
-    if layer is not None and layer.pending is key:
-        return layer
-    return None
+    if layer is not None and layer.pending is not key:
+        raise RuntimeError(
+            f"layer {layer.layer_idx}'s attention received other keys than its cache update returned; method "
+            f"'{layer.cache.policy.name}' cannot run on this model's attention"
+        )
+    return layer
+
+
+def _check_handoff_taken() -> None:
+    missed = getattr(_handoff, "layer", None)
+    if missed is not None:
+        _handoff.layer = None
+        raise RuntimeError(
+            f"layer {missed.layer_idx}'s attention did not go through the '{ATTENTION_NAME}' attention function, so "
+            f"method '{missed.cache.policy.name}' never ran; the model's attention modules must call transformers' "
+            "attention interface"
+        )
 
 
 class PolicyLayer(CacheLayerMixin):
@@ -37,13 +58,19 @@ class PolicyLayer(CacheLayerMixin):
         self.cache = cache
         self.layer_idx = layer_idx
         self.seen = 0  # tokens processed, counting left padding
-        self.state = None  # the policy's per-layer state, set at prefill
+        self.state = None  # the policy's LayerState, set at prefill
         self.pending = None
+        self.recorded = False
+
+    @property
+    def is_croppable(self) -> bool:
+        return type(self.cache.policy).crop is not Policy.crop
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
+        _check_handoff_taken()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.layer_idx == 0 and self.seen > 0:
@@ -60,9 +87,13 @@ class PolicyLayer(CacheLayerMixin):
             if self.layer_idx == 0:
                 self.cache.start(mask, key)
             return policy.prefill(self, query, key, value, mask, scaling)
-        if query.shape[2] != 1:
-            raise ValueError(f"method '{policy.name}' decodes one token per step after the prompt, got {query.shape[2]}")
-        return policy.decode(self, query, key, value, scaling)
+        if query.shape[2] != 1 and not self.is_croppable:
+            raise PolicyError(f"method '{policy.name}' decodes one token per step after the prompt, got {query.shape[2]}")
+        self.recorded = False
+        output = policy.decode(self, query, key, value, scaling)
+        if not self.recorded:
+            raise RuntimeError(f"method '{policy.name}' decoded without calling layer.record(...)")
+        return output
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
@@ -73,11 +104,37 @@ class PolicyLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def reset(self) -> None:
+        self.seen, self.state, self.pending = 0, None, None
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.state is not None:
+            self.state.select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.state is not None:
+            rows = torch.arange(self.cache.batch_rows(), device=self.cache.device())
+            self.state.select_rows(rows.repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.state is not None:
+            self.state.select_rows(torch.as_tensor(indices, device=self.cache.device()).long())
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or self.state is None:
+            return
+        self.cache.policy.crop(self, -tokens_to_remove)
+        self.seen += tokens_to_remove
+
     def record(self, full_fraction: float, attended_bytes: int) -> None:
         """Statistics of one decode step of this layer: share of rows that attended fully, bytes of K/V read."""
         stats = self.cache.stats
         stats.full_steps[self.layer_idx] += full_fraction
         stats.attended_bytes += attended_bytes
+        self.recorded = True
 
 
 class DecodeStats:
@@ -87,24 +144,47 @@ class DecodeStats:
 
 
 class PolicyCache(Cache):
-    """The KV cache of one generation under `policy`. `max_new_tokens` lets stores preallocate their final size."""
+    """The KV cache of one generation under `policy`. `max_new_tokens` lets stores preallocate their final size.
 
-    def __init__(self, policy: Policy, config, max_new_tokens: int | None = None):
+    `model_or_config`: a model (switched to the "refreshkv" attention implementation, which is plain SDPA whenever
+    no PolicyCache is passed) or its config (which must already use that implementation).
+    """
+
+    def __init__(self, policy: Policy, model_or_config, max_new_tokens: int | None = None):
+        if hasattr(model_or_config, "set_attn_implementation"):
+            if model_or_config.config._attn_implementation != ATTENTION_NAME:
+                model_or_config.set_attn_implementation(ATTENTION_NAME)
+            config = model_or_config.config
+        else:
+            config = model_or_config
+        if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
+            raise PolicyError(
+                f"the model uses attn_implementation={getattr(config, '_attn_implementation', None)!r}; a PolicyCache "
+                f"needs '{ATTENTION_NAME}': pass the model itself (PolicyCache(policy, model)), call "
+                f"model.set_attn_implementation('{ATTENTION_NAME}'), or load it with refreshkv.load_model"
+            )
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_layers = text_config.num_hidden_layers
         super().__init__(layers=[PolicyLayer(self, i) for i in range(self.num_layers)])
         self.policy = policy
         self.max_new_tokens = max_new_tokens
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty the cache for a new generation (same policy, same announced length)."""
+        for layer in self.layers:
+            layer.reset()
         self.step = 0  # decode steps taken after the prompt
         self.pads: torch.Tensor | None = None  # (B,) left-pad count per row, None without padding
-        self.prompt_length = 0
+        self.prompt_length = 0  # the longest row's real prompt
         self.budget = 0
         self.stats = DecodeStats(self.num_layers)
 
     def start(self, mask: torch.Tensor | None, key: torch.Tensor) -> None:
-        """Read the prompt's padding from the prefill mask and resolve the method's budget."""
+        """Read the prompt's padding from the prefill mask, check the prompt against the method, resolve its budget."""
         length = key.shape[2]
         self.prompt_length = length
+        shortest = length
         if mask is not None:
             last_row = mask[:, 0, -1, :].to(torch.bool)
             pads = (~last_row).sum(-1)
@@ -114,8 +194,31 @@ class PolicyCache(Cache):
             if int(pads.max()) > 0:
                 self.pads = pads
                 self.prompt_length = length - int(pads.min())
+                shortest = length - int(pads.max())
+        self.policy.check_prompt(shortest)
         budget_for = getattr(self.policy, "budget_for", None)
         self.budget = budget_for(self.prompt_length) if budget_for else 0
+
+    def device(self) -> torch.device:
+        return next(layer.state for layer in self.layers if layer.state is not None).kept().device
+
+    def batch_rows(self) -> int:
+        return next(layer.state for layer in self.layers if layer.state is not None).kept().shape[0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.pads is not None:
+            self.pads = self.pads.index_select(0, beam_idx.to(self.pads.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.pads is not None:
+            self.pads = self.pads.repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.pads is not None:
+            self.pads = self.pads[indices]
 
     def expected_new_tokens(self) -> int:
         """Decoded tokens to make room for: `max_new_tokens`, or a guess when it was not given (stores grow)."""

@@ -6,6 +6,9 @@
   position (-1 = empty). Methods overwrite slots in place (scatter) instead of concatenating.
 
 Positions are indices into the (left-padded) input; a slot is valid when its position is >= the row's pad count.
+
+`LayerState` is the base of every per-layer state (a store is one too): it says what it holds (`nbytes`), which
+positions it keeps (`kept`), and follows beam search (`select_rows`), so the cache never has to look inside it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,28 @@ def _bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class FullStore:
+class LayerState:
+    """What a method keeps for one layer. The rule that makes `select_rows` generic: every tensor attribute is
+    batch-first (one entry per row), and every other attribute is shared by all rows or is itself a LayerState."""
+
+    def nbytes(self) -> int:
+        """Bytes of keys and values held."""
+        raise NotImplementedError
+
+    def kept(self) -> torch.Tensor:
+        """(B, Hkv, n) positions of the tokens held per KV head, -1 for an empty slot."""
+        raise NotImplementedError
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (B',) of the batch, in that order (beam search reorders and repeats rows)."""
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.index_select(0, index.to(value.device)))
+            elif isinstance(value, LayerState):
+                value.select_rows(index)
+
+
+class FullStore(LayerState):
     def __init__(self, like: torch.Tensor, capacity: int):
         batch, heads, _, head_dim = like.shape
         self.keys = like.new_empty(batch, heads, capacity, head_dim)
@@ -42,14 +66,22 @@ class FullStore:
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
+    def crop(self, tokens: int) -> None:
+        """Forget the last `tokens` tokens (assisted decoding rejects drafted tokens)."""
+        self.length -= tokens
+
     def nbytes(self) -> int:
         return _bytes(self.keys, self.values)
 
     def attended_bytes(self) -> int:
         return self.nbytes() * self.length // self.keys.shape[2]
 
+    def kept(self) -> torch.Tensor:
+        batch, heads = self.keys.shape[:2]
+        return torch.arange(self.length, device=self.keys.device).expand(batch, heads, -1)
 
-class SlotStore:
+
+class SlotStore(LayerState):
     def __init__(self, like: torch.Tensor, slots: int):
         batch, heads, _, head_dim = like.shape
         self.keys = like.new_zeros(batch, heads, slots, head_dim)
@@ -89,3 +121,6 @@ class SlotStore:
 
     def nbytes(self) -> int:
         return _bytes(self.keys, self.values)
+
+    def kept(self) -> torch.Tensor:
+        return self.positions

@@ -1,9 +1,11 @@
 """The protocol every KV method implements, its parameters, and the registry by name.
 
 A method is a dataclass of its parameters (validated in `__post_init__`) with two hooks called by the attention
-function for each layer: `prefill` (the prompt; must return the attention output and set up the layer's state) and
-`decode` (one new token). State lives on the `PolicyLayer` the hook receives (`layer.state`), so one policy object
-serves all layers of a cache.
+function for each layer: `prefill` (the prompt; must return the attention output and set `layer.state` to a
+`LayerState`) and `decode` (one new token; must call `layer.record` once). Everything a generation accumulates lives
+on the `PolicyLayer` the hook receives (`layer.state`) or on its cache, never on the policy object, so one policy
+object serves all layers of a cache and any number of generations, interleaved or not. docs/adding-a-method.md
+states the rest of the contract.
 """
 
 from __future__ import annotations
@@ -35,6 +37,19 @@ class Policy:
     def decode(self, layer: PolicyLayer, query, key, value, scaling: float) -> torch.Tensor:
         raise NotImplementedError
 
+    def check_prompt(self, shortest: int) -> None:
+        """Refuse (PolicyError) a batch whose shortest real prompt has `shortest` tokens if the method cannot work
+        on it (e.g. a window longer than the prompt); called once per generation, before any layer's prefill."""
+
+    def crop(self, layer: PolicyLayer, tokens: int) -> None:
+        """Forget the last `tokens` tokens (transformers' assisted decoding); only a method that never evicts can."""
+        raise PolicyError(f"method '{self.name}' cannot crop its cache (it drops tokens); only 'full' can")
+
+    @classmethod
+    def keep_everything(cls) -> dict[str, object]:
+        """Parameters under which the method keeps and attends to every token, so it must equal `full`."""
+        return {}
+
     @classmethod
     def parameters(cls) -> dict[str, object]:
         """Parameter names and defaults, for `refreshkv methods` and validation."""
@@ -54,16 +69,30 @@ class BudgetPolicy(Policy):
     def __post_init__(self):
         if self.budget is not None and self.budget_ratio is not None:
             raise PolicyError("give either budget or budget_ratio, not both")
-        if self.budget is not None and (not isinstance(self.budget, int) or self.budget <= 0):
-            raise PolicyError(f"budget must be a positive integer number of tokens, got {self.budget!r}")
-        if self.budget_ratio is not None and not (0 < self.budget_ratio <= 1):
-            raise PolicyError(f"budget_ratio must be in (0, 1], got {self.budget_ratio!r}")
+        check_positive("budget", self.budget, allow_none=True)
+        if self.budget_ratio is not None and not (is_number(self.budget_ratio) and 0 < self.budget_ratio <= 1):
+            raise PolicyError(f"budget_ratio must be a number in (0, 1], got {self.budget_ratio!r}")
+
+    @classmethod
+    def keep_everything(cls) -> dict[str, object]:
+        return {"budget": 1 << 20}
 
     def budget_for(self, prompt_length: int) -> int:
         if self.budget is not None:
             return self.budget
         ratio = DEFAULT_BUDGET_RATIO if self.budget_ratio is None else self.budget_ratio
         return max(1, math.ceil(ratio * prompt_length))
+
+
+def is_number(value) -> bool:
+    """A finite int or float (not a bool, not text)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_window(name: str, window: int, prompt_length: int) -> None:
+    """The one rule for observation windows: every row's prompt must hold the whole window."""
+    if window > prompt_length:
+        raise PolicyError(f"{name} ({window}) is larger than the prompt ({prompt_length} tokens)")
 
 
 def check_positive(name: str, value, allow_none: bool = False) -> None:
@@ -74,7 +103,7 @@ def check_positive(name: str, value, allow_none: bool = False) -> None:
 
 
 def check_kernel(value) -> None:
-    if not isinstance(value, int) or value < 1 or value % 2 == 0:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value % 2 == 0:
         raise PolicyError(f"kernel must be an odd integer >= 1, got {value!r}")
 
 

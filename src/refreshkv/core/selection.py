@@ -3,7 +3,9 @@
 At prefill a method's `select` picks, per KV head, which prompt tokens to keep (and their eviction scores); only
 those are stored (a `SlotStore` at KV-head size: real memory savings, no masking of evicted tokens). Each decoded
 token is then appended; once the store is full it takes the slot of the lowest eviction score. Methods differ in
-`select`, in the store's size (`slots`) and in the score given to appended tokens (`appended_score`).
+`select`, in the store's size (`slots`) and in the score given to appended tokens (`appended_score`); a method that
+scores tokens by the current query's attention (H2O, TOVA) overrides `observe`, which then receives the decode
+step's probabilities.
 Heads may keep different numbers of tokens: `select` marks unused entries with index -1, which are stored as empty
 slots and masked (padding only up to the largest head of the layer).
 """
@@ -14,22 +16,56 @@ import dataclasses
 
 import torch
 
-from .attention_math import decode_attention, prompt_attention
-from .kvstore import SlotStore
+from .attention_math import attend_with_probs, decode_attention, prompt_attention
+from .kvstore import LayerState, SlotStore
 from .policy import BudgetPolicy
 
 APPENDED = 2.0  # above any attention probability: decoded tokens outrank prompt tokens unless a method says otherwise
 
 
 @dataclasses.dataclass
-class SelectionState:
+class SelectionState(LayerState):
+    """A store of selected tokens with one eviction score per slot (-inf = empty slot)."""
+
     store: SlotStore
-    scores: torch.Tensor  # (B, Hkv, slots) float32 eviction score; -inf = empty slot
+    scores: torch.Tensor  # (B, Hkv, slots) float32 eviction score
     filled: int  # slots filled in every row and head; below the slot count some must be masked
     empty: int  # empty slots left in every row and head (decoded tokens fill these before anything is evicted)
 
+    @classmethod
+    def empty_like(cls, key: torch.Tensor, slots: int) -> SelectionState:
+        store = SlotStore(key, slots)
+        return cls(store, torch.full(store.positions.shape, float("-inf"), device=key.device), 0, slots)
+
     def nbytes(self) -> int:
         return self.store.nbytes()
+
+    def kept(self) -> torch.Tensor:
+        return self.store.positions
+
+    def load(self, keys, values, index: torch.Tensor, scores: torch.Tensor) -> None:
+        """Hold the tokens at `index` (B, Hkv, k; -1 = none) of keys/values with their scores; empty the rest."""
+        kept = index.shape[-1]
+        self.store.load(keys, values, index.clamp(min=0), index)
+        self.scores[..., :kept] = scores.float().masked_fill(index < 0, float("-inf"))
+        self.scores[..., kept:] = float("-inf")
+        # With ragged heads (some index -1), mask until every slot has been written once.
+        self.filled = kept if bool((index >= 0).all()) else 0
+        self.empty = self.store.slots - kept
+
+    def put(self, eviction_scores: torch.Tensor, key, value, position: int, score: float) -> None:
+        """Write one token into each head's lowest-scored slot (an empty one while there is room)."""
+        slot = eviction_scores.argmin(dim=-1)
+        self.store.put(slot, key, value, position)
+        self.scores.scatter_(-1, slot.unsqueeze(-1), score)
+        self.filled = min(self.filled + 1, self.store.slots)
+        self.empty = max(self.empty - 1, 0)
+
+    def valid(self, pads: torch.Tensor | None) -> torch.Tensor | None:
+        """(B, Hkv, slots) mask of the slots to attend to, or None when every slot holds a real token."""
+        if pads is None and self.filled >= self.store.slots:
+            return None
+        return self.store.valid(pads)
 
     def grow(self, extra: int) -> None:
         self.store.grow(extra)
@@ -60,17 +96,22 @@ class SelectionPolicy(BudgetPolicy):
         """(B, Hkv, slots): the decoded token replaces the minimum (empty slots are -inf, so they go first)."""
         return layer.state.scores
 
+    def observe(self, layer, probs: torch.Tensor) -> None:
+        """Called after each decode step with the step's attention probabilities (B, Hkv, G, slots), float32.
+
+        Only methods that override it pay for the probabilities; the others attend with one fused SDPA call.
+        """
+
+    def store_selection(self, layer, key, value, index, scores) -> SelectionState:
+        """A state holding the selected prompt tokens, sized for the decoded tokens to come."""
+        state = SelectionState.empty_like(key, self.slots(layer, index.shape[-1]))
+        state.load(key, value, index, scores)
+        return state
+
     def prefill(self, layer, query, key, value, mask, scaling):
-        cache = layer.cache
-        index, scores = self.select(layer, query, key, scaling, cache.valid_positions(key.shape[2], key.device))
-        kept = index.shape[-1]
-        store = SlotStore(key, self.slots(layer, kept))
-        store.load(key, value, index.clamp(min=0), index)
-        store_scores = torch.full(store.positions.shape, float("-inf"), device=key.device)
-        store_scores[..., :kept] = scores.float().masked_fill(index < 0, float("-inf"))
-        # With ragged heads (some index -1), mask until every slot has been written once.
-        filled = kept if bool((index >= 0).all()) else 0
-        layer.state = SelectionState(store, store_scores, filled, empty=store.slots - kept)
+        valid = layer.cache.valid_positions(key.shape[2], key.device)
+        index, scores = self.select(layer, query, key, scaling, valid)
+        layer.state = self.store_selection(layer, key, value, index, scores)
         return prompt_attention(query, key, value, mask, scaling)
 
     def append(self, layer, key, value) -> None:
@@ -84,20 +125,15 @@ class SelectionPolicy(BudgetPolicy):
         if state.empty == 0 and (limit is None or state.store.slots < limit):
             slots = state.store.slots
             state.grow((2 * slots if limit is None else min(2 * slots, limit)) - slots)
-        slot = self.eviction_scores(layer).argmin(dim=-1)
-        state.store.put(slot, key, value, layer.seen - 1)
-        state.scores.scatter_(-1, slot.unsqueeze(-1), self.appended_score(layer))
-        state.filled = min(state.filled + 1, state.store.slots)
-        state.empty = max(state.empty - 1, 0)
-
-    def valid_slots(self, layer) -> torch.Tensor | None:
-        state: SelectionState = layer.state
-        if layer.cache.pads is None and state.filled >= state.store.slots:
-            return None
-        return state.store.valid(layer.cache.pads)
+        state.put(self.eviction_scores(layer), key, value, layer.seen - 1, self.appended_score(layer))
 
     def decode(self, layer, query, key, value, scaling):
         self.append(layer, key, value)
-        store = layer.state.store
-        layer.record(0.0, store.nbytes())
-        return decode_attention(query, store.keys, store.values, scaling, self.valid_slots(layer))
+        state: SelectionState = layer.state
+        layer.record(0.0, state.store.nbytes())
+        valid = state.valid(layer.cache.pads)
+        if type(self).observe is SelectionPolicy.observe:
+            return decode_attention(query, state.store.keys, state.store.values, scaling, valid)
+        output, probs = attend_with_probs(query, state.store.keys, state.store.values, scaling, valid)
+        self.observe(layer, probs)
+        return output

@@ -15,7 +15,7 @@ Both are means over query heads. With K >= t + 1 both caches hold every token an
 top-K set is the optimal set of size K, so its recovery is >= StreamingLLM's.
 
 Only the current query's probabilities are computed (`attention_probs`, never L x L): `RecoveryProbe` is `full`
-with a decode hook that measures after attending.
+with a decode hook that measures after attending; the measurements live in each layer's store.
 
 Options: `paths` (UTF-8 text files; default: the bundled Pride and Prejudice opening), `budget` (K in tokens) or
 `budget_ratio` (K = ceil(ratio * length), default 1/8 as in the seeds), `steps` (S, default 10), `sinks` (4).
@@ -31,7 +31,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..core.attention_math import attention_probs
+from ..core.attention_math import attention_probs, prompt_attention
+from ..core.kvstore import FullStore
 from ..methods.full import Full
 from ..core.policy import DEFAULT_BUDGET_RATIO
 from .tasks.base import Example, example_id
@@ -90,6 +91,16 @@ class RecoveryTask:
         raise NotImplementedError("recovery examples are scored from attention: see refreshkv.eval.recovery")
 
 
+class RecoveryStore(FullStore):
+    """`full`'s store plus what the probe measures in this layer (the probe object itself holds no run state)."""
+
+    def __init__(self, like: torch.Tensor, capacity: int):
+        super().__init__(like, capacity)
+        self.chosen: torch.Tensor | None = None  # (query heads, n0) bool: step t's top-K
+        self.topk: list[float] = []  # recovery at offsets 0..steps
+        self.streaming: list[float] = []
+
+
 @dataclasses.dataclass
 class RecoveryProbe(Full):
     """`full` attention that also measures attention-mass recovery at decode steps 0..steps (batch of one)."""
@@ -97,9 +108,11 @@ class RecoveryProbe(Full):
     top_k: int = 1
     steps: int = 10
     sinks: int = 4
-    topk: dict = dataclasses.field(default_factory=dict)  # layer -> [recovery at offset 0..steps]
-    streaming: dict = dataclasses.field(default_factory=dict)
-    _chosen: dict = dataclasses.field(default_factory=dict)  # layer -> (heads, n0) bool: step t's top-K
+
+    def prefill(self, layer, query, key, value, mask, scaling):
+        layer.state = RecoveryStore(key, layer.cache.capacity())
+        layer.state.append(key, value)
+        return prompt_attention(query, key, value, mask, scaling)
 
     def decode(self, layer, query, key, value, scaling):
         output = super().decode(layer, query, key, value, scaling)
@@ -108,15 +121,14 @@ class RecoveryProbe(Full):
             return output
         if query.shape[0] != 1:
             raise ValueError("recovery is measured one example at a time")
-        keys, _ = layer.state.view()
+        store: RecoveryStore = layer.state
+        keys, _ = store.view()
         n = keys.shape[2]
         probs = attention_probs(query, keys, scaling)[0].reshape(-1, n)  # (query heads, n), float32
-        index = layer.layer_idx
         if offset == 0:
-            chosen = torch.zeros_like(probs, dtype=torch.bool)
-            chosen.scatter_(1, probs.topk(min(self.top_k, n), dim=-1).indices, True)
-            self._chosen[index] = chosen
-        chosen = self._chosen[index]
+            store.chosen = torch.zeros_like(probs, dtype=torch.bool)
+            store.chosen.scatter_(1, probs.topk(min(self.top_k, n), dim=-1).indices, True)
+        chosen = store.chosen
         decoded_since = probs[:, chosen.shape[1] :].sum(-1)
         topk = (probs[:, : chosen.shape[1]] * chosen).sum(-1) + decoded_since
         sinks = max(0, min(self.sinks, self.top_k - 1))
@@ -124,16 +136,16 @@ class RecoveryProbe(Full):
         keep[:sinks] = True
         keep[max(sinks, n - (self.top_k - sinks)) :] = True
         streaming = (probs * keep).sum(-1)
-        self.topk.setdefault(index, []).append(float(topk.mean()))
-        self.streaming.setdefault(index, []).append(float(streaming.mean()))
+        store.topk.append(float(topk.mean()))
+        store.streaming.append(float(streaming.mean()))
         return output
 
-    def result(self) -> dict:
-        layers = sorted(self.topk)
-        topk = [self.topk[i] for i in layers]
-        streaming = [self.streaming[i] for i in layers]
-        if not topk or len(topk[0]) != self.steps + 1:
-            raise ValueError(f"recovery needs {self.steps + 1} decode steps, measured {len(topk[0]) if topk else 0}")
+    def result(self, cache) -> dict:
+        """The measurements of one teacher-forced run, read from its cache's layers."""
+        topk = [layer.state.topk for layer in cache.layers]
+        streaming = [layer.state.streaming for layer in cache.layers]
+        if len(topk[0]) != self.steps + 1:
+            raise ValueError(f"recovery needs {self.steps + 1} decode steps, measured {len(topk[0])}")
         return {"k": self.top_k, "steps": self.steps, "sinks": self.sinks, "topk": topk, "streaming": streaming}
 
 

@@ -44,7 +44,7 @@ import math
 
 import torch
 
-from ..core.attention_math import top_k
+from ..core.attention_math import prompt_attention, ranked, top_k
 from ..core.kvstore import SlotStore
 from ..core.policy import PolicyError, check_positive, register
 from ..core.selection import SelectionState
@@ -66,7 +66,8 @@ def layer_counts(scores: list[torch.Tensor], per_layer: int) -> torch.Tensor:
     size = scores[0][0].numel()
     gathered = torch.cat([s.reshape(batch, -1) for s in scores], dim=-1)
     k = min(per_layer * scores[0].shape[1] * len(scores), gathered.shape[-1])
-    values, indices = gathered.topk(k, dim=-1)
+    indices = ranked(gathered, k)  # ties to the earlier layer, head and position: the same for a row alone
+    values = gathered.gather(-1, indices)
     layer_of = torch.where(torch.isfinite(values), indices // size, len(scores))
     counts = torch.zeros(
         batch, len(scores) + 1, dtype=torch.long, device=gathered.device
@@ -154,42 +155,37 @@ class DynamicKV(SnapKV):
         return int(layer.cache.budget * self.r_max)
 
     def select(self, layer, query, key, scaling, valid):
-        attention = self.prefix_scores(query, key, scaling, valid)
+        return self.select_from(self.prefix_scores(query, key, scaling, valid), layer, key.shape[2])
+
+    def select_from(self, attention, layer, length: int):
+        """SnapKV's selection from A^l, with the layer's maximum budget B^l."""
         keep = min(self.layer_budget(layer), attention.shape[-1])
         index = top_k(attention, keep)
         index = index.masked_fill(torch.isinf(attention.gather(-1, index)), -1)  # pads are not kept
         index, _ = _sorted_by_position(index, index, index >= 0)
-        self._pending = (attention, keep)
-        return self.with_window(index, attention.gather(-1, index.clamp(min=0)), key.shape[2])
+        return self.with_window(index, attention.gather(-1, index.clamp(min=0)), length)
 
     def prefill(self, layer, query, key, value, mask, scaling):
-        output = super().prefill(layer, query, key, value, mask, scaling)
-        attention, keep = self._pending
-        del self._pending
-        state = layer.state
-        budget = (state.store.positions[..., :keep] >= 0).sum(-1)[
-            :, 0
-        ]  # same in every head of a row
+        cache = layer.cache
+        valid = cache.valid_positions(key.shape[2], key.device)
+        attention = self.prefix_scores(query, key, scaling, valid)
+        index, scores = self.select_from(attention, layer, key.shape[2])
+        state = self.store_selection(layer, key, value, index, scores)
+        selected = index.shape[-1] - self.window
         layer.state = DynamicState(
             state.store,
             state.scores,
             state.filled,
             state.empty,
-            selected=keep,
+            selected=selected,
             window=self.window,
-            budget=budget,
+            budget=(index[..., :selected] >= 0).sum(-1)[:, 0],  # the same in every head of a row
             attention=attention,
         )
-        cache = layer.cache
         last = layer.layer_idx == cache.num_layers - 1
         if (layer.layer_idx + 1) % self.interval == 0 or last:
-            self.update(
-                cache.layers[: layer.layer_idx + 1],
-                cache.budget,
-                cache.num_layers,
-                final=last,
-            )
-        return output
+            self.update(cache.layers[: layer.layer_idx + 1], cache.budget, cache.num_layers, final=last)
+        return prompt_attention(query, key, value, mask, scaling)
 
     def update(
         self, layers, per_layer: int, num_layers: int, final: bool
@@ -216,12 +212,13 @@ class DynamicKV(SnapKV):
         old = state.store
         selected = state.scores[..., : state.selected]
         width = int(budget.max())
-        chosen = selected.topk(width, dim=-1)
-        keep = (
-            torch.arange(width, device=selected.device) < budget.view(-1, 1, 1)
-        ) & torch.isfinite(chosen.values)
-        positions = old.positions.gather(-1, chosen.indices)
-        slot_index, keep = _sorted_by_position(chosen.indices, positions, keep)
+        # Highest scores first, ties to the earlier slot (= earlier position), so the batch's width does not matter.
+        chosen = ranked(selected, width)
+        keep = (torch.arange(width, device=selected.device) < budget.view(-1, 1, 1)) & torch.isfinite(
+            selected.gather(-1, chosen)
+        )
+        positions = old.positions.gather(-1, chosen)
+        slot_index, keep = _sorted_by_position(chosen, positions, keep)
         window = torch.arange(
             state.selected, state.selected + state.window, device=selected.device
         )

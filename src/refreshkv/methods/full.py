@@ -1,4 +1,8 @@
-"""`full`: vanilla attention over the whole KV cache (the reference every method is compared with)."""
+"""`full`: vanilla attention over the whole KV cache (the reference every method is compared with).
+
+It never drops a token, so it can also take several new tokens at once and forget the last ones (`crop`), which is
+what transformers' assisted decoding does with drafted tokens.
+"""
 
 from __future__ import annotations
 
@@ -26,3 +30,6 @@ class Full(Policy):
         keys, values = store.view()
         layer.record(1.0, store.attended_bytes())
         return decode_attention(query, keys, values, scaling, layer.cache.valid_positions(store.length, key.device))
+
+    def crop(self, layer, tokens):
+        layer.state.crop(tokens)

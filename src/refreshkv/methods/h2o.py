@@ -9,11 +9,11 @@ The store therefore has K + 1 slots per KV head (K kept + the newest token, like
 eviction is done lazily at the start of the next step, into the slot the new token is written to, which is the same
 decision (scores do not change in between) and needs no second pass.
 
-Prefill (a choice: an L x L score matrix is not allowed and the seeds recompute scores for the current query only):
-the cumulative scores of prompt tokens are initialised with the attention of the last `window` prompt queries
-(summed over those queries, causal); the last `recent` prompt tokens are kept as the recent window and the top
-`heavy` of the others by that score as heavy hitters. Decoded tokens start at score 0 and are protected while they
-are among the `recent` newest tokens, as in H2O.
+Prefill: the cumulative score of a prompt token is the attention it receives from every prompt query (H2O's
+accumulated attention over the prompt, causal), summed in blocks of `PREFILL_BLOCK` queries so no L x L matrix is
+held; the last `recent` prompt tokens are kept as the recent window and the top `heavy` of the others by that score
+as heavy hitters. Decoded tokens start at score 0 and are protected while they are among the `recent` newest
+tokens, as in H2O.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ import dataclasses
 
 import torch
 
-from ..core.attention_math import AGGREGATIONS, aggregate_group, attention_probs, unpack_output
-from ..core.policy import PolicyError, check_choice, check_positive, register
-from ..core.selection import SelectionPolicy, SelectionState
+from ..core.attention_math import AGGREGATIONS, aggregate_group, attention_probs, top_k
+from ..core.policy import check_choice, register
+from ..core.selection import SelectionPolicy
+
+PREFILL_BLOCK = 256  # prompt queries scored at once: memory (B, Hq, 256, L) floats
 
 
 def split_budget(budget: int) -> tuple[int, int]:
@@ -33,18 +35,31 @@ def split_budget(budget: int) -> tuple[int, int]:
     return heavy, budget - heavy
 
 
+def cumulative_attention(query, key, scaling: float, valid, how: str) -> torch.Tensor:
+    """(B, Hkv, L): attention received from every prompt query, summed per query head, aggregated over the group."""
+    length = key.shape[2]
+    total = None
+    for start in range(0, length, PREFILL_BLOCK):
+        end = min(start + PREFILL_BLOCK, length)
+        block_valid = None if valid is None else valid[..., :end]
+        probs = attention_probs(query[:, :, start:end], key[:, :, :end], scaling, block_valid, causal_tail=True)
+        if valid is not None:  # pad queries attend uniformly to nothing real: they must not add to any score
+            probs = probs * valid[..., start:end].view(valid.shape[0], 1, 1, -1, 1)
+        summed = torch.nn.functional.pad(probs.sum(dim=3), (0, length - end))  # (B, Hkv, G, L)
+        total = summed if total is None else total + summed
+    return aggregate_group(total, how)
+
+
 @register
 @dataclasses.dataclass
 class H2O(SelectionPolicy):
     name = "h2o"
     summary = "keep K/2 heavy hitters (cumulative attention, updated every step) + K/2 recent tokens"
 
-    window: int = 32
     aggregation: str = "max"
 
     def __post_init__(self):
         super().__post_init__()
-        check_positive("window", self.window)
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
 
     def max_slots(self, layer) -> int:
@@ -52,12 +67,7 @@ class H2O(SelectionPolicy):
 
     def select(self, layer, query, key, scaling, valid):
         length = key.shape[2]
-        pads = layer.cache.pads
-        shortest = length - (0 if pads is None else int(pads.max()))
-        if self.window > shortest:
-            raise PolicyError(f"window ({self.window}) is larger than the prompt ({shortest} tokens)")
-        probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
-        cumulative = aggregate_group(probs.sum(dim=3), self.aggregation)  # (B, Hkv, L)
+        cumulative = cumulative_attention(query, key, scaling, valid, self.aggregation)
         budget = layer.cache.budget
         _, recent = split_budget(budget)
         positions = torch.arange(length, device=key.device)
@@ -65,7 +75,7 @@ class H2O(SelectionPolicy):
         if valid is not None:
             priority = priority.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
         keep = min(budget, length)
-        index = priority.topk(keep, dim=-1).indices.sort(dim=-1).values
+        index = top_k(priority, keep)
         index = index.masked_fill(priority.gather(-1, index) == float("-inf"), -1)
         return index, cumulative.gather(-1, index.clamp(min=0))
 
@@ -78,14 +88,5 @@ class H2O(SelectionPolicy):
         protected = layer.state.store.positions >= max(layer.seen - 1 - recent, 0)
         return layer.state.scores.masked_fill(protected, float("inf"))
 
-    def decode(self, layer, query, key, value, scaling):
-        self.append(layer, key, value)
-        state: SelectionState = layer.state
-        store = state.store
-        probs = attention_probs(query, store.keys, scaling, self.valid_slots(layer))  # (B, Hkv, G, 1, n)
-        batch, kv_heads, group, _, slots = probs.shape
-        probs = probs.view(batch, kv_heads, group, slots)
-        output = torch.matmul(probs.to(store.values.dtype), store.values)  # (B, Hkv, G, D)
-        state.scores += aggregate_group(probs, self.aggregation)
-        layer.record(0.0, store.nbytes())
-        return unpack_output(output, query.shape[1])
+    def observe(self, layer, probs):
+        layer.state.scores += aggregate_group(probs, self.aggregation)

@@ -21,7 +21,7 @@ Choices where the paper is silent or not directly applicable:
   underflowed to exactly 0, so `threshold=0` equals `full`.
 - Left padding: the ranking is per row over its real tokens (the first m real tokens, then from the end); pads are
   ranked last with zero score and never kept. A row with at most m real tokens keeps everything.
-- Bad input: `sink` or `rows` larger than the (longest) prompt raises a PolicyError; `budget`/`budget_ratio` are not
+- Bad input: `sink` or `rows` larger than the shortest prompt of the batch raises a PolicyError; `budget`/`budget_ratio` are not
   parameters (the threshold sets the budget), and the cache's reported `budget` is 0.
 - Ragged budgets: heads keep different numbers of tokens; indices are padded with -1 up to the largest head of the
   layer (the store is that size plus room for the decoded tokens, SelectionPolicy masks the empty slots). Kept
@@ -36,7 +36,7 @@ import dataclasses
 import torch
 
 from ..core.attention_math import attention_probs
-from ..core.policy import PolicyError, check_choice, check_positive, register
+from ..core.policy import PolicyError, check_choice, check_positive, check_window, register
 from ..core.selection import SelectionPolicy
 
 GROUP_REDUCTIONS = ("norm", "max")
@@ -138,17 +138,19 @@ class ReFreeKV(SelectionPolicy):
         params.pop("budget_ratio")
         return params
 
+    def check_prompt(self, shortest):
+        check_window("sink", self.sink, shortest)
+        check_window("rows", self.rows, shortest)
+
+    @classmethod
+    def keep_everything(cls) -> dict[str, object]:
+        return {"threshold": 0.0}
+
     def budget_for(self, prompt_length: int) -> int:
         return 0  # no preset budget: the threshold decides
 
     def select(self, layer, query, key, scaling, valid):
         batch, kv_heads, length = key.shape[0], key.shape[1], key.shape[2]
-        prompt = layer.cache.prompt_length
-        for name, value in (("sink", self.sink), ("rows", self.rows)):
-            if value > prompt:
-                raise PolicyError(
-                    f"{name} ({value}) is larger than the prompt ({prompt} tokens)"
-                )
         pads = layer.cache.pads
         if layer.layer_idx < self.keep_layers:
             index = torch.arange(length, device=key.device).expand(

@@ -24,23 +24,31 @@ Choices where the papers are silent:
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import torch.nn.functional as F
 
 from ..core.attention_math import (
     AGGREGATIONS,
+    attend_with_probs,
     attention_probs,
     decode_attention,
     prompt_attention,
     selection_scores,
     top_k,
-    unpack_output,
 )
-from ..core.kvstore import FullStore, SlotStore
-from ..core.policy import BudgetPolicy, PolicyError, check_choice, check_kernel, check_positive, register
-from ..core.selection import APPENDED  # decoded tokens score above any probability: recycled tokens are evicted first
+from ..core.kvstore import FullStore, LayerState
+from ..core.policy import (
+    BudgetPolicy,
+    PolicyError,
+    check_choice,
+    check_kernel,
+    check_positive,
+    check_window,
+    is_number,
+    register,
+)
+from ..core.selection import APPENDED, SelectionState  # decoded tokens score above any probability: recycled go first
 
 DEFAULT_QC_STRIDE = 10
 DEFAULT_THRESHOLD = 0.85  # the paper's value for Llama-3.1-8B (A.4)
@@ -52,15 +60,16 @@ def head_mean(query: torch.Tensor) -> torch.Tensor:
 
 
 @dataclasses.dataclass
-class RefreshState:
-    full: FullStore
-    partial: SlotStore
-    scores: torch.Tensor  # (B, Hkv, slots) float32 eviction score of each C_p slot; -inf = empty
+class RefreshState(LayerState):
+    full: FullStore  # C_f
+    partial: SelectionState  # C_p: K slots + the newest token
     anchor: torch.Tensor  # (B, D) head-averaged query of the last full step
-    filled: int = 0  # slots holding a token in every row; below `slots` some must be masked
 
     def nbytes(self) -> int:
         return self.full.nbytes() + self.partial.nbytes()
+
+    def kept(self) -> torch.Tensor:
+        return self.full.kept()
 
 
 @register
@@ -80,30 +89,25 @@ class RefreshKV(BudgetPolicy):
         super().__post_init__()
         check_positive("stride", self.stride, allow_none=True)
         check_positive("qc_stride", self.qc_stride, allow_none=True)
-        if self.threshold is not None and (
-            isinstance(self.threshold, bool)
-            or not isinstance(self.threshold, (int, float))
-            or not math.isfinite(self.threshold)
-        ):
-            raise PolicyError(f"threshold must be a finite number (cosine similarity, -1..1), got {self.threshold!r}")
+        if self.threshold is not None and not (is_number(self.threshold) and -1 <= self.threshold <= 1):
+            raise PolicyError(f"threshold must be a cosine similarity in [-1, 1], got {self.threshold!r}")
         if self.stride is not None and (self.qc_stride is not None or self.threshold is not None):
             raise PolicyError("stride (fixed schedule) excludes qc_stride and threshold (dynamic schedule)")
         check_kernel(self.kernel)
         check_positive("window", self.window)
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
 
+    def check_prompt(self, shortest):
+        check_window("window", self.window, shortest)
+
     # -- prefill ---------------------------------------------------------------------------------------------------
     def prefill(self, layer, query, key, value, mask, scaling):
         cache = layer.cache
         length = key.shape[2]
-        if self.window > length:
-            raise PolicyError(f"window ({self.window}) is larger than the prompt ({length} tokens)")
         full = FullStore(key, cache.capacity())
         full.append(key, value)
-        slots = min(cache.budget, cache.capacity()) + 1
-        partial = SlotStore(key, slots)
-        scores = torch.full(partial.positions.shape, float("-inf"), device=key.device)
-        layer.state = RefreshState(full, partial, scores, anchor=head_mean(query))
+        partial = SelectionState.empty_like(key, min(cache.budget, cache.capacity()) + 1)
+        layer.state = RefreshState(full, partial, anchor=head_mean(query))
         valid = cache.valid_positions(length, key.device)
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
         self._refresh(layer.state, selection_scores(probs, self.kernel, self.aggregation), valid)
@@ -138,46 +142,38 @@ class RefreshKV(BudgetPolicy):
         return True if count == need.numel() else False if count == 0 else need
 
     def _partial_step(self, layer, query, key, value, scaling):
-        state: RefreshState = layer.state
-        slot = state.scores.argmin(dim=-1)  # empty slot first, then the lowest-scored recycled token
-        state.partial.put(slot, key, value, state.full.length - 1)
-        state.scores.scatter_(-1, slot.unsqueeze(-1), APPENDED + layer.cache.step)
-        state.filled = min(state.filled + 1, state.partial.slots)
-        valid = None
-        if layer.cache.pads is not None or state.filled < state.partial.slots:
-            valid = state.partial.valid(layer.cache.pads)
-        return decode_attention(query, state.partial.keys, state.partial.values, scaling, valid)
+        partial: SelectionState = layer.state.partial
+        # The new token takes an empty slot first, then the lowest-scored recycled token's.
+        partial.put(partial.scores, key, value, layer.state.full.length - 1, APPENDED + layer.cache.step)
+        store = partial.store
+        return decode_attention(query, store.keys, store.values, scaling, partial.valid(layer.cache.pads))
 
     def _full_step(self, layer, query, scaling, rows=None):
         state: RefreshState = layer.state
         keys, values = state.full.view()
         valid = layer.cache.valid_positions(state.full.length, keys.device)
-        probs = attention_probs(query, keys, scaling, valid)  # (B, Hkv, G, 1, n)
-        batch, kv_heads, group, _, length = probs.shape
-        output = torch.matmul(probs.view(batch, kv_heads, group, length).to(values.dtype), values)
-        self._refresh(state, selection_scores(probs, self.kernel, self.aggregation), valid, rows)
+        output, probs = attend_with_probs(query, keys, values, scaling, valid)
+        self._refresh(state, selection_scores(probs.unsqueeze(3), self.kernel, self.aggregation), valid, rows)
         current = head_mean(query)
         state.anchor = current if rows is None else torch.where(rows[:, None], current, state.anchor)
-        return unpack_output(output, query.shape[1])
+        return output
 
     def _refresh(self, state: RefreshState, scores, valid, rows=None) -> None:
         """Rebuild C_p from per-KV-head scores (B, Hkv, n) over C_f; only `rows` (B,) bool if given."""
         if valid is not None:
             scores = scores.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
-        keep = min(state.partial.slots - 1, scores.shape[-1])
-        index = top_k(scores, keep)
+        partial = state.partial
+        index = top_k(scores, min(partial.store.slots - 1, scores.shape[-1]))
         keys, values = state.full.view()
-        tensors = (state.partial.keys, state.partial.values, state.partial.positions, state.scores)
-        before = None if rows is None else [tensor.clone() for tensor in tensors]
-        state.partial.load(keys, values, index, index)
-        state.scores[..., :keep] = scores.gather(-1, index)
-        state.scores[..., keep:] = float("-inf")
-        if before is None:
-            state.filled = keep
+        if rows is None:
+            partial.load(keys, values, index, scores.gather(-1, index))
             return
-        for tensor, old in zip(tensors, before):
-            tensor[~rows] = old[~rows]
-        state.filled = min(state.filled, keep)
+        refreshed = SelectionState.empty_like(keys, partial.store.slots)
+        refreshed.load(keys, values, index, scores.gather(-1, index))
+        for name in ("keys", "values", "positions"):
+            getattr(partial.store, name)[rows] = getattr(refreshed.store, name)[rows]
+        partial.scores[rows] = refreshed.scores[rows]
+        partial.filled = min(partial.filled, refreshed.filled)
 
 
 @register

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from ..core.attention_math import AGGREGATIONS, attention_probs, selection_scores, top_k
-from ..core.policy import PolicyError, check_choice, check_kernel, check_positive, register
+from ..core.policy import check_choice, check_kernel, check_positive, check_window, register
 from ..core.selection import SelectionPolicy
 
 WINDOW_SCORE = 1.0  # the observation window is always kept: score above any pooled probability
@@ -36,14 +36,15 @@ class SnapKV(SelectionPolicy):
         check_kernel(self.kernel)
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
 
+    def check_prompt(self, shortest):
+        check_window("window", self.window, shortest)
+
     def layer_budget(self, layer) -> int:
         return layer.cache.budget
 
     def prefix_scores(self, query, key, scaling, valid) -> torch.Tensor:
         """Window attention averaged, pooled and group-aggregated, over the tokens before the window; pads -inf."""
         length = key.shape[2]
-        if self.window > length:
-            raise PolicyError(f"window ({self.window}) is larger than the prompt ({length} tokens)")
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
         scores = selection_scores(probs, self.kernel, self.aggregation)
         if valid is not None:

@@ -19,20 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 
+
 import torch
 
 from ..core.attention_math import decode_attention, prompt_attention
 from ..core.kvstore import FullStore
 from ..core.policy import BudgetPolicy, check_positive, register
 from .streamingllm import check_sinks, effective_sinks
-
-
-@dataclasses.dataclass
-class WindowState:
-    full: FullStore
-
-    def nbytes(self) -> int:
-        return self.full.nbytes()
 
 
 @register
@@ -52,12 +45,12 @@ class StreamingLLMPlusPlus(BudgetPolicy):
     def prefill(self, layer, query, key, value, mask, scaling):
         full = FullStore(key, layer.cache.capacity())
         full.append(key, value)
-        layer.state = WindowState(full)
+        layer.state = full
         return prompt_attention(query, key, value, mask, scaling)
 
     def decode(self, layer, query, key, value, scaling):
         cache = layer.cache
-        full = layer.state.full
+        full: FullStore = layer.state
         full.append(key, value)
         length = full.length
         budget = cache.budget
