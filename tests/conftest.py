@@ -24,8 +24,8 @@ def tiny_model(family: str = "llama", layers: int = 3, seed: int = 0, **override
         num_key_value_heads=2,
         max_position_embeddings=1024,
         attn_implementation="refreshkv",
-        **overrides,
     )
+    common.update(overrides)
     if family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif family == "mistral":

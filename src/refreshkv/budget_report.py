@@ -21,12 +21,12 @@ def budget_report(cache) -> dict:
     states = [layer.state for layer in cache.layers]
     if any(state is None for state in states):
         raise ValueError("the cache has not been prefilled")
-    kept_positions = [state.kept().cpu() for state in states]  # each (B, Hkv, n)
+    kept_positions = [state.kept(cache.pads).cpu() for state in states]  # each (B, Hkv, n), -1 = nothing
     batch = kept_positions[0].shape[0]
     pads = torch.zeros(batch, dtype=torch.long) if cache.pads is None else cache.pads.long().cpu()
     length = cache.prompt_length + int(pads.min())  # padded prompt length
     prompt = (length - pads).tolist()
-    kept = [((p >= pads.view(-1, 1, 1)) & (p < length)).sum(-1) for p in kept_positions]  # each (B, Hkv)
+    kept = [((p >= 0) & (p < length)).sum(-1) for p in kept_positions]  # each (B, Hkv)
     total_prompt = sum(prompt)
     kept_all = sum(int(k.sum()) for k in kept)
     prompt_slots = sum(total_prompt * k.shape[1] for k in kept)

@@ -200,10 +200,10 @@ class PolicyCache(Cache):
         self.budget = budget_for(self.prompt_length) if budget_for else 0
 
     def device(self) -> torch.device:
-        return next(layer.state for layer in self.layers if layer.state is not None).kept().device
+        return next(layer.state for layer in self.layers if layer.state is not None).kept(None).device
 
     def batch_rows(self) -> int:
-        return next(layer.state for layer in self.layers if layer.state is not None).kept().shape[0]
+        return next(layer.state for layer in self.layers if layer.state is not None).kept(None).shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)

@@ -28,8 +28,8 @@ class LayerState:
         """Bytes of keys and values held."""
         raise NotImplementedError
 
-    def kept(self) -> torch.Tensor:
-        """(B, Hkv, n) positions of the tokens held per KV head, -1 for an empty slot."""
+    def kept(self, pads: torch.Tensor | None) -> torch.Tensor:
+        """(B, Hkv, n) positions of the real tokens held per KV head; -1 for an empty slot or left padding."""
         raise NotImplementedError
 
     def select_rows(self, index: torch.Tensor) -> None:
@@ -76,9 +76,10 @@ class FullStore(LayerState):
     def attended_bytes(self) -> int:
         return self.nbytes() * self.length // self.keys.shape[2]
 
-    def kept(self) -> torch.Tensor:
+    def kept(self, pads: torch.Tensor | None) -> torch.Tensor:
         batch, heads = self.keys.shape[:2]
-        return torch.arange(self.length, device=self.keys.device).expand(batch, heads, -1)
+        positions = torch.arange(self.length, device=self.keys.device).expand(batch, heads, -1)
+        return positions if pads is None else positions.masked_fill(positions < pads.view(-1, 1, 1), -1)
 
 
 class SlotStore(LayerState):
@@ -122,5 +123,5 @@ class SlotStore(LayerState):
     def nbytes(self) -> int:
         return _bytes(self.keys, self.values)
 
-    def kept(self) -> torch.Tensor:
-        return self.positions
+    def kept(self, pads: torch.Tensor | None) -> torch.Tensor:
+        return self.positions.masked_fill(~self.valid(pads), -1)

@@ -40,8 +40,8 @@ class SelectionState(LayerState):
     def nbytes(self) -> int:
         return self.store.nbytes()
 
-    def kept(self) -> torch.Tensor:
-        return self.store.positions
+    def kept(self, pads: torch.Tensor | None) -> torch.Tensor:
+        return self.store.kept(pads)
 
     def load(self, keys, values, index: torch.Tensor, scores: torch.Tensor) -> None:
         """Hold the tokens at `index` (B, Hkv, k; -1 = none) of keys/values with their scores; empty the rest."""

@@ -68,8 +68,8 @@ class RefreshState(LayerState):
     def nbytes(self) -> int:
         return self.full.nbytes() + self.partial.nbytes()
 
-    def kept(self) -> torch.Tensor:
-        return self.full.kept()
+    def kept(self, pads: torch.Tensor | None) -> torch.Tensor:
+        return self.full.kept(pads)
 
 
 @register

@@ -1,0 +1,49 @@
+"""`tova` (Oren et al., 2024, "Transformers are Multi-State RNNs", listed in kv-eviction-landscape.txt): Token
+Omission Via Attention. A fixed cache of K tokens per layer; at every decode step the current query's attention
+decides alone (no accumulation, unlike H2O): the token it attends to least, averaged over all heads of the layer,
+is dropped.
+
+Choices:
+- One decision per layer (TOVA's head-averaged score), so every KV head keeps the same positions in the same slots.
+- Prefill: the rule applied once, with the last prompt token's attention (the paper applies it token by token; an
+  L x L score matrix is not allowed here); it keeps the top K prompt tokens, ties to the earlier position.
+- The store has K + 1 slots: the new token is attended with the K kept ones, and the lowest-scored of the K + 1 is
+  evicted when the next token takes its slot (the same decision, as in `h2o`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..core.attention_math import attention_probs, top_k
+from ..core.policy import register
+from ..core.selection import SelectionPolicy
+
+
+def layer_scores(probs: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """(B, Hkv, G, n) probabilities -> (B, Hkv, n): the mean over every query head of the layer, in every KV head;
+    slots that hold no real token get -inf (they are filled or evicted first, never kept)."""
+    scores = probs.mean(dim=(1, 2), keepdim=True)[:, :, 0].expand(-1, probs.shape[1], -1)
+    return scores if valid is None else scores.masked_fill(~valid.view(valid.shape[0], -1, scores.shape[-1]),
+                                                           float("-inf"))
+
+
+@register
+@dataclasses.dataclass
+class TOVA(SelectionPolicy):
+    name = "tova"
+    summary = "keep the K tokens the current query attends to most (head-averaged); drop the least every step"
+
+    def max_slots(self, layer) -> int:
+        return layer.cache.budget + 1  # K kept + the newest token
+
+    def select(self, layer, query, key, scaling, valid):
+        scores = layer_scores(attention_probs(query[:, :, -1:], key, scaling, valid)[:, :, :, 0], valid)
+        index = top_k(scores, min(layer.cache.budget, key.shape[2]))
+        chosen = scores.gather(-1, index)
+        return index.masked_fill(chosen == float("-inf"), -1), chosen
+
+    def observe(self, layer, probs):
+        layer.state.scores = layer_scores(probs, layer.state.store.valid(layer.cache.pads))

@@ -1,0 +1,120 @@
+"""The method contract, run over every registered method: adding a method file adds its coverage here.
+
+docs/adding-a-method.md states the contract; each test below checks one promise of it.
+"""
+
+import pytest
+import torch
+from conftest import random_prompt, tiny_model
+
+import refreshkv
+from refreshkv import METHODS, PolicyCache, make_policy
+
+NEW = 12
+ALL = sorted(METHODS)
+
+
+def small_budget(name: str) -> dict:
+    """A budget well below the prompt, and windows that fit short prompts, for methods that take them."""
+    params = METHODS[name].parameters()
+    chosen = {"budget": 8} if "budget" in params else {}
+    if "window" in params:
+        chosen["window"] = 4
+    return chosen
+
+
+def run(model, ids, method, mask=None, **params):
+    return refreshkv.generate(model, ids, mask, method=method, max_new_tokens=NEW, eos_token_id=[],
+                              return_logits=True, **params)
+
+
+def left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
+    return ids, mask
+
+
+def max_diff(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def bf16_llama():
+    return tiny_model("llama").to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ALL)
+def test_keeping_everything_equals_full(request, family, name):
+    model = request.getfixturevalue(family)
+    ids = random_prompt(40, seed=3)
+    full = run(model, ids, "full")
+    out = run(model, ids, name, **METHODS[name].keep_everything())
+    assert out.tokens == full.tokens
+    assert max_diff(out.logits, full.logits) < 1e-4
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_padded_batch_equals_its_rows(llama, name):
+    rows = [random_prompt(47, seed=5)[0], random_prompt(33, seed=6)[0]]
+    ids, mask = left_pad(rows)
+    batch = run(llama, ids, name, mask, **small_budget(name))
+    for i, row in enumerate(rows):
+        alone = run(llama, row[None], name, **small_budget(name))
+        assert batch.tokens[i] == alone.tokens[0]
+        assert max_diff([logits[i] for logits in batch.logits], [logits[0] for logits in alone.logits]) < 1e-4
+        pad = ids.shape[1] - len(row)
+        for in_batch, by_itself in zip(batch.cache.layers, alone.cache.layers):
+            kept = in_batch.state.kept(batch.cache.pads)[i]
+            shifted = torch.where(kept >= 0, kept - pad, -1)
+            assert torch.equal(shifted.sort(-1).values[:, -by_itself.state.kept(None).shape[-1]:],
+                               by_itself.state.kept(None)[0].sort(-1).values)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_kept_positions_bytes_and_full_step_fraction_are_consistent(llama, name):
+    rows = [random_prompt(30, seed=7)[0], random_prompt(24, seed=8)[0]]
+    ids, mask = left_pad(rows)
+    out = run(llama, ids, name, mask, **small_budget(name))
+    pads = out.cache.pads
+    for layer in out.cache.layers:
+        kept = layer.state.kept(pads)
+        for row in range(kept.shape[0]):
+            for head in kept[row]:
+                real = head[head >= 0]
+                assert len(real.unique()) == len(real)  # no position twice
+                assert bool((real >= pads[row]).all()) and bool((real < layer.seen).all())
+    assert 0 < out.cache.attended_bytes_mean() <= sum(out.cache.nbytes_per_layer())
+    assert 0.0 <= out.cache.full_step_fraction() <= 1.0
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_runs_in_bfloat16(bf16_llama, name):
+    out = run(bf16_llama, random_prompt(40, seed=9), name, **small_budget(name))
+    assert all(torch.isfinite(logits).all() for logits in out.logits)
+    assert len(out.tokens[0]) == NEW
+
+
+def greedy_steps(model, ids, cache):
+    """Greedy decoding one forward at a time, yielding each token, so two generations can be interleaved."""
+    logits = model(ids, past_key_values=cache).logits[:, -1]
+    for step in range(NEW):
+        token = logits.argmax(-1)
+        yield int(token)
+        logits = model(token[:, None], past_key_values=cache, position_ids=torch.tensor([[ids.shape[1] + step]]),
+                       ).logits[:, -1]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_one_policy_object_serves_any_number_of_generations(llama, name):
+    policy = make_policy(name, **small_budget(name))
+    first, second = random_prompt(40, seed=10), random_prompt(36, seed=11)
+    fresh = [run(llama, ids, make_policy(name, **small_budget(name))).tokens[0] for ids in (first, second)]
+    assert [run(llama, ids, policy).tokens[0] for ids in (first, second)] == fresh
+    with torch.no_grad():
+        caches = [PolicyCache(policy, llama, max_new_tokens=NEW) for _ in range(2)]
+        interleaved = list(zip(greedy_steps(llama, first, caches[0]), greedy_steps(llama, second, caches[1])))
+    assert [[a for a, _ in interleaved], [b for _, b in interleaved]] == fresh
