@@ -14,7 +14,6 @@ from refreshkv.eval import metrics
 from refreshkv.eval.data import MissingDataError, _package_files
 from refreshkv.eval.tasks import TASKS, get_task
 from refreshkv.eval.tasks.base import fit_to_length
-from refreshkv.eval.tasks.chain_of_key import chain_score
 from refreshkv.eval.tasks.ruler import SUBTASKS, RulerTask
 
 pytest.importorskip("long_context_eval")
@@ -148,41 +147,7 @@ def test_ruler_scores():
     assert task.score("Germany", qa) == 0.0
 
 
-# ---- chain of key ------------------------------------------------------------------------------
-
-TABLE_12 = [
-    (
-        (
-            "impossible-crawdad, crawdad-vehicle, vehicle-uncertainty, uncertainty-welfare, welfare-outrigger, "
-            "outrigger-historical, historical-gator, gator-hugger, hugger-debris, debris-precious"
-        ),
-        1.0,
-    ),
-    (
-        (
-            "annoying-pentagon, pentagon-fit, fit-waggish, waggish-fishery, fishery-mosquito, mosquito-perfume, "
-            "perfume-panda, panda-juice, juice-willow, willow-bronco"
-        ),
-        0.2,
-    ),
-    (
-        (
-            "impossible-crawdad, crawdad-vehicle, vehicle-uncertainty, welfare-outrigger, outrigger-historical, "
-            "historical-gator, gator-hugger, hugger-debris, debris-precious, uncertainty-welfare"
-        ),
-        0.3,
-    ),
-]
-
-
-def test_chain_of_key_scores_table_12():
-    # the context holds the keys of the three outputs except those the table marks as absent:
-    # fit-waggish and the prompt's example chain (waggish-fishery, ...)
-    keys = TABLE_12[0][0].split(", ") + ["annoying-pentagon", "pentagon-fit", "toga-roommate"]
-    for prediction, expected in TABLE_12:
-        assert chain_score(prediction, keys, 10) == pytest.approx(expected)
-    assert chain_score("Impossible-Crawdad,\ncrawdad-vehicle.", keys, 10) == pytest.approx(0.2)
-    assert chain_score("", keys, 10) == 0.0
+# ---- chain of key (its scorer: tests/test_eval_metrics.py) -------------------------------------
 
 
 @pytest.mark.parametrize("length", [2000, 5000])
@@ -242,18 +207,6 @@ def test_classification_retrieval_count_and_edit_similarity():
     prediction = "```python\n# the next line\nx = foo(1)\n```"
     assert metrics.code_edit_similarity(prediction, "x = foo(1)") == 1.0
     assert metrics.code_edit_similarity(prediction, "x = foo(2)") == pytest.approx(0.9)  # 2 * 9 / 20
-
-
-def test_tsv_row_f1():
-    reference = "name\tyear\nAda\t1815\nAlan\t1912\nGrace\t1906"
-    # header repeated, cells with stray spaces, 2 of 3 rows right, 1 wrong: P = R = 2/3
-    prediction = "```tsv\nname\tyear\n Ada \t1815\nAlan\t 1912\nGrace\t1907\n```"
-    assert metrics.tsv_row_f1(prediction, reference) == pytest.approx(2 / 3)
-    # 2 right of 3 predicted, 3 expected plus 1 extra: P = 2/4, R = 2/3
-    extra = "Ada\t1815\nAlan\t1912\nLinus\t1969\nGrace\t1907"
-    assert metrics.tsv_row_f1(extra, reference) == pytest.approx(2 * (1 / 2) * (2 / 3) / (1 / 2 + 2 / 3))
-    assert metrics.tsv_row_f1(reference, reference) == 1.0
-    assert metrics.tsv_row_f1("nothing useful", reference) == 0.0
 
 
 # ---- HTML to TSV ---------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import difflib
 import functools
 import re
@@ -92,33 +93,56 @@ def code_edit_similarity(prediction: str, reference: str) -> float:
     return difflib.SequenceMatcher(None, first_code_line, reference).ratio()
 
 
-def _tsv_rows(text: str) -> list[tuple[str, ...]]:
-    rows = (tuple(" ".join(cell.split()) for cell in line.split("\t")) for line in text.split("\n"))
-    return [row for row in rows if any(row)]
+def normalize_cell(text: str) -> str:
+    """LongProc's cell normalisation: `normalize_answer`, then every space removed ("The Apple" -> "apple")."""
+    return normalize_answer(text).replace(" ", "")
 
 
-def extract_tsv(prediction: str) -> str:
-    """The body of the first ``` fenced block if there is one (with or without a language tag), else all."""
-    match = re.search(r"```[^\n]*\n(.*?)(?:```|$)", prediction, flags=re.DOTALL)
-    return match.group(1) if match else prediction
+def extract_tsv_block(prediction: str) -> str:
+    """LongProc's extraction: the text between the first "```tsv" and the last "```" after it.
 
-
-def tsv_row_f1(prediction: str, reference: str) -> float:
-    """F1 over whole rows: rows compare as tuples of whitespace-normalised cells.
-
-    The reference's first line is its header; it is dropped from the reference, and from the
-    prediction when the prediction starts with it. Rows are matched as multisets, so a repeated
-    row counts once per occurrence in both.
+    Without a closing fence, everything after "```tsv"; without "```tsv" (a bare ``` fence included), the whole
+    prediction.
     """
-    expected = _tsv_rows(reference)
-    header, expected = expected[0], expected[1:]
-    predicted = _tsv_rows(extract_tsv(prediction))
-    if predicted and tuple(cell.lower() for cell in predicted[0]) == tuple(cell.lower() for cell in header):
-        predicted = predicted[1:]
-    if not predicted or not expected:
-        return float(predicted == expected)
-    matched = sum((Counter(predicted) & Counter(expected)).values())
-    if matched == 0:
+    _, opening, rest = prediction.partition("```tsv")
+    if not opening:
+        return prediction.strip()
+    body, closing, _ = rest.rpartition("```")
+    return (body if closing else rest).strip()
+
+
+def _tsv_table(text: str) -> list[tuple[str, ...]] | None:
+    """The normalised rows under the first line (always the header), or None when there are none.
+
+    Lines are read as by Python's csv module with a tab delimiter (a cell starting with a quote may span lines).
+    Every row has the header's width: a last row of another width is dropped (a cut-off line or a closing remark)
+    and any other such row becomes a row of "N/A" cells, which matches only a reference row of "N/A" cells.
+    """
+    try:
+        header, *rows = csv.reader(text.strip().split("\n"), delimiter="\t")  # a blank text is one empty row
+    except csv.Error:  # a cell beyond the csv module's size limit
+        return None
+    if rows and len(rows[-1]) != len(header):
+        rows.pop()
+    placeholder = ["N/A"] * len(header)
+    table = [tuple(map(normalize_cell, row if len(row) == len(header) else placeholder)) for row in rows]
+    return table or None
+
+
+def longproc_tsv_f1(prediction: str, reference: str) -> float:
+    """LongProc's HTML->TSV score (Ye et al. 2025): F1 of set-membership row precision and recall.
+
+    Both texts go through `_tsv_table`, the prediction after `extract_tsv_block`. Precision is the share of
+    predicted rows found among the reference rows (a repeated correct row counts each time), recall the share of
+    reference rows found among the predicted ones; row order is ignored. A prediction with no row, or whose header
+    has another number of columns than the reference's, scores 0 (LongProc's comparison fails on it and scores 0).
+    """
+    predicted, expected = _tsv_table(extract_tsv_block(prediction)), _tsv_table(reference)
+    if predicted is None or expected is None or len(predicted[0]) != len(expected[0]):
         return 0.0
-    precision, recall = matched / len(predicted), matched / len(expected)
+    predicted_rows, expected_rows = set(predicted), set(expected)
+    precision = sum(row in expected_rows for row in predicted) / len(predicted)
+    recall = sum(row in predicted_rows for row in expected) / len(expected)
+    if precision + recall == 0:
+        return 0.0
     return 2 * precision * recall / (precision + recall)

@@ -14,13 +14,17 @@ Choices where the paper leaves room:
 - The prompt is Table 11's wording, including its "comma.You" spacing; its example chain is not the
   paper's fixed one but T keys of W words drawn from words that are not in the context, so that it
   fits any W and T. T is spelled out in "Chain of ten keys:" up to twenty.
-- Scoring splits the prediction at commas and line breaks, strips spaces and trailing periods and
-  ignores case; only the first T keys count.
+- Scoring reads the predicted chain as the prediction's words joined by '-' (`parse_chain`), so list
+  numbers, bullets, quotes, Markdown emphasis, trailing punctuation, a preamble without hyphenated
+  words and any separator (comma, line break, space, arrow) are ignored, as is case; only the first T
+  keys count. Every hyphenated word counts, so a hyphenated word in prose (e.g. "well-known") before or
+  inside the chain ends it, as any key that is not in the context does.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Sequence
 
 from refreshkv.eval.data import english_words
@@ -65,6 +69,16 @@ def _cycle_keys(words: Sequence[str], num_keys: int, words_per_key: int, cycle_k
     return keys
 
 
+# Context keys are plain ASCII letter words joined by '-'; models also write Unicode hyphens or an en dash.
+KEY_PATTERN = re.compile(r"[a-z]+(?:-[a-z]+)+", flags=re.IGNORECASE)
+DASHES = str.maketrans({"\u2010": "-", "\u2011": "-", "\u2013": "-"})
+
+
+def parse_chain(prediction: str) -> list[str]:
+    """The keys of a predicted chain, in order and lower case: every run of letter words joined by '-'."""
+    return [key.lower() for key in KEY_PATTERN.findall(prediction.translate(DASHES))]
+
+
 def chain_score(prediction: str, keys: Sequence[str], chain_length: int) -> float:
     """Length of the valid prefix of the predicted chain, divided by `chain_length`.
 
@@ -72,9 +86,7 @@ def chain_score(prediction: str, keys: Sequence[str], chain_length: int) -> floa
     key's last word.
     """
     context_keys = {key.lower() for key in keys}
-    pieces = prediction.replace("\n", ",").split(",")
-    predicted = [piece.strip().rstrip(".").strip().lower() for piece in pieces]
-    predicted = [key for key in predicted if key][:chain_length]
+    predicted = parse_chain(prediction)[:chain_length]
     valid = 0
     for previous, key in zip([None, *predicted], predicted):
         if key not in context_keys or (previous is not None and key.split("-")[0] != previous.split("-")[-1]):

@@ -2,7 +2,8 @@
 
 Options: `data_dir` (the benchmark's html_to_tsv folder: html_to_tsv_{split}.json, prompts.yaml,
 webpage/; default: the environment variable REFRESHKV_HTML_TSV_DIR) and `split` ("0.5k", "2k" or
-"8k": the expected output length).
+"8k": the expected output length). The data are LongProc's own files (Apache-2.0; the copy we use keeps
+the benchmark's LICENSE beside them).
 
 Choices where the benchmark leaves room:
 - `length` is a maximum: items whose prompt is longer are skipped. The items are taken in an order
@@ -10,7 +11,9 @@ Choices where the benchmark leaves room:
   come back when fewer items fit.
 - `max_new_tokens` is twice the expected TSV's token count plus 64, so that a verbose but correct
   answer is never cut off.
-- Score: row-level F1 (`metrics.tsv_row_f1`) on the first fenced block of the prediction, if any.
+- Score: LongProc's row F1 (`metrics.longproc_tsv_f1`): the ```tsv block, first line dropped as the
+  header, cells normalised (case, punctuation, articles and spaces ignored), set-membership precision
+  and recall of whole rows.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import yaml
 
 from refreshkv.eval.data import data_dir as resolve_data_dir
 from refreshkv.eval.data import data_file
-from refreshkv.eval.metrics import tsv_row_f1
+from refreshkv.eval.metrics import longproc_tsv_f1
 from refreshkv.eval.tasks.base import Example, count_tokens, example_id
 
 SPLITS = ("0.5k", "2k", "8k")
@@ -75,4 +78,4 @@ class HtmlToTsvTask:
         return examples
 
     def score(self, prediction: str, example: Example) -> float:
-        return tsv_row_f1(prediction, example["reference"])
+        return longproc_tsv_f1(prediction, example["reference"])
