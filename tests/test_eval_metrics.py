@@ -1,9 +1,17 @@
-"""Scorers on hand-written predictions: LongProc HTML->TSV and chain-of-key."""
+"""Scorers on hand-written predictions (LongProc HTML->TSV, chain-of-key) and how perplexity windows are made."""
+
+import hashlib
+import zlib
+from pathlib import Path
 
 import pytest
+from conftest import tiny_model
+from typer.testing import CliRunner
 
 from refreshkv.eval.metrics import extract_tsv_block, longproc_tsv_f1, normalize_cell
+from refreshkv.eval.runner import ResultsError, RunConfig, run_eval
 from refreshkv.eval.tasks.chain_of_key import chain_score, parse_chain
+from refreshkv.eval.tasks.ppl import PerplexityTask
 
 
 def f1(precision, recall):
@@ -153,3 +161,103 @@ def test_chain_of_key_parsing_choices():
     assert chain_score("impossible-crawdad-vehicle, crawdad-vehicle", KEYS, 10) == 0.0
     # a word outside the chain between keys is skipped; a key not in the context ends the chain
     assert chain_score("impossible-crawdad then crawdad-vehicle then vehicle-pillow", KEYS, 10) == pytest.approx(0.2)
+
+
+# ---- perplexity windows --------------------------------------------------------------------------
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word, ids 3..127; `bos_token_id` as given (None: no BOS)."""
+
+    def __init__(self, bos_token_id=None):
+        self.bos_token_id = bos_token_id
+
+    def encode(self, text, add_special_tokens=True):
+        return [3 + zlib.crc32(word.encode()) % 125 for word in text.split()]
+
+
+def write_words(path: Path, words: int, offset: int = 0) -> Path:
+    path.write_text(" ".join(f"word{(i + offset) % 400}" for i in range(words)), encoding="utf-8")
+    return path
+
+
+def test_ppl_windows_start_with_the_bos_token_when_the_tokenizer_has_one(tmp_path):
+    book = write_words(tmp_path / "book.txt", 2000)
+    text = WordTokenizer().encode(book.read_text())
+    for bos in (None, 1):
+        tokenizer = WordTokenizer(bos)
+        examples = PerplexityTask().build(tokenizer, 300, 5, seed=0, paths=[str(book)], target_tokens=50)
+        for example in examples:
+            start = int(example["source_id"].rsplit("@", 1)[1])
+            ids = example["input_ids"]
+            assert len(ids) == 350 and example["target_start"] == 300  # the BOS is one of the 300 context tokens
+            if bos is None:
+                assert ids == text[start : start + 350]
+            else:
+                assert ids == [1] + text[start : start + 349]
+    # a document must hold the window's text tokens: 299 + 50 with a BOS, 300 + 50 without
+    short = write_words(tmp_path / "short.txt", 349)
+    assert PerplexityTask().build(WordTokenizer(1), 300, 1, seed=0, paths=[str(short)], target_tokens=50)
+    with pytest.raises(ValueError, match="has 350 tokens"):
+        PerplexityTask().build(WordTokenizer(), 300, 1, seed=0, paths=[str(short)], target_tokens=50)
+
+
+def test_ppl_options_pin_absolute_paths_and_contents(tmp_path, monkeypatch):
+    book = write_words(tmp_path / "book.txt", 500)
+    monkeypatch.chdir(tmp_path)
+    options = PerplexityTask().resolve_options({"paths": "book.txt", "target_tokens": 8})
+    assert options == {
+        "paths": [str(book.resolve())],
+        "target_tokens": 8,
+        "sha256": [hashlib.sha256(book.read_bytes()).hexdigest()],
+    }
+    assert PerplexityTask().resolve_options(options) == options  # resolving twice changes nothing
+    # the file changed after its configuration was made: refused, one line
+    write_words(book, 500, offset=1)
+    with pytest.raises(ValueError, match=r"book.txt has changed since its configuration was made"):
+        PerplexityTask().build(WordTokenizer(), 60, 1, seed=0, **options)
+    with pytest.raises(ValueError, match=r"option 'sha256' needs one hash per path \(1\), got 2"):
+        PerplexityTask().build(WordTokenizer(), 60, 1, seed=0, paths=[str(book)], sha256=["a", "b"])
+
+
+def test_ppl_with_the_same_relative_path_from_two_folders_is_two_configurations(tmp_path, monkeypatch):
+    """Issue 10: `paths=book.txt` run from two folders into one --out must not mix the two books."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    write_words(first / "book.txt", 400)
+    write_words(second / "book.txt", 400, offset=7)
+    out = tmp_path / "ppl.jsonl"
+    options = {"paths": ["book.txt"], "target_tokens": 8}
+
+    def ppl_config():
+        return RunConfig(task="ppl", method="full", length=60, model="tiny", chat=False, task_options=options)
+
+    model = tiny_model("llama", layers=2, seed=0)
+    monkeypatch.chdir(first)
+    in_first = ppl_config()
+    assert in_first.key() == ppl_config().key()  # the same folder and file: the same configuration (resume)
+    run_eval(model, WordTokenizer(), in_first, 1, out, progress=False)
+    monkeypatch.chdir(second)
+    in_second = ppl_config()
+    assert in_second.key() != in_first.key()
+    assert in_second.task_options["paths"] == [str((second / "book.txt").resolve())]
+    before = out.read_bytes()
+    with pytest.raises(ResultsError, match="holds results of another configuration"):
+        run_eval(model, WordTokenizer(), in_second, 1, out, progress=False)
+    assert out.read_bytes() == before
+    # the same folder, the file edited: a new configuration too
+    write_words(second / "book.txt", 400, offset=8)
+    assert ppl_config().key() != in_second.key()
+
+
+def test_ppl_missing_file_is_a_one_line_error_on_the_command_line(tmp_path, monkeypatch):
+    from refreshkv.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(
+        app, ["eval", "--task", "ppl", "--task-option", "paths=nowhere.txt", "--out", str(tmp_path / "r.jsonl")]
+    )
+    assert result.exit_code == 2
+    assert "task 'ppl': data file nowhere.txt does not exist" in result.output
+    assert not (tmp_path / "r.jsonl").exists()

@@ -100,6 +100,12 @@ class RunConfig:
     chat: bool = True
     dtype: str = "float32"
 
+    def __post_init__(self):
+        # a task whose options name outside state (ppl: files) pins it, so that the key identifies what was run
+        resolve = getattr(all_tasks().get(self.task), "resolve_options", None)
+        if resolve is not None:
+            object.__setattr__(self, "task_options", resolve(self.task_options))
+
     def fields(self) -> dict:
         return dataclasses.asdict(self)
 
