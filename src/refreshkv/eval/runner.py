@@ -31,6 +31,7 @@ from ..core.policy import make_policy
 from .perplexity import teacher_forced
 from .recovery import RecoveryProbe, RecoveryTask, probe_for, recovery_score
 from .tasks import TASKS, get_task
+from .tasks.base import encode_user_turn
 from .tasks.ppl import PerplexityTask
 
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
@@ -65,7 +66,7 @@ def task_kind(task) -> str:
 
 def check_task_options(name: str, options: dict) -> None:
     task = find_task(name)
-    fixed = {"self", "tokenizer", "length", "num_examples", "seed"}
+    fixed = {"self", "tokenizer", "length", "num_examples", "seed", "chat"}  # chat: from the run, see `prepare`
     allowed = [p for p in inspect.signature(task.build).parameters if p not in fixed]
     unknown = sorted(set(options) - set(allowed))
     if unknown:
@@ -141,22 +142,17 @@ class Prepared:
 
 def encode_prompt(tokenizer, example: dict, chat: bool) -> list[int]:
     """The chat-templated user message (or the raw prompt) followed by the example's answer prefix."""
-    prefix = example.get("answer_prefix", "") or ""
-    if chat:
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("the tokenizer has no chat template; use --no-chat")
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": example["prompt"]}], add_generation_prompt=True, tokenize=False
-        )
-        return list(tokenizer.encode(text + prefix, add_special_tokens=False))
-    return list(tokenizer.encode(example["prompt"] + prefix))
+    return encode_user_turn(tokenizer, example["prompt"], example.get("answer_prefix", "") or "", chat)
 
 
 def prepare(model, tokenizer, config: RunConfig, num_examples: int) -> list[Prepared]:
     """Build and encode the examples, checking that every one fits the model, before anything is run."""
     config.validate(model)
     task = find_task(config.task)
-    examples = task.build(tokenizer, config.length, num_examples, config.seed, **config.task_options)
+    options = dict(config.task_options)
+    if "chat" in inspect.signature(task.build).parameters:  # its length budget counts the chat template
+        options["chat"] = config.chat
+    examples = task.build(tokenizer, config.length, num_examples, config.seed, **options)
     prepared = []
     for example in examples:
         if task_kind(task) == "generation":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any, NotRequired, Protocol, TypedDict
@@ -22,6 +23,8 @@ class Example(TypedDict):
 
 
 class Task(Protocol):
+    """A task; a `build` that takes a `chat` argument is told by the runner whether prompts get the chat template."""
+
     name: str
 
     def build(self, tokenizer, length: int, num_examples: int, seed: int, **options) -> list[Example]: ...
@@ -37,15 +40,38 @@ def count_tokens(tokenizer, text: str) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def fit_to_length(render: Callable[[int], str], tokenizer, length: int, max_units: int) -> tuple[int, str]:
+def encode_user_turn(tokenizer, prompt: str, answer_prefix: str, chat: bool) -> list[int]:
+    """The tokens the model is given: the chat-templated user message (or the raw prompt) and the answer prefix."""
+    if chat:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat template; use --no-chat")
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        return list(tokenizer.encode(text + answer_prefix, add_special_tokens=False))
+    return list(tokenizer.encode(prompt + answer_prefix))
+
+
+def fit_to_length(
+    render: Callable[[int], str],
+    tokenizer,
+    length: int,
+    max_units: int,
+    count: Callable[[str], int] | None = None,
+) -> tuple[int, str]:
     """The largest n in [0, max_units] whose prompt `render(n)` fits in `length` tokens, and that prompt.
+
+    `count` says how many of the `length` tokens a prompt uses (default: its own tokens); a task whose budget
+    also holds the chat template and the generated tokens passes its own.
 
     `render(n)` is a prompt holding n filler units (words, sentences, documents...), so its token
     count grows about linearly with n: interpolation finds n in a few tokenizer calls even for long
     prompts; after a few steps we fall back to bisection in case the growth is far from linear.
     """
+    if count is None:
+        count = functools.partial(count_tokens, tokenizer)
     prompt = render(0)
-    tokens_zero = tokens_lo = count_tokens(tokenizer, prompt)
+    tokens_zero = tokens_lo = count(prompt)
     if tokens_zero > length:
         raise ValueError(f"length {length} is too small: the prompt needs {tokens_zero} tokens without any filler")
     lo, hi = 0, max_units + 1  # render(lo) fits; render(hi) does not (or is out of range)
@@ -64,7 +90,7 @@ def fit_to_length(render: Callable[[int], str], tokenizer, length: int, max_unit
             n = lo + int(1.02 * (length - tokens_lo) / per_unit) + 1
         n = min(max(n, lo + 1), hi - 1)
         candidate = render(n)
-        tokens = count_tokens(tokenizer, candidate)
+        tokens = count(candidate)
         if tokens <= length:
             lo, tokens_lo, prompt = n, tokens, candidate
         else:
