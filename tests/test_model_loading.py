@@ -39,3 +39,20 @@ def test_unsupported_family_names_the_supported_ones(tmp_path):
 def test_bad_model_paths(tmp_path, make, message):
     with pytest.raises(ModelError, match=message):
         resolve_model_dir(make(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "contents, message",
+    [
+        ({"config.json": None}, "no file named model.safetensors"),  # a model's config without its weights
+        ({"config.json": "{not json"}, "not a valid JSON file"),
+        ({"config.json": "{}"}, "model_type"),
+    ],
+)
+def test_unloadable_model_directories_are_one_line(tmp_path, contents, message):
+    config = tiny_model().config.to_json_string()
+    for name, text in contents.items():
+        (tmp_path / name).write_text(config if text is None else text)
+    with pytest.raises(ModelError, match=rf"^cannot load the model in {tmp_path}: .*{message}.*model directory") as error:
+        load_model(tmp_path)
+    assert "\n" not in str(error.value)

