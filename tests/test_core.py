@@ -245,3 +245,53 @@ def test_top_k_breaks_ties_toward_earlier_positions():
     assert top_k(scores, 3).tolist() == [[[0, 1, 4]]]
     assert top_k(scores, 6).tolist() == [[[0, 1, 3, 4, 5, 6]]]  # -0.0 ties with 0.0; -inf comes last
     assert top_k(scores, 7).tolist() == [[[0, 1, 2, 3, 4, 5, 6]]]
+
+
+def test_methods_from_other_packages_are_registered_through_entry_points(monkeypatch):
+    import dataclasses
+    from importlib.metadata import EntryPoint
+
+    import refreshkv.methods as methods
+    from refreshkv import METHODS
+
+    @dataclasses.dataclass
+    class Plugin(type(make_policy("full"))):
+        name = "plugin-method"
+
+    good = EntryPoint("plugin-method", "somewhere:Plugin", methods.ENTRY_POINT_GROUP)
+    broken = EntryPoint("broken", "no_such_module_here:Nothing", methods.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(good.__class__, "load", lambda self: Plugin if self.name == "plugin-method" else __import__(
+        "no_such_module_here"))
+    monkeypatch.setattr(methods, "entry_points", lambda group: [good, broken])
+    try:
+        with pytest.warns(UserWarning, match="method plugin 'broken'"):
+            methods.load_methods()
+        assert METHODS["plugin-method"] is Plugin
+    finally:
+        METHODS.pop("plugin-method", None)
+
+
+def test_pre_rope_query_undoes_the_rotary_embedding(llama):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from refreshkv.core.rope import inverse_frequencies, unrotate
+
+    rotary = llama.model.rotary_emb
+    query = torch.randn(2, 4, 1, 16)
+    positions = torch.tensor([[7], [300]])
+    cos, sin = rotary(query, positions)
+    rotated, _ = apply_rotary_pos_emb(query, query, cos, sin)
+    restored = unrotate(rotated[:, :, -1].mean(1), positions[:, 0], inverse_frequencies(llama))
+    torch.testing.assert_close(restored, query[:, :, -1].mean(1), atol=1e-5, rtol=1e-5)
+    assert torch.equal(inverse_frequencies(llama.config), inverse_frequencies(llama))  # plain RoPE from the config
+
+
+def test_threshold_default_follows_the_model_family(llama, qwen2):
+    from refreshkv.methods.refreshkv import default_threshold
+
+    assert default_threshold(PolicyCache(make_policy("full"), llama).model_type) == 0.85
+    assert default_threshold(PolicyCache(make_policy("full"), qwen2).model_type) == 0.95
+    from refreshkv import METHODS
+
+    shown = METHODS["refreshkv"].parameters()
+    assert shown["qc_stride"] == 10 and "0.95 for qwen2" in shown["threshold"]

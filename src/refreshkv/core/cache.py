@@ -21,6 +21,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .policy import Policy, PolicyError
+from .rope import inverse_frequencies
 
 ATTENTION_NAME = "refreshkv"
 DEFAULT_NEW_TOKENS = 256
@@ -165,6 +166,8 @@ class PolicyCache(Cache):
             )
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_layers = text_config.num_hidden_layers
+        self.model_type = text_config.model_type  # some methods' defaults depend on the family (e.g. a threshold)
+        self.rope_inv_freq = inverse_frequencies(model_or_config)  # None: no RoPE the package can undo
         super().__init__(layers=[PolicyLayer(self, i) for i in range(self.num_layers)])
         self.policy = policy
         self.max_new_tokens = max_new_tokens
@@ -198,6 +201,11 @@ class PolicyCache(Cache):
         self.policy.check_prompt(shortest)
         budget_for = getattr(self.policy, "budget_for", None)
         self.budget = budget_for(self.prompt_length) if budget_for else 0
+
+    def positions(self, seen: int, device) -> torch.Tensor:
+        """(B or 1,) RoPE position of the token at index `seen` - 1 in each row (0 at a row's first real token)."""
+        pads = self.pads if self.pads is not None else torch.zeros(1, dtype=torch.long, device=device)
+        return seen - 1 - pads
 
     def device(self) -> torch.device:
         return next(layer.state for layer in self.layers if layer.state is not None).kept(None).device

@@ -38,6 +38,7 @@ from ..core.attention_math import (
     top_k,
 )
 from ..core.kvstore import FullStore, LayerState
+from ..core.rope import unrotate
 from ..core.policy import (
     BudgetPolicy,
     PolicyError,
@@ -51,7 +52,9 @@ from ..core.policy import (
 from ..core.selection import APPENDED, SelectionState  # decoded tokens score above any probability: recycled go first
 
 DEFAULT_QC_STRIDE = 10
-DEFAULT_THRESHOLD = 0.85  # the paper's value for Llama-3.1-8B (A.4)
+LLAMA_THRESHOLD = 0.85  # A.4: chosen for Llama-3.1-8B; used for every family the paper did not tune
+FAMILY_THRESHOLDS = {"qwen2": 0.95}  # A.4: chosen for Qwen2-7B
+QUERY_SPACES = ("pre_rope", "post_rope")
 
 
 def head_mean(query: torch.Tensor) -> torch.Tensor:
@@ -59,11 +62,15 @@ def head_mean(query: torch.Tensor) -> torch.Tensor:
     return query[:, :, -1].mean(dim=1)
 
 
+def default_threshold(model_type: str) -> float:
+    return FAMILY_THRESHOLDS.get(model_type, LLAMA_THRESHOLD)
+
+
 @dataclasses.dataclass
 class RefreshState(LayerState):
     full: FullStore  # C_f
     partial: SelectionState  # C_p: K slots + the newest token
-    anchor: torch.Tensor  # (B, D) head-averaged query of the last full step
+    anchor: torch.Tensor | None  # (B, D) compared query of the last full step (dynamic schedule only)
 
     def nbytes(self) -> int:
         return self.full.nbytes() + self.partial.nbytes()
@@ -84,6 +91,7 @@ class RefreshKV(BudgetPolicy):
     kernel: int = 7
     window: int = 1
     aggregation: str = "max"
+    query: str = "pre_rope"
 
     def __post_init__(self):
         super().__post_init__()
@@ -96,6 +104,25 @@ class RefreshKV(BudgetPolicy):
         check_kernel(self.kernel)
         check_positive("window", self.window)
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
+        check_choice("query", self.query, QUERY_SPACES)
+
+    @classmethod
+    def parameters(cls) -> dict[str, object]:
+        params = super().parameters()
+        if params["stride"] is None:  # what the dynamic schedule uses when qc_stride / threshold are not given
+            tuned = ", ".join(f"{value} for {family}" for family, value in FAMILY_THRESHOLDS.items())
+            params.update(qc_stride=DEFAULT_QC_STRIDE, threshold=f"{tuned}, {LLAMA_THRESHOLD} otherwise")
+        return params
+
+    def compared_query(self, layer, query: torch.Tensor) -> torch.Tensor:
+        """(B, D) head-averaged query of the newest token, before RoPE with `query="pre_rope"`."""
+        mean = head_mean(query)
+        if self.query == "post_rope":
+            return mean
+        if layer.cache.rope_inv_freq is None:
+            raise PolicyError("query='pre_rope' needs a model with plain RoPE (or give the model to PolicyCache); "
+                              "use query='post_rope'")
+        return unrotate(mean, layer.cache.positions(layer.seen, query.device), layer.cache.rope_inv_freq)
 
     def check_prompt(self, shortest):
         check_window("window", self.window, shortest)
@@ -107,7 +134,8 @@ class RefreshKV(BudgetPolicy):
         full = FullStore(key, cache.capacity())
         full.append(key, value)
         partial = SelectionState.empty_like(key, min(cache.budget, cache.capacity()) + 1)
-        layer.state = RefreshState(full, partial, anchor=head_mean(query))
+        anchor = self.compared_query(layer, query) if self.stride is None else None
+        layer.state = RefreshState(full, partial, anchor)
         valid = cache.valid_positions(length, key.device)
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
         self._refresh(layer.state, selection_scores(probs, self.kernel, self.aggregation), valid)
@@ -117,7 +145,7 @@ class RefreshKV(BudgetPolicy):
     def decode(self, layer, query, key, value, scaling):
         state: RefreshState = layer.state
         state.full.append(key, value)
-        need = self._needs_full(state, query, layer.cache.step)
+        need = self._needs_full(layer, query)
         if need is False:
             layer.record(0.0, state.partial.nbytes())
             return self._partial_step(layer, query, key, value, scaling)
@@ -130,14 +158,16 @@ class RefreshKV(BudgetPolicy):
         layer.record(need.float().mean().item(), state.partial.nbytes() + state.full.attended_bytes())
         return torch.where(need.view(-1, 1, 1, 1), full_out, partial_out)
 
-    def _needs_full(self, state: RefreshState, query: torch.Tensor, step: int):
+    def _needs_full(self, layer, query: torch.Tensor):
         """True / False for the whole batch, or a (B,) bool tensor when rows disagree."""
+        state: RefreshState = layer.state
+        step = layer.cache.step
         if self.stride is not None:
             return step % self.stride == 0
         if step % (self.qc_stride or DEFAULT_QC_STRIDE) != 0:
             return False
-        threshold = DEFAULT_THRESHOLD if self.threshold is None else self.threshold
-        need = F.cosine_similarity(head_mean(query).float(), state.anchor.float(), dim=-1) < threshold
+        threshold = default_threshold(layer.cache.model_type) if self.threshold is None else self.threshold
+        need = F.cosine_similarity(self.compared_query(layer, query), state.anchor.float(), dim=-1) < threshold
         count = int(need.sum())
         return True if count == need.numel() else False if count == 0 else need
 
@@ -154,8 +184,9 @@ class RefreshKV(BudgetPolicy):
         valid = layer.cache.valid_positions(state.full.length, keys.device)
         output, probs = attend_with_probs(query, keys, values, scaling, valid)
         self._refresh(state, selection_scores(probs.unsqueeze(3), self.kernel, self.aggregation), valid, rows)
-        current = head_mean(query)
-        state.anchor = current if rows is None else torch.where(rows[:, None], current, state.anchor)
+        if self.stride is None:
+            current = self.compared_query(layer, query)
+            state.anchor = current if rows is None else torch.where(rows[:, None], current, state.anchor)
         return output
 
     def _refresh(self, state: RefreshState, scores, valid, rows=None) -> None:
