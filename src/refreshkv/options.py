@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Optional
 
 import typer
@@ -24,12 +25,14 @@ DeviceOpt = Annotated[str, typer.Option(help="cpu or cuda.")]
 
 
 def parse_value(raw: str):
-    """A command-line value as int, float, true/false, or text."""
+    """A command-line value as int, finite float, true/false, or text (which a numeric parameter then refuses)."""
     for kind in (int, float):
         try:
-            return kind(raw)
+            value = kind(raw)
         except ValueError:
             continue
+        if math.isfinite(value):
+            return value
     if raw.lower() in ("true", "false"):
         return raw.lower() == "true"
     return raw
@@ -60,7 +63,13 @@ def method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, wi
         budget=budget, budget_ratio=budget_ratio, stride=stride, qc_stride=qc_stride,
         threshold=threshold, kernel=kernel, window=window, aggregation=aggregation,
     )
-    return {**{k: v for k, v in given.items() if v is not None}, **parse_pairs(param, "--param")}
+    given = {k: v for k, v in given.items() if v is not None}
+    extra = parse_pairs(param, "--param")
+    both = sorted(set(given) & set(extra))
+    if both:
+        name = both[0]
+        raise ValueError(f"{name} is given both as --{name.replace('_', '-')} and as --param {name}; give it once")
+    return {**given, **extra}
 
 
 def check_runtime(dtype: str, device: str):

@@ -73,9 +73,9 @@ def register(app, user_errors) -> None:
         )
         config.validate()
         torch_dtype = check_runtime(dtype, device)
-        ResultsFile(out, run=config.key())  # refuse a foreign file before loading anything
-        lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
-        counts = run_eval(lm, tokenizer, config, num_examples, out)
+        with ResultsFile(out, run=config.key()) as results:  # refuses a foreign, busy or unwritable file first
+            lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
+            counts = run_eval(lm, tokenizer, config, num_examples, results)
         console.print(
             f"{counts['ran']} example(s) run, {counts['done_before']} already in {out}; "
             f"config {config.key()} ({config.label()}). Summarise with: refreshkv report {out}",
@@ -98,9 +98,9 @@ def register(app, user_errors) -> None:
         torch_dtype = check_runtime(sweep.dtype, device)
         for run_config in sweep.configs():
             run_config.validate()
-        ResultsFile(sweep.out, run=sweep.identity())
-        lm, tokenizer = load_model(sweep.model, dtype=torch_dtype, device=device)
-        counts = run_sweep(sweep, lm, tokenizer)
+        with ResultsFile(sweep.out, run=sweep.identity()) as results:  # refuses a foreign, busy or unwritable file first
+            lm, tokenizer = load_model(sweep.model, dtype=torch_dtype, device=device)
+            counts = run_sweep(sweep, lm, tokenizer, results=results)
         console.print(
             f"{counts['ran']} row(s) run, {counts['done_before']} already in {sweep.out} "
             f"({len(sweep.configs())} configurations, {sweep.identity()}). "

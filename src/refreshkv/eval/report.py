@@ -19,12 +19,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 from pathlib import Path
 
 from .runner import canonical, read_results
 
 ROW_FIELDS = ("run", "config", "id", "task", "method", "params", "length", "seed", "model", "score",
               "decode_ms_per_token", "kv_bytes_full")
+NUMBER_FIELDS = ("length", "seed", "score", "decode_ms_per_token", "kv_bytes_full", "budget_ratio",
+                 "full_step_fraction", "decode_steps")
 PPL_BINS = 16
 
 
@@ -34,11 +37,22 @@ def load_results(paths) -> list[dict]:
     for path in paths:
         if not Path(path).is_file():
             raise ValueError(f"results file {path} does not exist")
-        for row in read_results(path, required=ROW_FIELDS)[0]:
+        for row in read_results(path, required=ROW_FIELDS, numbers=NUMBER_FIELDS)[0]:
             rows[(row["config"], row["id"])] = row
     if not rows:
         raise ValueError(f"no result rows in {', '.join(map(str, paths))}")
+    warn_non_finite(rows.values())
     return list(rows.values())
+
+
+def warn_non_finite(rows) -> None:
+    """One line on the NaN / infinite figures (e.g. a diverged perplexity) that `mean` leaves out."""
+    bad = [(row, name) for row in rows for name in NUMBER_FIELDS
+           if isinstance(row.get(name), float) and not math.isfinite(row[name])]
+    if bad:
+        row, name = bad[0]
+        print(f"warning: {len(bad)} non-finite value(s) left out of the averages, e.g. {name}={row[name]} "
+              f"of {method_label(row)} on {row['id']}", file=sys.stderr)
 
 
 def method_label(row: dict) -> str:
@@ -56,7 +70,7 @@ def example_key(row: dict) -> str:
 
 
 def mean(values):
-    values = [v for v in values if v is not None]
+    values = [v for v in values if v is not None and math.isfinite(v)]  # load_results warns about the non-finite
     return sum(values) / len(values) if values else None
 
 
@@ -270,7 +284,10 @@ def write_report(paths, out_dir: str | os.PathLike | None = None, plots: bool = 
         from .plots import check_matplotlib
 
         check_matplotlib()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # e.g. an existing file of that name
+        raise ValueError(f"cannot make the report folder {out_dir} ({error.strerror}); give another --out-dir") from None
     written = []
     if plots:
         from .plots import write_plots

@@ -19,9 +19,11 @@ import fcntl
 import hashlib
 import inspect
 import json
+import math
 import os
 import sys
 import time
+import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -73,6 +75,22 @@ def check_task_options(name: str, options: dict) -> None:
         raise ValueError(
             f"task '{name}' has no option {', '.join(unknown)}; its options: {', '.join(allowed) or 'none'}"
         )
+    hints = typing.get_type_hints(task.build)
+    for option, value in options.items():
+        kinds = typing.get_args(hints.get(option)) or (hints.get(option),)
+        expected = next((kind for kind in (int, float) if kind in kinds), None)
+        if expected is None or (value is None and type(None) in kinds):
+            continue
+        if not (is_number(value, integer=expected is int) and math.isfinite(value)):
+            raise ValueError(
+                f"task '{name}': option {option} must be {'an integer' if expected is int else 'a number'}, "
+                f"got {value!r}"
+            )
+
+
+def is_number(value, integer: bool = False) -> bool:
+    """An int (or, unless `integer`, a float), but not a bool: JSON, YAML and true/false on the command line."""
+    return isinstance(value, int if integer else (int, float)) and not isinstance(value, bool)
 
 
 def model_identity(path: str | os.PathLike | None) -> str:
@@ -234,8 +252,13 @@ def run_example(model, tokenizer, config: RunConfig, item: Prepared) -> dict:
 REQUIRED = ("run", "config", "id")
 
 
-def read_results(path: str | os.PathLike, required: Iterable[str] = REQUIRED, warn: bool = True):
-    """(rows, bytes of complete lines, whether a torn last line was found). Malformed rows raise ResultsError."""
+def read_results(
+    path: str | os.PathLike, required: Iterable[str] = REQUIRED, warn: bool = True, numbers: Iterable[str] = ()
+):
+    """(rows, bytes of complete lines, whether a torn last line was found). Malformed rows raise ResultsError.
+
+    `numbers`: fields that must hold a number (or null) where a row has them.
+    """
     path = Path(path)
     if not path.exists():
         return [], 0, False
@@ -257,6 +280,9 @@ def read_results(path: str | os.PathLike, required: Iterable[str] = REQUIRED, wa
         missing = [name for name in required if name not in row]
         if missing:
             raise ResultsError(f"{path}:{number}: row lacks the field(s) {', '.join(missing)}")
+        for name in numbers:
+            if row.get(name) is not None and not is_number(row[name]):
+                raise ResultsError(f"{path}:{number}: field {name} must be a number, got {row[name]!r}")
         rows.append(row)
     if torn and warn:
         print(f"warning: {path}:{len(rows) + 1}: ignoring an incomplete last line (a cut-short write)", file=sys.stderr)
@@ -264,37 +290,61 @@ def read_results(path: str | os.PathLike, required: Iterable[str] = REQUIRED, wa
 
 
 class ResultsFile:
-    """The JSONL output of one run: the rows already done, and whole-line appends."""
+    """The JSONL output of one run, locked from opening to closing: the rows already done, and whole-line appends.
+
+    The file is opened (created if missing) and locked before it is read, so `done` stays what the file holds until
+    `close`: a second run on the same file is refused instead of repeating rows, and the torn tail cut before the
+    first append is the one read here. Opening first also refuses an unwritable path before any work is done; a file
+    this run created and never wrote to is removed again on close.
+    """
 
     def __init__(self, path: str | os.PathLike, run: str):
         self.path = Path(path)
         self.run = run
-        rows, self._end, self._torn = read_results(self.path)
-        others = sorted({str(row["run"]) for row in rows if row["run"] != run})
-        if others:
-            raise ResultsError(
-                f"{self.path} holds results of another configuration (run {others[0]}, this run is {run}); "
-                "choose another output file, nothing was written"
-            )
-        self.done = {(row["config"], row["id"]) for row in rows}
-        self._fd = None
-
-    def _open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd, self._created = self._open_locked()
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ResultsError(f"{self.path} is being written by another run") from None
-        if self._torn:  # cut the torn tail off so that the next row starts on its own line
-            os.ftruncate(fd, self._end)
-            self._torn = False
-        self._fd = fd
+            rows, self._end, self._torn = read_results(self.path)
+            others = sorted({str(row["run"]) for row in rows if row["run"] != run})
+            if others:
+                raise ResultsError(
+                    f"{self.path} holds results of another configuration (run {others[0]}, this run is {run}); "
+                    "choose another output file, nothing was written"
+                )
+        except BaseException:
+            self.close()
+            raise
+        self.done = {(row["config"], row["id"]) for row in rows}
+
+    def _open_locked(self) -> tuple[int, bool]:
+        """(descriptor holding the lock, whether this run created the file)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            while True:
+                try:
+                    fd, created = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644), True
+                except FileExistsError:
+                    fd, created = os.open(self.path, os.O_WRONLY | os.O_APPEND), False
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    raise ResultsError(f"{self.path} is being written by another run") from None
+                if self._is_current(fd):
+                    return fd, created
+                os.close(fd)  # removed by a run that wrote nothing, between our open and our lock: open it afresh
+        except OSError as error:
+            raise ResultsError(f"cannot write {self.path} ({error.strerror or error}); choose another output file") from None
+
+    def _is_current(self, fd: int) -> bool:
+        try:
+            return os.path.samestat(os.fstat(fd), os.stat(self.path))
+        except FileNotFoundError:
+            return False
 
     def append(self, row: dict) -> None:
-        if self._fd is None:
-            self._open()
+        if self._torn:  # cut the torn tail read under this lock, so that the next row starts on its own line
+            os.ftruncate(self._fd, self._end)
+            self._torn = False
         data = (json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
         written = os.write(self._fd, data)  # O_APPEND: one write of the whole line at the end of the file
         if written != len(data):
@@ -303,9 +353,12 @@ class ResultsFile:
         self.done.add((row["config"], row["id"]))
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._fd is None:
+            return
+        if self._created and os.fstat(self._fd).st_size == 0:
+            self.path.unlink(missing_ok=True)  # still locked: a run that failed before its first row leaves no file
+        os.close(self._fd)
+        self._fd = None
 
     def __enter__(self):
         return self
@@ -374,14 +427,15 @@ def run_eval(
     tokenizer,
     config: RunConfig,
     num_examples: int,
-    out: str | os.PathLike,
+    out: str | os.PathLike | ResultsFile,
     progress: bool = True,
 ) -> dict:
     """`refreshkv eval`: one configuration; the file's `run` is the configuration key."""
     if not isinstance(num_examples, int) or num_examples < 1:
         raise ValueError(f"num_examples must be a positive integer, got {num_examples!r}")
     config.validate(model)
-    results = ResultsFile(out, run=config.key())  # refuses a foreign file before any work
+    # opened before any work (refusing a foreign, busy or unwritable file); the command opens it before loading
+    results = out if isinstance(out, ResultsFile) else ResultsFile(out, run=config.key())
     with results:
         items = prepare(model, tokenizer, config, num_examples)
         return run_jobs(model, tokenizer, [Job(config, items)], results, progress)

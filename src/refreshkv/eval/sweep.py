@@ -83,7 +83,7 @@ def _int_list(value, name: str, where: str, minimum: int) -> list[int]:
     values = value if isinstance(value, list) else [value]
     if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in values):
         raise SweepError(f"{where}: '{name}' must be an integer >= {minimum} or a non-empty list of them, got {value!r}")
-    return values
+    return list(dict.fromkeys(values))  # a repeated value would only run the same configurations again
 
 
 def _entries(value, name: str, where: str, inner: tuple[str, ...]) -> list[tuple[str, dict]]:
@@ -161,7 +161,8 @@ def load_sweep(path: str | Path, out: str | Path | None = None) -> Sweep:
             check_task_options(name, parts["options"])
         except ValueError as error:
             raise SweepError(f"{where}: {error}") from None
-        tasks.append((name, parts["options"]))
+        if (name, parts["options"]) not in tasks:
+            tasks.append((name, parts["options"]))
 
     methods = []
     for name, parts in _entries(data["methods"], "methods", where, ("params", "grid")):
@@ -185,20 +186,22 @@ def load_sweep(path: str | Path, out: str | Path | None = None) -> Sweep:
     return Sweep(path, out_path, model, chat, dtype, seeds, num_examples, lengths, tasks, methods)
 
 
-def run_sweep(sweep: Sweep, model, tokenizer, progress: bool = True) -> dict:
-    """Run (or resume) a sweep with a loaded model; examples are built and checked before anything is run."""
+def run_sweep(sweep: Sweep, model, tokenizer, progress: bool = True, results=None) -> dict:
+    """Run (or resume) a sweep with a loaded model; examples are built and checked before anything is run.
+
+    `results`: the sweep's ResultsFile when the caller opened it already (the command does, before loading the model).
+    """
     from .runner import Job, ResultsFile, prepare, run_jobs
 
     configs = sweep.configs()
     for config in configs:
         config.validate(model)
-    results = ResultsFile(sweep.out, run=sweep.identity())
-    built: dict[str, list] = {}
-    jobs = []
-    for config in configs:
-        shared = short_hash([config.task, config.task_options, config.length, config.seed])
-        if shared not in built:
-            built[shared] = prepare(model, tokenizer, config, sweep.num_examples)
-        jobs.append(Job(config, built[shared]))
-    with results:
+    with results or ResultsFile(sweep.out, run=sweep.identity()) as results:
+        built: dict[str, list] = {}
+        jobs = []
+        for config in configs:
+            shared = short_hash([config.task, config.task_options, config.length, config.seed])
+            if shared not in built:
+                built[shared] = prepare(model, tokenizer, config, sweep.num_examples)
+            jobs.append(Job(config, built[shared]))
         return run_jobs(model, tokenizer, jobs, results, progress)
