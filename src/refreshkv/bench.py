@@ -162,12 +162,17 @@ def summarize(runs: list[Run], weights: int, bandwidth: float) -> dict:
     }
 
 
-def run_bench(model, tokenizer, methods: dict[str, dict], lengths: list[int], new_tokens: int, rounds: int,
-              progress=None) -> dict:
-    """Interleaved benchmark; `methods` maps a method name to its parameters. Returns rows + machine facts."""
+def check_methods(methods: dict[str, dict]) -> None:
+    """Build every method once, so that a bad parameter fails before a model is loaded or a run is timed."""
     for name, params in methods.items():
         if name != REFERENCE:
             make_policy(name, **params)
+
+
+def run_bench(model, tokenizer, methods: dict[str, dict], lengths: list[int], new_tokens: int, rounds: int,
+              progress=None) -> dict:
+    """Interleaved benchmark; `methods` maps a method name to its parameters. Returns rows + machine facts."""
+    check_methods(methods)
     for length in lengths:
         if length - new_tokens < 16:
             raise ValueError(f"length {length} leaves no room for a prompt before {new_tokens} new tokens")

@@ -13,6 +13,7 @@ from typer.exceptions import TyperException
 from rich.console import Console
 from rich.table import Table
 
+from .demo import MAX_LENGTH as DEMO_MAX_LENGTH, MIN_LENGTH as DEMO_MIN_LENGTH
 from .eval.commands import register as register_eval_commands
 from .options import (
     AggOpt,
@@ -64,8 +65,12 @@ def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
         raise ValueError("give exactly one of --prompt TEXT or --prompt-file FILE")
     if prompt_file is not None:
         if not prompt_file.is_file():
-            raise ValueError(f"prompt file '{prompt_file}' does not exist")
-        prompt = prompt_file.read_text(encoding="utf-8")
+            problem = "is not a file" if prompt_file.exists() else "does not exist"
+            raise ValueError(f"prompt file '{prompt_file}' {problem}; give a UTF-8 text file")
+        try:
+            prompt = prompt_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"prompt file '{prompt_file}' is not UTF-8 text (byte {error.start})") from None
     if not prompt.strip():
         raise ValueError("the prompt is empty")
     return prompt
@@ -192,18 +197,22 @@ def generate(
 @app.command()
 @user_errors
 def demo(
-    length: Annotated[int, typer.Option(min=64, help="Prompt length in tokens (book text + question).")] = 4096,
+    length: Annotated[
+        int, typer.Option(min=DEMO_MIN_LENGTH, max=DEMO_MAX_LENGTH, help="Prompt length in tokens (book text + question).")
+    ] = 4096,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
     budget: BudgetOpt = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ):
     """The main job on the embedded model: a long book prompt decoded with `full` and with `refreshkv`."""
+    from .core.policy import make_policy
     from .demo import demo_prompt
     from .model import load_model
 
+    params = {} if budget is None else {"budget": budget}
+    make_policy("refreshkv", **params)  # validate before loading anything (and before the `full` run)
     lm, tokenizer = load_model()
     ids = demo_prompt(tokenizer, length)
-    params = {} if budget is None else {"budget": budget}
     results = [
         run_generation(lm, tokenizer, ids, "full", {}, max_new_tokens),
         run_generation(lm, tokenizer, ids, "refreshkv", params, max_new_tokens),
@@ -213,8 +222,8 @@ def demo(
 
 def bench_methods(names: str, budget: int, param: list[str]) -> dict[str, dict]:
     """Method name -> parameters: `budget` for every method that has one, plus `--param METHOD:NAME=VALUE`."""
-    from .bench import REFERENCE
-    from .core.policy import METHODS, make_policy
+    from .bench import REFERENCE, check_methods
+    from .core.policy import METHODS
 
     methods = {}
     for name in filter(None, (n.strip() for n in names.split(","))):
@@ -231,6 +240,7 @@ def bench_methods(names: str, budget: int, param: list[str]) -> dict[str, dict]:
         if not sep or method not in methods:
             raise ValueError(f"--param expects METHOD:NAME=VALUE with METHOD among --methods, got '{item}'")
         methods[method].update(parse_pairs([pair], "--param"))
+    check_methods(methods)
     return methods
 
 
@@ -309,9 +319,11 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)
     except TyperException as error:  # typer's own click: usage errors carry exit code 2
-        print_error(error.format_message())
+        if error.format_message():  # empty for `refreshkv` alone: the help has been printed instead
+            print_error(error.format_message())
         code = getattr(error, "exit_code", 2)
-    except (typer.Abort, KeyboardInterrupt):
-        print_error("interrupted")
+    except typer.Abort:  # end of input at a prompt
         code = 130
+    if code == 130:  # typer turns Ctrl-C (KeyboardInterrupt) into exit code 130, without a word
+        print_error("interrupted")
     sys.exit(code or 0)

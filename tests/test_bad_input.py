@@ -1,0 +1,404 @@
+"""Bad input and environment faults end in one line (CLI: exit code 2), before any long work; runs resume intact."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+from conftest import tiny_model
+
+import refreshkv.model
+from refreshkv.cli import main
+from refreshkv.eval.report import load_results, write_report
+from refreshkv.eval.runner import ResultsError, ResultsFile, check_task_options
+from refreshkv.eval.sweep import load_sweep
+from refreshkv.model import ModelError, load_model, resolve_model_dir
+from refreshkv.options import method_params, parse_value
+
+TESTS = Path(__file__).parent
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word, ids in the tiny models' vocabulary (3..127)."""
+
+    def encode(self, text, add_special_tokens=True):
+        return [3 + zlib.crc32(word.encode()) % 125 for word in text.split()]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"w{i}" for i in ids)
+
+
+def cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of the console entry point, in this process."""
+    monkeypatch.setattr(sys, "argv", ["refreshkv", *map(str, args)])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    out, err = capsys.readouterr()
+    return exited.value.code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0] != "error: ", err
+    for fragment in fragments:
+        assert fragment in lines[0], err
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading a model fails the test: bad input must be refused before."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(refreshkv.model, "load_model", refuse)
+
+
+@pytest.fixture
+def tiny_loader(monkeypatch):
+    """`load_model` gives a tiny random model and a word tokenizer."""
+    monkeypatch.setattr(refreshkv.model, "load_model", lambda *a, **k: (tiny_model("llama", layers=2), WordTokenizer()))
+
+
+@pytest.fixture
+def doc(tmp_path):
+    words = [f"word{(i * 7919) % 400}" for i in range(2000)]
+    path = tmp_path / "doc.txt"
+    path.write_text(" ".join(words), encoding="utf-8")
+    return path
+
+
+def ppl_eval_args(doc, out, *extra):
+    return ["eval", "--task", "ppl", "--task-option", f"paths={doc}", "--task-option", "target_tokens=4",
+            "--length", "40", "--no-chat", "--out", out, *extra]
+
+
+# ---- 1. the GGUF conversion cache is keyed by content ----------------------------------------------------------
+
+
+@pytest.fixture
+def fake_conversion(tmp_path, monkeypatch):
+    """A private cache, and a conversion that only records which file it converted (no transformers)."""
+    monkeypatch.setenv("REFRESHKV_CACHE", str(tmp_path / "cache"))
+    converted = []
+
+    def convert(gguf, target):
+        converted.append(gguf)
+        target.mkdir()
+        (target / "config.json").write_text(json.dumps({"source": str(gguf)}))
+
+    monkeypatch.setattr(refreshkv.model, "_convert_gguf", convert)
+    return converted
+
+
+def test_a_different_gguf_with_the_same_name_and_size_gets_its_own_conversion(tmp_path, fake_conversion, monkeypatch):
+    first, second = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    for path, byte in ((first, b"\1"), (second, b"\0")):
+        path.parent.mkdir()
+        path.write_bytes(byte * 4096)
+    hashed = []
+    real_digest = refreshkv.model.hashlib.file_digest
+    monkeypatch.setattr(refreshkv.model.hashlib, "file_digest", lambda f, name: hashed.append(f.name) or real_digest(f, name))
+
+    first_dir, second_dir = resolve_model_dir(first), resolve_model_dir(second)
+    assert first_dir != second_dir and fake_conversion == [first, second]
+    assert json.loads((second_dir / "config.json").read_text())["source"] == str(second)
+    assert resolve_model_dir(first) == first_dir and len(fake_conversion) == 2  # converted once
+    assert len(hashed) == 2  # hashed once, remembered by path + mtime + size
+    stat = first.stat()
+    os.utime(first, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert resolve_model_dir(first) == first_dir and len(hashed) == 3  # touched: hashed again, same content
+
+
+def test_a_file_that_is_not_a_gguf_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("REFRESHKV_CACHE", str(tmp_path / "cache"))
+    zeros = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    zeros.write_bytes(bytes(4096))
+    with pytest.raises(ModelError, match=rf"^cannot read {zeros} as a GGUF model \(.*magic") as error:
+        resolve_model_dir(zeros)
+    assert "\n" not in str(error.value)
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir() and p.name != "hashes"]  # nothing cached
+
+
+def test_a_truncated_gguf_is_one_line_naming_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("REFRESHKV_CACHE", str(tmp_path / "cache"))
+    from transformers import AutoModelForCausalLM
+
+    def reshape_fails(*args, **kwargs):
+        raise ValueError("cannot reshape array of size 66784 into shape (576,360)")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", reshape_fails)
+    truncated = tmp_path / "half.gguf"
+    truncated.write_bytes(b"GGUF" + bytes(100))
+    with pytest.raises(ModelError, match=rf"^cannot read {truncated} as a GGUF model \(cannot reshape .*truncated"):
+        resolve_model_dir(truncated)
+
+
+# ---- 4. environment faults ---------------------------------------------------------------------------------------
+
+
+def test_an_unwritable_cache_is_refused_before_converting(tmp_path, fake_conversion, monkeypatch):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("REFRESHKV_CACHE", str(blocker / "cache"))  # cannot be created, even by root
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"x" * 100)
+    with pytest.raises(ModelError, match=rf"^the model cache {blocker / 'cache'} is not writable .*REFRESHKV_CACHE"):
+        resolve_model_dir(gguf)
+    assert fake_conversion == []
+
+
+def test_concurrent_first_loads_convert_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("REFRESHKV_CACHE", str(tmp_path / "cache"))
+    inside, release, calls = threading.Event(), threading.Event(), []
+
+    def slow_convert(gguf, target):
+        calls.append(target)
+        inside.set()
+        release.wait(10)
+        target.mkdir()
+        (target / "config.json").write_text("{}")
+
+    monkeypatch.setattr(refreshkv.model, "_convert_gguf", slow_convert)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"x" * 100)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(resolve_model_dir(gguf))) for _ in range(2)]
+    threads[0].start()
+    assert inside.wait(10)
+    threads[1].start()  # finds no conversion yet: without the lock it would convert (and rename) too
+    time.sleep(0.3)
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert len(calls) == 1 and len(results) == 2 and results[0] == results[1]
+
+
+def test_a_corrupt_cached_conversion_says_how_to_clear_it(tmp_path, fake_conversion, monkeypatch):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"x" * 100)
+    target = resolve_model_dir(gguf)
+    (target / "config.json").unlink()
+    tiny_model().save_pretrained(target)
+    weights = target / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ModelError, match=rf"^cannot load the model in {target}: .*delete {target} to convert"):
+        load_model(gguf)
+
+
+# ---- 2. the results file: locked before it is read ---------------------------------------------------------------
+
+
+def row(number: int) -> dict:
+    return {"run": "r", "config": "c", "id": f"example-{number}"}
+
+
+def test_a_second_writer_is_refused_and_a_later_one_keeps_the_rows_of_the_first(tmp_path):
+    out = tmp_path / "r.jsonl"
+    out.write_text("".join(json.dumps(row(i)) + "\n" for i in range(2)) + '{"run": "r", "conf')  # a torn last line
+    first = ResultsFile(out, run="r")
+    with pytest.raises(ResultsError, match=f"^{out} is being written by another run$"):
+        ResultsFile(out, run="r")  # started while the first runs: before, it read the same rows and repeated them
+    first.append(row(2))
+    first.close()
+    second = ResultsFile(out, run="r")  # reads under its lock what the first wrote
+    assert ("c", "example-2") in second.done
+    second.append(row(3))
+    second.close()
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [f"example-{i}" for i in range(4)]
+
+
+def test_an_unwritable_results_file_is_refused_before_loading_the_model(tmp_path, doc, no_model, monkeypatch, capsys):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    with pytest.raises(ResultsError, match="^cannot write .*choose another output file$"):
+        ResultsFile(blocker / "r.jsonl", run="r")
+    code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, blocker / "r.jsonl"))
+    assert_one_line_error(code, err, f"cannot write {blocker / 'r.jsonl'}")
+    code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, tmp_path))  # a folder
+    assert_one_line_error(code, err, f"cannot write {tmp_path}")
+    busy = tmp_path / "busy.jsonl"
+    with ResultsFile(busy, run="other"):
+        code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, busy))
+    assert_one_line_error(code, err, "is being written by another run")
+
+
+def test_a_run_that_fails_before_its_first_row_leaves_no_file(tmp_path):
+    out = tmp_path / "new.jsonl"
+    ResultsFile(out, run="r").close()
+    assert not out.exists()
+
+
+def test_the_torn_line_warning_is_printed_once(tmp_path, doc, tiny_loader, monkeypatch, capsys):
+    out = tmp_path / "r.jsonl"
+    code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, out, "--num-examples", "1"))
+    assert code == 0, err
+    out.write_bytes(out.read_bytes() + b'{"run": "x", "con')
+    code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, out, "--num-examples", "2"))
+    assert code == 0, err
+    assert err.count("ignoring an incomplete last line") == 1, err
+    assert len(out.read_text().splitlines()) == 2
+
+
+def test_ctrl_c_ends_with_one_interrupted_line(tmp_path, doc):
+    out = tmp_path / "r.jsonl"
+    script = f"""
+import sys, time
+import refreshkv.model
+def slow(*args, **kwargs):
+    print("loading", flush=True)
+    time.sleep(60)
+refreshkv.model.load_model = slow
+from refreshkv.cli import main
+sys.argv = ["refreshkv"] + {[str(a) for a in ppl_eval_args(doc, out)]!r}
+main()
+"""
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "loading"
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == 130
+    assert err.strip().splitlines()[-1] == "error: interrupted" and "Traceback" not in err
+    assert not out.exists()  # opened before loading, nothing written: removed again
+
+
+# ---- 5. text where a number is expected ---------------------------------------------------------------------------
+
+
+def test_param_values_are_parsed_without_turning_words_into_numbers():
+    assert parse_value("8") == 8 and parse_value("0.5") == 0.5
+    assert parse_value("true") is True and parse_value("abc") == "abc"
+    assert parse_value("nan") == "nan" and parse_value("inf") == "inf"  # not numbers: a numeric parameter refuses them
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--param", "budget_ratio=abc"], "budget_ratio"),
+        (["--param", "budget_ratio=true"], "budget_ratio"),
+        (["--param", "budget_ratio=nan"], "budget_ratio"),
+        (["--budget", "4", "--param", "budget=3"], "budget is given both as --budget and as --param budget"),
+        (["--qc-stride", "4", "--param", "qc_stride=3"], "both as --qc-stride and as --param qc_stride"),
+    ],
+)
+def test_bad_method_parameters_are_one_line_before_loading(args, message, no_model, monkeypatch, capsys):
+    code, _, err = cli(monkeypatch, capsys, "generate", "--method", "refreshkv", "--prompt", "hello", *args)
+    assert_one_line_error(code, err, message)
+
+
+def test_method_params_refuses_an_option_also_given_as_param():
+    assert method_params(4, None, None, None, None, None, None, None, ["qc_stride=3"]) == {"budget": 4, "qc_stride": 3}
+    with pytest.raises(ValueError, match="budget_ratio is given both as --budget-ratio and as --param budget_ratio"):
+        method_params(None, 0.5, None, None, None, None, None, None, ["budget_ratio=0.25"])
+
+
+def test_text_in_a_sweep_where_a_number_is_expected(tmp_path):
+    spec = tmp_path / "sweep.yaml"
+    spec.write_text("out: r.jsonl\nlengths: [100]\ntasks: [ppl]\nmethods: [{name: snapkv, params: {budget_ratio: abc}}]\n")
+    with pytest.raises(ValueError, match=f"^{spec}: .*budget_ratio") as error:
+        load_sweep(spec)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("value", ["abc", "true", "1.5", "nan"])
+def test_task_options_must_have_the_type_the_task_expects(value, doc, no_model, tmp_path, monkeypatch, capsys):
+    code, _, err = cli(monkeypatch, capsys, "eval", "--task", "ppl", "--task-option", f"paths={doc}",
+                       "--task-option", f"target_tokens={value}", "--out", tmp_path / "r.jsonl")
+    assert_one_line_error(code, err, "task 'ppl': option target_tokens must be an integer, got")
+    with pytest.raises(ValueError, match="option budget_ratio must be a number, got 'x'"):
+        check_task_options("recovery", {"budget_ratio": "x"})
+    check_task_options("recovery", {"budget_ratio": 0.5, "budget": None, "steps": 3, "paths": [str(doc)]})
+
+
+def report_rows(path: Path, **changes) -> Path:
+    base = {"run": "r", "task": "ppl", "method": "full", "params": {}, "length": 40, "seed": 0, "model": "m",
+            "decode_ms_per_token": 1.0, "kv_bytes_full": 1000}
+    rows = [{**base, "config": "c", "id": f"e{i}", "score": 2.0 + i} for i in range(2)]
+    rows[1].update(changes)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_report_refuses_a_string_number_and_an_out_dir_that_is_a_file(tmp_path, monkeypatch, capsys):
+    results = report_rows(tmp_path / "r.jsonl", score="0.5")
+    code, _, err = cli(monkeypatch, capsys, "report", results, "--no-plots")
+    assert_one_line_error(code, err, f"{results}:2: field score must be a number, got '0.5'")
+    results = report_rows(tmp_path / "r.jsonl")
+    existing = tmp_path / "taken"
+    existing.write_text("")
+    code, _, err = cli(monkeypatch, capsys, "report", results, "--no-plots", "--out-dir", existing)
+    assert_one_line_error(code, err, f"cannot make the report folder {existing}", "--out-dir")
+
+
+def test_report_warns_about_a_nan_score_and_leaves_it_out(tmp_path, capsys):
+    results = report_rows(tmp_path / "r.jsonl", score=float("nan"))  # json writes NaN, as the runner would
+    groups, _, _ = write_report([results], tmp_path / "rep", plots=False)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "warning: 1 non-finite value(s) left out of the averages, e.g. score=nan" in err
+    assert groups[0].summary()["score"] == 2.0
+    assert len(load_results([results])) == 2
+
+
+# ---- 6. sweeps drop repeated lengths, seeds and tasks ------------------------------------------------------------
+
+
+def test_a_sweep_drops_repeated_lengths_seeds_and_tasks(tmp_path, doc):
+    spec = tmp_path / "sweep.yaml"
+    task = f"{{name: ppl, options: {{paths: [{doc}]}}}}"
+    spec.write_text(f"out: r.jsonl\nlengths: [64, 64]\nseed: [0, 0]\ntasks: [{task}, {task}]\nmethods: [full, full]\n")
+    repeated = load_sweep(spec)
+    spec.write_text(f"out: r.jsonl\nlengths: [64]\nseed: 0\ntasks: [{task}]\nmethods: [full]\n")
+    single = load_sweep(spec)
+    assert len(repeated.configs()) == 1
+    assert repeated.identity() == single.identity()
+
+
+# ---- weak spots: checked before the model loads, clear lines -----------------------------------------------------
+
+
+def test_bench_checks_every_methods_parameters_before_loading(no_model, monkeypatch, capsys):
+    code, _, err = cli(monkeypatch, capsys, "bench", "--methods", "full,refreshkv", "--param", "refreshkv:kernel=4")
+    assert_one_line_error(code, err, "kernel")
+
+
+def test_demo_checks_its_budget_and_length_before_loading(no_model, monkeypatch, capsys):
+    code, _, err = cli(monkeypatch, capsys, "demo", "--budget", "0")
+    assert_one_line_error(code, err, "budget")
+    code, _, err = cli(monkeypatch, capsys, "demo", "--length", "72")
+    assert_one_line_error(code, err, "--length", "73")
+
+
+@pytest.mark.embedded
+def test_the_demo_length_range_is_the_one_of_the_embedded_tokenizer():
+    from transformers import AutoTokenizer
+
+    from refreshkv.demo import MAX_LENGTH, MIN_LENGTH, demo_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir())
+    assert demo_prompt(tokenizer, MIN_LENGTH).shape[1] >= MIN_LENGTH - 1
+    demo_prompt(tokenizer, MAX_LENGTH)
+    for length in (MIN_LENGTH - 1, MAX_LENGTH + 1):
+        with pytest.raises(ValueError, match="demo length must be"):
+            demo_prompt(tokenizer, length)
+
+
+def test_prompt_files_that_are_folders_or_not_utf8_are_named(tmp_path, no_model, monkeypatch, capsys):
+    code, _, err = cli(monkeypatch, capsys, "generate", "--prompt-file", tmp_path)
+    assert_one_line_error(code, err, f"prompt file '{tmp_path}' is not a file")
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("café".encode("latin-1"))
+    code, _, err = cli(monkeypatch, capsys, "generate", "--prompt-file", latin)
+    assert_one_line_error(code, err, f"prompt file '{latin}' is not UTF-8 text")
+
+
+def test_no_arguments_prints_the_help_without_an_empty_error_line():
+    result = subprocess.run([sys.executable, "-m", "refreshkv"], capture_output=True, text=True, timeout=60)
+    assert "Usage" in result.stdout + result.stderr and "Commands" in result.stdout + result.stderr
+    assert "error:" not in result.stderr and "Traceback" not in result.stderr
