@@ -298,7 +298,7 @@ def test_layer_counts_and_allocation_follow_eq_4_to_6():
 @pytest.mark.parametrize("interval", [1, 2, 4])
 def test_dynamickv_budgets_sum_to_global_budget(deep, interval):
     ids = random_prompt(256)
-    budget, window = 16, 8
+    budget, window = 24, 8  # 16 selected per layer on average + the window
     out = generate(
         deep,
         ids,
@@ -306,11 +306,12 @@ def test_dynamickv_budgets_sum_to_global_budget(deep, interval):
         budget=budget,
         window=window,
         interval=interval,
+        r_max=2.0,
         max_new_tokens=4,
     )
     budgets = [int(layer.state.budget) for layer in out.cache.layers]
-    assert sum(budgets) == budget * out.cache.num_layers
-    assert max(budgets) <= int(budget * 2.0)  # B^l with the default r_max = 2
+    assert sum(budgets) == (budget - window) * out.cache.num_layers
+    assert max(budgets) <= int((budget - window) * 2.0)  # B^l with r_max = 2
     report = budget_report(out.cache)
     assert [round(b) - window for b in report["budget_per_layer"]] == budgets
     # stores really shrank: each holds its layer's selection, the window and the decoded tokens, nothing more
@@ -328,7 +329,7 @@ def test_dynamickv_budgets_sum_to_global_budget(deep, interval):
 def test_dynamickv_intermediate_update_shrinks_earlier_layers(deep):
     ids = random_prompt(256)
     seen = []
-    policy = make_policy("dynamickv", budget=16, window=8, interval=2, r_max=4.0)
+    policy = make_policy("dynamickv", budget=24, window=8, interval=2, r_max=4.0)  # 16 selected per layer
     update = policy.update
 
     def spy(layers, per_layer, num_layers, final):
@@ -370,7 +371,7 @@ def test_dynamickv_large_budget_equals_full(deep):
         deep,
         random_prompt(20),
         method="dynamickv",
-        budget=4,
+        budget=24,
         window=20,
         max_new_tokens=2,
     )
@@ -415,8 +416,10 @@ def test_dynamickv_bad_input(llama):
     with pytest.raises(PolicyError, match="interval"):
         make_policy("dynamickv", interval=0)
     with pytest.raises(PolicyError) as error:
-        generate(llama, random_prompt(16), method="dynamickv", max_new_tokens=2)
-    assert "window (32) is larger than the prompt (16 tokens)" in str(error.value)
+        generate(llama, random_prompt(12), method="dynamickv", max_new_tokens=2)
+    assert "window (16) is larger than the prompt (12 tokens)" in str(error.value)
+    with pytest.raises(PolicyError, match="must hold the observation window"):
+        generate(llama, random_prompt(40), method="dynamickv", budget=8, max_new_tokens=2)
 
 
 # ---------------------------------------------------------------- budget_report
@@ -433,7 +436,7 @@ def test_budget_report_for_other_methods(llama):
         )
     report = budget_report(
         generate(
-            llama, ids, method="snapkv", budget=8, window=8, max_new_tokens=3
+            llama, ids, method="snapkv", budget=16, window=8, max_new_tokens=3
         ).cache
     )
     assert (

@@ -52,7 +52,7 @@ def model():
 
 
 def config(**overrides):
-    fields = dict(task=NIAH, method="full", length=120, seed=0, model="tiny", chat=False)
+    fields = dict(task=NIAH, method="full", length=300, seed=0, model="tiny", chat=False)
     return RunConfig(**{**fields, **overrides})
 
 
@@ -100,7 +100,7 @@ def test_tiny_sweep_writes_jsonl_and_report_with_plots(tmp_path, model):
         model: tiny-llama
         chat: false
         num_examples: 2
-        lengths: [120]
+        lengths: [300]
         tasks: [{NIAH}]
         methods:
           - full
@@ -135,11 +135,11 @@ def test_tiny_sweep_writes_jsonl_and_report_with_plots(tmp_path, model):
     assert summary["full"]["speedup"] == 1.0 and summary["full"]["kv_vs_full"] == 1.0  # score 0: vs_full undefined
     assert summary["refreshkv(budget=16,qc_stride=2)"]["effective_stride"] >= 1.0
     markdown = (tmp_path / "report" / "summary.md").read_text()
-    assert "| ruler/niah_single_1 | 120 | full | 2 |" in markdown and "![score_vs_decode]" in markdown
+    assert "| ruler/niah_single_1 | 300 | full | 2 |" in markdown and "![score_vs_decode]" in markdown
 
     result = CliRunner().invoke(_app(), ["report", str(sweep.out), "--out-dir", str(tmp_path / "cli"), "--no-plots"])
     assert result.exit_code == 0, result.output
-    assert "ruler/niah_single_1 at 120 tokens" in result.output and "full" in result.output and (tmp_path / "cli" / "summary.md").exists()
+    assert "ruler/niah_single_1 at 300 tokens" in result.output and "full" in result.output and (tmp_path / "cli" / "summary.md").exists()
 
 
 def _app():
@@ -189,7 +189,7 @@ def test_resume_skips_finished_rows_and_refuses_another_configuration(tmp_path, 
     finally:
         counter.remove()
     rows = lines(out)
-    assert [r["id"] for r in rows] == [f"{NIAH}/L120/s0/{i}" for i in range(3)]
+    assert [r["id"] for r in rows] == [f"{NIAH}/L300/s0/{i}" for i in range(3)]
     before = out.read_bytes()
     with pytest.raises(ResultsError, match="holds results of another configuration"):
         run_eval(model, TOKENIZER, config(method="snapkv", params={"budget": 8}), 2, out, progress=False)
@@ -198,7 +198,7 @@ def test_resume_skips_finished_rows_and_refuses_another_configuration(tmp_path, 
     assert out.read_bytes() == before
     # the same through the command line: exit code 2, one line, the file untouched (refused before loading a model)
     result = CliRunner().invoke(_app(), ["eval", "--task", NIAH, "--method", "snapkv", "--budget", "8",
-                                         "--length", "120", "--out", str(out)])
+                                         "--length", "300", "--out", str(out)])
     assert result.exit_code == 2 and "another configuration" in result.output
     assert out.read_bytes() == before
 
@@ -237,8 +237,6 @@ def test_length_beyond_the_context_and_unknown_task_are_refused(tmp_path, model)
     out = tmp_path / "r.jsonl"
     with pytest.raises(ValueError, match="length 2000 exceeds the model's context of 1024 tokens"):
         run_eval(model, TOKENIZER, config(length=2000), 1, out, progress=False)
-    with pytest.raises(ValueError, match=r"exceeds the model's context of 1024"):  # prompt + max_new_tokens
-        run_eval(model, TOKENIZER, config(length=1000), 1, out, progress=False)
     with pytest.raises(ValueError, match=r"unknown task 'nope'; choose from: .*ppl, recovery"):
         run_eval(model, TOKENIZER, config(task="nope"), 1, out, progress=False)
     assert not out.exists()
@@ -299,7 +297,7 @@ def test_teacher_forced_full_equals_one_plain_forward(family):
     assert max(abs(a - b) for a, b in zip(forced.losses, reference)) < 1e-4
     assert forced.cache.step == 59  # the last target token is scored, never fed
     # a method with a small budget manages its own caches: different losses, less read per step
-    snap = teacher_forced(model, ids, 100, make_policy("snapkv", budget=8))
+    snap = teacher_forced(model, ids, 100, make_policy("snapkv", budget=8, window=4))
     assert max(abs(a - b) for a, b in zip(snap.losses, reference)) > 1e-3
     assert snap.cache.attended_bytes_mean() < forced.cache.attended_bytes_mean()
 
@@ -308,8 +306,8 @@ def test_ppl_rows_and_ratio_by_position(tmp_path, model):
     text = text_file(tmp_path / "doc.txt")
     out = tmp_path / "ppl.jsonl"
     options = {"paths": [str(text)], "target_tokens": 64}
-    full = config(task="ppl", task_options=options)
-    snap = config(task="ppl", method="snapkv", params={"budget": 8}, task_options=options)
+    full = config(task="ppl", length=120, task_options=options)
+    snap = config(task="ppl", method="snapkv", length=120, params={"budget": 8, "window": 4}, task_options=options)
     run_eval(model, TOKENIZER, full, 2, tmp_path / "full.jsonl", progress=False)
     run_eval(model, TOKENIZER, snap, 2, out, progress=False)
     rows = lines(tmp_path / "full.jsonl")
@@ -375,5 +373,5 @@ def test_embedded_full_retrieves_the_needle_at_2k(tmp_path):
     run = RunConfig(task=NIAH, method="full", length=2048, seed=0)
     run_eval(model, tokenizer, run, 1, out, progress=False)
     (row,) = lines(out)
-    assert row["prompt_tokens"] > 2000
+    assert row["prompt_tokens"] > 1800  # RULER counts the chat template, answer prefix and 128 new tokens in L
     assert row["score"] == 1.0, (row["prediction"], row["reference"])

@@ -242,7 +242,7 @@ def run_example(model, tokenizer, config: RunConfig, item: Prepared) -> dict:
         row["score"] = PerplexityTask.score_losses(forced.losses)
     else:
         assert isinstance(policy, RecoveryProbe)
-        row["recovery"] = policy.result()
+        row["recovery"] = policy.result(forced.cache)
         row["score"] = recovery_score(row["recovery"])
     return row
 

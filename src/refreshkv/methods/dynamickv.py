@@ -12,10 +12,15 @@ layer (Eq. 4, Phi), Z = int(B^l * cnt / max(cnt)) (Eq. 5, line 8), and Z is resc
 budget B = (wt - ws) * L (Eq. 6, lines 9-10). Each processed layer's cache is shrunk to its top-Z' tokens (lines
 27-30): a new, smaller SlotStore replaces the old one, so the memory is really freed.
 
-Budget mapping: the CLI's `budget` K (BudgetPolicy; default L/8) is the average number of *selected* prompt
-tokens per layer, wt - ws = K, i.e. wt = K + ws. The window is kept on top in every layer, exactly as snapkv does
-here, so snapkv and dynamickv with the same K hold the same number of prompt tokens in total (K + ws per layer on
-average); B = K * L selected tokens are distributed over the layers.
+Budget mapping: the CLI's `budget` K (BudgetPolicy; default L/8) is wt, the mean tokens per layer window included
+(as in snapkv, whose budget counts its window), so wt - ws = K - ws tokens are selected per layer on average and
+B = (K - ws) * L selected tokens are distributed over the layers; snapkv and dynamickv with the same K hold the
+same number of prompt tokens in total.
+
+Defaults (the paper's text gives no values; from the authors' released LongBench script, run/longbench/pred.py):
+window ws = 16, kernel 7, r_max ("radio_max") = 5.0. The interval m = 4 is this package's choice (not in that
+script). Deviation: that script pools with average pooling by default; here pooling is max-pooling, as SnapKV's
+and RefreshKV's selections in the seeds.
 
 Choices where the paper is ambiguous:
 - Final normalisation: Alg. 1 updates at l % m == 0 and ends with "update the K/V cache K^c from K^b" (line 33).
@@ -137,7 +142,8 @@ class DynamicKV(SnapKV):
     name = "dynamickv"
     summary = "layer-adaptive budgets: every m layers, reallocate the total budget by global top-k counts"
 
-    r_max: float = 2.0
+    window: int = 16
+    r_max: float = 5.0
     interval: int = 4
 
     def __post_init__(self):
@@ -152,7 +158,7 @@ class DynamicKV(SnapKV):
 
     def layer_budget(self, layer) -> int:
         """B^l = (wt - ws) * r_max with wt - ws = K: what a layer keeps before the first update."""
-        return int(layer.cache.budget * self.r_max)
+        return int(self.selected_budget(layer.cache) * self.r_max)
 
     def select(self, layer, query, key, scaling, valid):
         return self.select_from(self.prefix_scores(query, key, scaling, valid), layer, key.shape[2])
@@ -184,7 +190,7 @@ class DynamicKV(SnapKV):
         )
         last = layer.layer_idx == cache.num_layers - 1
         if (layer.layer_idx + 1) % self.interval == 0 or last:
-            self.update(cache.layers[: layer.layer_idx + 1], cache.budget, cache.num_layers, final=last)
+            self.update(cache.layers[: layer.layer_idx + 1], self.selected_budget(cache), cache.num_layers, final=last)
         return prompt_attention(query, key, value, mask, scaling)
 
     def update(

@@ -2,8 +2,9 @@
 
 Attention funnels from broad (lower layers) to focused (upper layers), so lower layers get more tokens
 (dynamickv.txt §1, §5.1: "layers select important tokens in a monotonically decreasing manner"). The selection in each
-layer is SnapKV's (observation window, max-pooled scores, GQA aggregation, window kept on top of the budget); only
-the per-layer budget differs, with the same total as SnapKV: num_layers x K.
+layer is SnapKV's (observation window, max-pooled scores, GQA aggregation, window kept in every layer and counted in
+the budget); only the per-layer budget of selected tokens differs, with the same total as SnapKV: num_layers x
+(K - window), as PyramidKV's released code builds its pyramid on the budget less the window.
 
 Schedule (`pyramid_budgets`), PyramidKV's arithmetic sequence: with m layers and a mean budget K = total / m, the top
 layer gets K / `beta` and the bottom layer 2K - K / `beta`, layers in between on the straight line (the mean is K, so
@@ -89,5 +90,6 @@ class PyramidKV(SnapKV):
     def layer_budget(self, layer) -> int:
         cache = layer.cache
         outside_window = max(layer.seen - self.window, 0)  # prompt tokens SnapKV selects from (window kept anyway)
-        budgets = pyramid_budgets(cache.budget * cache.num_layers, cache.num_layers, self.beta, cap=outside_window)
+        total = self.selected_budget(cache) * cache.num_layers
+        budgets = pyramid_budgets(total, cache.num_layers, self.beta, cap=outside_window)
         return budgets[layer.layer_idx]

@@ -2,9 +2,13 @@
 
 Per recycled-attention.txt §3.2 and refreshkv.txt A.1: attention of the observation window (the last `window`
 prompt tokens) averaged over the window, max-pooled over positions (`kernel`), aggregated over the query heads of a
-GQA group (`aggregation`, max as in the seeds); the top `budget` tokens per KV head are kept, plus the window itself.
-Decoded tokens are appended without eviction (memory K + window + T, as in the seeds' Table 1).
-Choice: the window is kept on top of the budget (SnapKV's recipe), so the cache holds K + window prompt tokens.
+GQA group (`aggregation`, max as in the seeds); per KV head the top `budget - window` tokens before the window are
+kept, plus the window itself. Decoded tokens are appended without eviction (memory K + T, as in the seeds' Table 1).
+
+- The budget counts the window, as SnapKV's own `max_capacity_prompt` does: with budget K the cache holds K prompt
+  tokens, so a budget smaller than the window is refused.
+- Defaults: window 32, kernel 7 (SnapKV's released setting); the RefreshKV paper's setting (A.1: "observation
+  window size 1, kernel size 7", max over the query heads of a group) is `window=1` (`PAPER_SETTING`).
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ import dataclasses
 import torch
 
 from ..core.attention_math import AGGREGATIONS, attention_probs, selection_scores, top_k
-from ..core.policy import check_choice, check_kernel, check_positive, check_window, register
+from ..core.policy import PolicyError, check_choice, check_kernel, check_positive, check_window, register
 from ..core.selection import SelectionPolicy
 
 WINDOW_SCORE = 1.0  # the observation window is always kept: score above any pooled probability
+PAPER_SETTING = {"window": 1, "kernel": 7, "aggregation": "max"}  # refreshkv.txt A.1
 
 
 @register
@@ -39,8 +44,14 @@ class SnapKV(SelectionPolicy):
     def check_prompt(self, shortest):
         check_window("window", self.window, shortest)
 
+    def selected_budget(self, cache) -> int:
+        """Prompt tokens chosen per layer on average: the budget less the window, which is always kept."""
+        if cache.budget < self.window:
+            raise PolicyError(f"budget ({cache.budget}) must hold the observation window ({self.window} tokens)")
+        return cache.budget - self.window
+
     def layer_budget(self, layer) -> int:
-        return layer.cache.budget
+        return self.selected_budget(layer.cache)
 
     def prefix_scores(self, query, key, scaling, valid) -> torch.Tensor:
         """Window attention averaged, pooled and group-aggregated, over the tokens before the window; pads -inf."""
