@@ -70,8 +70,8 @@ def test_cli_generate_json(embedded):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--budget", "0", "--prompt", "x"], "budget must be a positive integer"),
-        (["--budget-ratio", "2", "--prompt", "x"], "budget_ratio must be in (0, 1]"),
+        (["--budget", "0", "--prompt", "x"], "budget must be an integer >= 1"),
+        (["--budget-ratio", "2", "--prompt", "x"], "budget_ratio must be a number in (0, 1]"),
         (["--stride", "0", "--prompt", "x"], "stride must be an integer >= 1"),
         (["--qc-stride", "0", "--prompt", "x"], "qc_stride must be an integer >= 1"),
         (["--threshold", "high", "--prompt", "x"], "'--threshold'"),
