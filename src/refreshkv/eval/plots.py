@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from .report import Group, mean
+from .report import Group, mean, method_summaries
 
 
 def check_matplotlib() -> None:
@@ -54,6 +55,40 @@ def score_vs_decode(groups: list[Group], path: Path) -> Path | None:
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.suptitle("Score vs decode time")
+    return _save(fig, path)
+
+
+def _error_bar(value: float, interval) -> tuple[float, float]:
+    """Distances below and above the point; none for a missing or unbounded (a resample of full at 0) interval."""
+    if interval is None or not all(map(math.isfinite, interval)):
+        return 0.0, 0.0
+    return max(0.0, value - interval[0]), max(0.0, interval[1] - value)
+
+
+def score_vs_decode_summary(groups: list[Group], path: Path) -> Path | None:
+    """One point per method over the generation tasks: macro score, and its ratio to full, against decode ms/token."""
+    summaries = [s for s in method_summaries(groups) if s.kind == "generation"]
+    points = [(s, row) for s in summaries for row in s.rows if None not in (row["score"], row["decode_ms"])]
+    if not points:
+        return None
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for s, row in points:
+        name = row["method"] + (f" L={s.length}" if len(summaries) > 1 else "")
+        for ax, key in ((left, "score"), (right, "vs_full")):
+            if row[key] is None:
+                continue
+            low, high = _error_bar(row[key], row[f"{key}_ci"])
+            ax.errorbar(row["decode_ms"], row[key], yerr=[[low], [high]], fmt="*" if row["method"] == "full" else "o",
+                        markersize=8, capsize=3)
+            ax.annotate(name, (row["decode_ms"], row[key]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    right.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    left.set_ylabel("macro mean score (tasks weighted equally)")
+    right.set_ylabel("score / score of full (same examples)")
+    for ax in (left, right):
+        ax.set_xlabel("decode ms / token (macro mean)")
+        ax.grid(alpha=0.3)
+    fig.suptitle("Per method over the generation tasks (bars: 95% bootstrap intervals)")
     return _save(fig, path)
 
 
@@ -137,6 +172,7 @@ def budget_per_layer(groups: list[Group], path: Path) -> Path | None:
 
 PLOTS = (
     ("score_vs_decode.png", score_vs_decode),
+    ("score_vs_decode_summary.png", score_vs_decode_summary),
     ("ppl_ratio_by_position.png", ppl_ratio),
     ("effective_stride.png", effective_stride),
     ("recovery.png", recovery),

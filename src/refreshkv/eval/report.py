@@ -4,9 +4,22 @@ Rows are grouped by (model, task, task options, length, method with its paramete
 `full` row (no parameters) of the same example: same model, task, options, length, seed, chat, dtype and example
 id. Over the examples a group shares with `full`:
 
-- `vs full`: mean score / mean score of `full` (for ppl the perplexity ratio, lower is better);
+- `vs full`: mean score / mean score of `full` (for ppl the perplexity ratio, lower is better), over the pairs where
+  both scores are finite;
 - `speed-up`: mean decode ms/token of `full` / the group's;
 - `KV vs full`: mean KV bytes held / `full`'s.
+
+Intervals (`stats.py`): the score and `vs full` carry a 95% percentile bootstrap interval, 1000 resamples with seed 0
+(the same report every time); `vs full` resamples the examples shared with `full` as pairs, so both sides are drawn
+on the same examples. `≈` marks a method whose `vs full` interval contains 1: its difference from `full` is within
+bootstrap noise. A group with one example has no interval; a zero mean of `full` gives no ratio.
+
+Per-method summary (first in the terminal and summary.md): per (model, length), one row per method over the
+generation tasks (all but `ppl` and `recovery`) and one over the `ppl` tasks. Rule: only the tasks (task and options)
+that every method of that (model, length) has rows for enter, so every row averages the same tasks (the others are
+named under the table). Figures are macro means: the mean over tasks of each task's mean, every task weighted
+equally, as RULER averages its 13 tasks; `vs full` is the macro mean of the method over the macro mean of `full` on
+the examples each task shares with `full`, with a stratified bootstrap (examples resampled within each task).
 
 Per-layer figures: effective stride = decode steps / full-attention steps of the layer, summed over examples
 (refreshkv.txt Fig. 4; undefined when a layer never attends fully); kept prompt tokens per layer (`budget_per_layer`,
@@ -22,12 +35,13 @@ import os
 import sys
 from pathlib import Path
 
+from . import stats
 from .runner import canonical, read_results
 
 ROW_FIELDS = ("run", "config", "id", "task", "method", "params", "length", "seed", "model", "score",
               "decode_ms_per_token", "kv_bytes_full")
-NUMBER_FIELDS = ("length", "seed", "score", "decode_ms_per_token", "kv_bytes_full", "budget_ratio",
-                 "full_step_fraction", "decode_steps")
+NUMBER_FIELDS = ("length", "seed", "score", "decode_ms_per_token", "kv_bytes_full", "kv_bytes_attended_mean",
+                 "budget_ratio", "full_step_fraction", "decode_steps")
 PPL_BINS = 16
 
 
@@ -87,6 +101,7 @@ class Group:
     label: str
     rows: list[dict]
     references: list[dict | None]  # the matching full row of each row, or None
+    _summary: dict | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def method(self) -> str:
@@ -100,25 +115,12 @@ class Group:
         return [(row, ref) for row, ref in zip(self.rows, self.references) if ref is not None]
 
     def summary(self) -> dict:
-        pairs = self.pairs()
-        strides = self.effective_stride()
-        return {
-            "task": self.task,
-            "length": self.length,
-            "method": self.label,
-            "n": len(self.rows),
-            "score": mean(r["score"] for r in self.rows),
-            "vs_full": ratio(mean(r["score"] for r, _ in pairs), mean(f["score"] for _, f in pairs)) if pairs else None,
-            "decode_ms": mean(r["decode_ms_per_token"] for r in self.rows),
-            "speedup": ratio(mean(f["decode_ms_per_token"] for _, f in pairs), mean(r["decode_ms_per_token"] for r, _ in pairs))
-            if pairs else None,
-            "kv_mb": mean(r["kv_bytes_full"] for r in self.rows) / 2**20,
-            "kv_vs_full": ratio(mean(r["kv_bytes_full"] for r, _ in pairs), mean(f["kv_bytes_full"] for _, f in pairs))
-            if pairs else None,
-            "budget_ratio": mean(r.get("budget_ratio") for r in self.rows),
-            "full_step_fraction": mean(r.get("full_step_fraction") for r in self.rows),
-            "effective_stride": mean(strides) if strides and None not in strides else None,
-        }
+        if self._summary is None:  # kept: the tables, summary.md and the plots each ask, and bootstraps take time
+            strides = self.effective_stride()
+            self._summary = {"task": self.task, "length": self.length, "method": self.label, "n": len(self.rows),
+                             **aggregate([self]),
+                             "effective_stride": mean(strides) if strides and None not in strides else None}
+        return self._summary
 
     def effective_stride(self) -> list[float | None] | None:
         rows = [r for r in self.rows if r.get("full_steps_per_layer") and r.get("decode_steps")]
@@ -164,6 +166,44 @@ class Group:
                 "streaming": average("streaming")}
 
 
+def macro(per_task) -> float | None:
+    """Mean over tasks of each task's mean: every task weighted equally, whatever its number of examples."""
+    return mean(mean(values) for values in per_task)
+
+
+def mb(value):
+    return None if value is None else value / 2**20
+
+
+def aggregate(members: list[Group]) -> dict:
+    """The figures of one method over the groups of one or more tasks (macro means; see the module docstring)."""
+    pairs = [g.pairs() for g in members]
+
+    def mine(field):  # the method's values per task
+        return macro([r.get(field) for r in g.rows] for g in members)
+
+    def paired(field):  # (method, full) on the examples shared with full
+        return macro([r.get(field) for r, _ in p] for p in pairs), macro([f.get(field) for _, f in p] for p in pairs)
+
+    score = stats.macro_mean([[r["score"] for r in g.rows] for g in members])
+    vs_full = stats.macro_ratio([[(r["score"], f["score"]) for r, f in p] for p in pairs])
+    reference = any(g.is_reference for g in members)  # full against itself: 1 by construction, no interval to show
+    return {
+        "score": score.value,
+        "score_ci": score.interval,
+        "vs_full": vs_full.value,
+        "vs_full_ci": None if reference else vs_full.interval,
+        "vs_full_within_noise": vs_full.contains_one and not reference,
+        "decode_ms": mine("decode_ms_per_token"),
+        "speedup": ratio(*reversed(paired("decode_ms_per_token"))),
+        "kv_mb": mb(mine("kv_bytes_full")),
+        "kv_read_mb": mb(mine("kv_bytes_attended_mean")),
+        "kv_vs_full": ratio(*paired("kv_bytes_full")),
+        "budget_ratio": mine("budget_ratio"),
+        "full_step_fraction": mine("full_step_fraction"),
+    }
+
+
 def group_rows(rows: list[dict]) -> list[Group]:
     references = {example_key(r): r for r in rows if is_reference(r)}
     groups: dict[tuple, Group] = {}
@@ -176,57 +216,132 @@ def group_rows(rows: list[dict]) -> list[Group]:
     return sorted(groups.values(), key=lambda g: (g.model, g.task, g.options, g.length, not g.is_reference, g.label))
 
 
+# ---- per-method summary ---------------------------------------------------------------------------------------
+
+
+def task_kind(task: str) -> str | None:
+    """Which per-method summary a task enters: recovery rows measure attention under full, with no score to compare."""
+    return {"ppl": "ppl", "recovery": None}.get(task, "generation")
+
+
+@dataclasses.dataclass
+class MethodSummary:
+    """The per-method rows of one (model, task kind, length): macro means over `tasks`, those every method ran."""
+
+    model: str
+    kind: str
+    length: int
+    tasks: list[str]
+    left_out: list[str]
+    rows: list[dict]
+
+    @property
+    def title(self) -> str:
+        if self.kind == "ppl":
+            return f"Per method: perplexity at {self.length} tokens (lower is better)"
+        return f"Per method: generation tasks at {self.length} tokens, macro mean over {len(self.tasks)} task(s)"
+
+    @property
+    def note(self) -> str:
+        left_out = f"; left out (not run by every method): {', '.join(self.left_out)}" if self.left_out else ""
+        return f"{self.kind} at L={self.length}, tasks: {', '.join(self.tasks) or 'none'}{left_out}"
+
+
+def method_summaries(groups: list[Group]) -> list[MethodSummary]:
+    sets: dict[tuple, dict[str, dict[str, Group]]] = {}
+    for g in groups:
+        if task_kind(g.task):
+            name = g.task + (f" {g.options}" if g.options != "{}" else "")
+            sets.setdefault((g.model, task_kind(g.task), g.length), {}).setdefault(g.label, {})[name] = g
+    summaries = []
+    order = sorted(sets, key=lambda key: (key[0], key[1] != "generation", key[2]))  # generation tasks before ppl
+    for (model, kind, length), by_method in ((key, sets[key]) for key in order):
+        shared = set.intersection(*(set(tasks) for tasks in by_method.values()))
+        left_out = set().union(*by_method.values()) - shared
+        rows = [{"tasks": kind, "length": length, "method": label, "n_tasks": len(shared),
+                 "n": sum(len(by_method[label][t].rows) for t in shared),
+                 **aggregate([by_method[label][t] for t in sorted(shared)])}
+                for label in sorted(by_method, key=lambda label: (label != "full", label))]
+        summaries.append(MethodSummary(model, kind, length, sorted(shared), sorted(left_out), rows))
+    return summaries
+
+
 # ---- tables ----------------------------------------------------------------------------------------------------
 
-COLUMNS = (
-    ("task", "task", "{}"),
-    ("L", "length", "{}"),
-    ("method", "method", "{}"),
-    ("n", "n", "{}"),
+WITHIN_NOISE = "≈"
+LEGEND = (f"[low, high]: 95% percentile bootstrap interval ({stats.RESAMPLES} resamples, seed {stats.SEED}); "
+          f"`vs full` resamples the examples shared with full as pairs. {WITHIN_NOISE}: the `vs full` interval "
+          "contains 1, the difference from full is within noise.")
+METRICS = (
     ("score", "score", "{:.3f}"),
     ("vs full", "vs_full", "{:.3f}"),
     ("ms/tok", "decode_ms", "{:.2f}"),
     ("speed-up", "speedup", "{:.2f}x"),
-    ("KV MB", "kv_mb", "{:.1f}"),
+    ("KV held MB", "kv_mb", "{:.1f}"),
+    ("KV read MB/step", "kv_read_mb", "{:.1f}"),
     ("KV vs full", "kv_vs_full", "{:.3f}"),
     ("kept", "budget_ratio", "{:.3f}"),
     ("full steps", "full_step_fraction", "{:.3f}"),
-    ("eff. stride", "effective_stride", "{:.1f}"),
 )
+COLUMNS = (("task", "task", "{}"), ("L", "length", "{}"), ("method", "method", "{}"), ("n", "n", "{}"),
+           *METRICS, ("eff. stride", "effective_stride", "{:.1f}"))
+SUMMARY_COLUMNS = (("tasks", "tasks", "{}"), ("L", "length", "{}"), ("method", "method", "{}"),
+                   ("# tasks", "n_tasks", "{}"), ("n", "n", "{}"), *METRICS)
 
 
 def cell(value, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def render(summary: dict, key: str, fmt: str) -> str:
+    """A figure with its interval, e.g. `0.812 [0.700, 0.910]`, and the within-noise mark where it has them."""
+    text = cell(summary[key], fmt)
+    if summary[key] is not None and summary.get(f"{key}_ci"):
+        text += " [" + ", ".join(fmt.format(v) for v in summary[f"{key}_ci"]) + "]"
+    return text + (f" {WITHIN_NOISE}" if summary.get(f"{key}_within_noise") else "")
+
+
 def summary_rows(groups: list[Group]) -> list[dict]:
     return [group.summary() for group in groups]
 
 
-def rich_tables(groups: list[Group]) -> list:
-    """One rich Table per (model, task, task options, length), one row per method."""
+def _rich_table(title: str, columns, rows: list[dict], caption: str | None):
     from rich.table import Table
+    from rich.text import Text
 
+    table = Table(title=Text(title), caption=Text(caption) if caption else None)  # Text: "[...]" is not markup
+    for label, key, _ in columns:
+        table.add_column(label, justify="left" if key == "method" else "right", no_wrap=key == "method")
+    for row in rows:
+        table.add_row(*(Text(render(row, key, fmt)) for _, key, fmt in columns))
+    return table
+
+
+def rich_tables(groups: list[Group]) -> list:
+    """The per-method summaries, then one rich Table per (model, task, task options, length), one row per method."""
+    many_models = len({g.model for g in groups}) > 1
+    summaries = method_summaries(groups)
+    tables = [_rich_table(s.title + (f", model {s.model}" if many_models else ""), SUMMARY_COLUMNS[2:], s.rows,
+                          s.note + ("\n" + LEGEND if i == len(summaries) - 1 else ""))
+              for i, s in enumerate(summaries)]
     panels: dict[tuple, list[Group]] = {}
     for group in groups:
         panels.setdefault((group.model, group.task, group.options, group.length), []).append(group)
-    many_models = len({g.model for g in groups}) > 1
-    tables = []
-    for (model, task, options, length), members in panels.items():
+    for i, ((model, task, options, length), members) in enumerate(panels.items()):
         title = f"{task} at {length} tokens" + (f" {options}" if options != "{}" else "")
-        table = Table(title=title, caption=f"model: {model}" if many_models or len(tables) == len(panels) - 1 else None)
-        for label, key, _ in COLUMNS[2:]:
-            table.add_column(label, justify="left" if key == "method" else "right", no_wrap=key == "method")
-        for summary in summary_rows(members):
-            table.add_row(*(cell(summary[key], fmt) for _, key, fmt in COLUMNS[2:]))
-        tables.append(table)
+        last = i == len(panels) - 1
+        caption = "\n".join(([LEGEND] if last else []) + ([f"model: {model}"] if many_models or last else []))
+        tables.append(_rich_table(title, COLUMNS[2:], summary_rows(members), caption or None))
     return tables
 
 
 def markdown_table(groups: list[Group]) -> str:
-    lines = ["| " + " | ".join(label for label, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for summary in summary_rows(groups):
-        lines.append("| " + " | ".join(cell(summary[key], fmt) for _, key, fmt in COLUMNS) + " |")
+    return _markdown(summary_rows(groups), COLUMNS)
+
+
+def _markdown(rows: list[dict], columns) -> str:
+    lines = ["| " + " | ".join(label for label, _, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(render(row, key, fmt) for _, key, fmt in columns) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -241,7 +356,12 @@ def _per_layer_table(title: str, series: dict[str, list], fmt: str) -> list[str]
 
 def markdown_summary(groups: list[Group], sources, plots: list[Path]) -> str:
     lines = ["# Evaluation report", "", "Sources: " + ", ".join(f"`{s}`" for s in sources), "",
-             f"Model: {', '.join(sorted({g.model for g in groups}))}", "", markdown_table(groups), ""]
+             f"Model: {', '.join(sorted({g.model for g in groups}))}", ""]
+    summaries = method_summaries(groups)
+    if summaries:
+        lines += ["## Per method across tasks", "", _markdown([r for s in summaries for r in s.rows], SUMMARY_COLUMNS),
+                  "", *(f"- {s.note}" for s in summaries), "", LEGEND, ""]
+    lines += ["## Per task", "", markdown_table(groups), "", LEGEND, ""]
     strides = {f"{g.task} L={g.length} {g.label}": g.effective_stride() for g in groups if not g.is_reference}
     strides = {k: v for k, v in strides.items() if v and all(s is not None for s in v)}
     if strides:
