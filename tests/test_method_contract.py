@@ -8,7 +8,7 @@ import torch
 from conftest import random_prompt, tiny_model
 
 import refreshkv
-from refreshkv import METHODS, PolicyCache, make_policy
+from refreshkv import METHODS, Policy, PolicyCache, make_policy
 
 NEW = 12
 ALL = sorted(METHODS)
@@ -118,3 +118,9 @@ def test_one_policy_object_serves_any_number_of_generations(llama, name):
         caches = [PolicyCache(policy, llama, max_new_tokens=NEW) for _ in range(2)]
         interleaved = list(zip(greedy_steps(llama, first, caches[0]), greedy_steps(llama, second, caches[1])))
     assert [[a for a, _ in interleaved], [b for _, b in interleaved]] == fresh
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_method_computing_its_own_prefill_does_not_share_it(name):
+    # generate_many hands every sharing method plain attention's prompt output; one that changes it must run alone
+    assert METHODS[name].prefill is Policy.prefill or not METHODS[name].shares_prefill

@@ -3,10 +3,10 @@
 from .core import attention  # noqa: F401  (registers the "refreshkv" attention implementation)
 from .core.cache import PolicyCache
 from .core.policy import METHODS, Policy, PolicyError, make_policy
-from .generate import GenerationOutput, generate
+from .generate import GenerationOutput, generate, generate_many
 from .model import load_model
 from .methods import load_methods
 
 load_methods()
 
-__all__ = ["GenerationOutput", "METHODS", "Policy", "PolicyCache", "PolicyError", "generate", "load_model", "make_policy"]
+__all__ = ["GenerationOutput", "METHODS", "Policy", "PolicyCache", "PolicyError", "generate", "generate_many", "load_model", "make_policy"]

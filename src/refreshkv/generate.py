@@ -1,5 +1,8 @@
 """The decode loop: prefill the prompt once, then one token per step through the method's cache.
 
+`generate` runs one method; `generate_many` runs several on the same prompt with one shared prefill
+(core/shared_prefill.py). Both are `prefill` followed by `decode`, the loop below.
+
 Rows of a batch are left-padded; each row gets its own positions (0 at its first real token), so a row's output
 equals running it alone (for greedy decoding; sampling draws from one generator for the whole batch).
 """
@@ -8,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from .core.cache import PolicyCache
 from .core.policy import Policy, make_policy
+from .core.shared_prefill import SharedPrefill
 
 
 @dataclasses.dataclass
@@ -26,6 +31,7 @@ class GenerationOutput:
     cache: PolicyCache
     step_s: list[float] = dataclasses.field(default_factory=list)  # wall time of each decode forward
     logits: list[torch.Tensor] | None = None  # per step (B, vocab), if asked for
+    prefill_shared_by: int = 1  # methods prefilled by the same forward pass (generate_many)
 
     @property
     def decode_ms_per_token(self) -> float:
@@ -38,6 +44,7 @@ class GenerationOutput:
             "new_tokens": [len(t) for t in self.tokens],
             "prompt_tokens": self.prompt_tokens,
             "prefill_s": round(self.prefill_s, 4),
+            "prefill_shared_by": self.prefill_shared_by,
             "decode_ms_per_token": round(self.decode_ms_per_token, 3),
             "full_step_fraction": round(self.cache.full_step_fraction(), 4),
             "kv_bytes_full": sum(per_layer),
@@ -52,16 +59,16 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _next_token(logits, do_sample, temperature, top_k, top_p, generator) -> torch.Tensor:
-    if not do_sample:
+def _next_token(logits, sampling: Sampling, generator) -> torch.Tensor:
+    if not sampling.do_sample:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k is not None:
+        kth = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
+    if sampling.top_p is not None:
         ordered, order = logits.sort(dim=-1, descending=True)
-        drop = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1) > top_p  # keep the token that crosses top_p
+        drop = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1) > sampling.top_p  # keep the token that crosses top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
@@ -83,6 +90,15 @@ def check_length(model, prompt_length: int, max_new_tokens: int) -> None:
             f"this model uses sliding-window attention ({window} tokens), which the methods do not implement: "
             f"keep prompt + max_new_tokens within {window} tokens"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
 
 
 @torch.inference_mode()
@@ -110,28 +126,79 @@ def generate(
     perplexity): N steps, no end-of-sequence stop; the method manages its caches exactly as in generation.
     """
     policy = method if isinstance(method, Policy) else make_policy(method, **method_params)
+    return generate_many(
+        model, input_ids, attention_mask, methods=[policy], max_new_tokens=max_new_tokens, do_sample=do_sample,
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
+        return_logits=return_logits, progress=progress, forced_tokens=forced_tokens,
+    )[0]
+
+
+@torch.inference_mode()
+def generate_many(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    methods: Sequence[str | Policy],
+    max_new_tokens: int = 64,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    return_logits: bool = False,
+    progress: bool = False,
+    forced_tokens: torch.Tensor | None = None,
+) -> list[GenerationOutput]:
+    """`generate` under several methods for the price of one prefill, e.g.
+    `generate_many(model, ids, methods=["full", "snapkv", make_policy("refreshkv", qc_stride=5)])`.
+
+    The methods that share their prefill (all built-in ones) are prefilled by one forward pass; each then decodes
+    on its own, so every output equals what `generate` gives for that method alone (sampling included: each decode
+    draws from its own generator seeded with `seed`). Their caches exist together: memory grows with the number of
+    methods. A method that computes its own prefill (`shares_prefill = False`) is prefilled alone.
+    """
+    if not methods:
+        raise ValueError("methods must name at least one method")
+    policies = [m if isinstance(m, Policy) else make_policy(m) for m in methods]
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError("input_ids must be a non-empty (batch, length) tensor")
     if forced_tokens is not None:
         max_new_tokens, eos_token_id = forced_tokens.shape[1], []
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    device = input_ids.device
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if not bool(attention_mask.any(dim=-1).all()):
         raise ValueError("every row of attention_mask needs at least one real token (a row of zeros is an empty prompt)")
-    padded = bool((attention_mask == 0).any())
     check_length(model, int(attention_mask.sum(-1).max()), max_new_tokens)
     if eos_token_id is None:
         eos_token_id = model.generation_config.eos_token_id
-    eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).flatten()
-    generator = None if seed is None else torch.Generator(device).manual_seed(seed)
+    eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=input_ids.device).flatten()
+    sampling = Sampling(do_sample, temperature, top_k, top_p, seed)
 
-    cache = PolicyCache(policy, model, max_new_tokens)
+    caches = [PolicyCache(policy, model, max_new_tokens) for policy in policies]
+    shared = [cache for cache in caches if cache.policy.shares_prefill]
+    groups = [shared] if len(shared) > 1 else []
+    groups += [[cache] for cache in caches if not any(cache in group for group in groups)]
+    outputs = {}
+    for group in groups:
+        logits, prefill_s = prefill(model, input_ids, attention_mask, group[0] if len(group) == 1 else SharedPrefill(group))
+        for cache in group:
+            outputs[id(cache)] = decode(
+                model, cache, logits, attention_mask, max_new_tokens, sampling, eos, forced_tokens, return_logits,
+                progress,
+            )
+            outputs[id(cache)].prefill_s = prefill_s
+            outputs[id(cache)].prefill_shared_by = len(group)
+    return [outputs[id(cache)] for cache in caches]
+
+
+def prefill(model, input_ids, attention_mask, cache) -> tuple[torch.Tensor, float]:
+    """One forward over the (left-padded) prompt into `cache`: the last position's logits and the seconds it took."""
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    bar = tqdm(total=max_new_tokens, desc=f"{policy.name}: prefill {input_ids.shape[1]} tokens", unit="tok",
-               disable=not progress, leave=False)
+    padded = bool((attention_mask == 0).any())
     start = time.perf_counter()
     logits = model(
         input_ids,
@@ -141,21 +208,29 @@ def generate(
         use_cache=True,
         logits_to_keep=1,
     ).logits[:, -1]
-    synchronize(device)
-    prefill_s = time.perf_counter() - start
+    synchronize(input_ids.device)
+    return logits, time.perf_counter() - start
 
-    batch = input_ids.shape[0]
+
+def decode(
+    model, cache: PolicyCache, logits, attention_mask, max_new_tokens, sampling: Sampling, eos, forced_tokens,
+    return_logits: bool, progress: bool,
+) -> GenerationOutput:
+    """The decode loop from the prompt's last logits: one token per step through `cache` until EOS or the limit."""
+    device = logits.device
+    generator = None if sampling.seed is None else torch.Generator(device).manual_seed(sampling.seed)
+    batch = logits.shape[0]
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    position = positions[:, -1:]
+    position = attention_mask.long().sum(-1, keepdim=True) - 1
     steps, chosen, all_logits, step_s = [], [], [], []
-    bar.set_description(f"{policy.name}: decode")
+    bar = tqdm(total=max_new_tokens, desc=f"{cache.policy.name}: decode", unit="tok", disable=not progress, leave=False)
     start = time.perf_counter()
     for step in range(max_new_tokens):
         bar.update()
         if return_logits:
             all_logits.append(logits.float().cpu())
         if forced_tokens is None:
-            token = _next_token(logits, do_sample, temperature, top_k, top_p, generator)
+            token = _next_token(logits, sampling, generator)
         else:
             token = forced_tokens[:, step]
         chosen.append(token)
@@ -177,7 +252,7 @@ def generate(
     return GenerationOutput(
         tokens=rows,
         prompt_tokens=attention_mask.sum(-1).tolist(),
-        prefill_s=prefill_s,
+        prefill_s=0.0,
         decode_s=decode_s,
         decode_steps=cache.step,
         cache=cache,

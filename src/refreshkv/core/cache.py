@@ -28,26 +28,34 @@ DEFAULT_NEW_TOKENS = 256
 _handoff = threading.local()
 
 
-def take_handoff(key: torch.Tensor) -> PolicyLayer | None:
+def hand_over(layer, key: torch.Tensor) -> None:
+    """Make `layer` (with `attend`, `layer_idx` and `methods`) the one the next attention call works for."""
+    check_handoff_taken()
+    layer.pending = key
+    _handoff.layer = layer
+
+
+def take_handoff(key: torch.Tensor):
     """The layer whose `update` produced `key`, if any (plain attention otherwise, e.g. without a PolicyCache)."""
     layer = getattr(_handoff, "layer", None)
     _handoff.layer = None
     if layer is not None and layer.pending is not key:
         raise RuntimeError(
-            f"layer {layer.layer_idx}'s attention received other keys than its cache update returned; method "
-            f"'{layer.cache.policy.name}' cannot run on this model's attention"
+            f"layer {layer.layer_idx}'s attention received other keys than its cache update returned; "
+            f"{layer.methods} cannot run on this model's attention"
         )
+    if layer is not None:
+        layer.pending = None
     return layer
 
 
-def _check_handoff_taken() -> None:
+def check_handoff_taken() -> None:
     missed = getattr(_handoff, "layer", None)
     if missed is not None:
         _handoff.layer = None
         raise RuntimeError(
             f"layer {missed.layer_idx}'s attention did not go through the '{ATTENTION_NAME}' attention function, so "
-            f"method '{missed.cache.policy.name}' never ran; the model's attention modules must call transformers' "
-            "attention interface"
+            f"{missed.methods} never ran; the model's attention modules must call transformers' attention interface"
         )
 
 
@@ -70,23 +78,32 @@ class PolicyLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        _check_handoff_taken()
+    @property
+    def methods(self) -> str:
+        return f"method '{self.cache.policy.name}'"
+
+    def advance(self, key_states) -> None:
+        """Count the tokens this forward adds (and, at layer 0, a decode step)."""
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            self.lazy_initialization(key_states, key_states)
         if self.layer_idx == 0 and self.seen > 0:
             self.cache.step += 1
         self.seen += key_states.shape[2]
-        self.pending = key_states
-        _handoff.layer = self
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.advance(key_states)
+        hand_over(self, key_states)
         return key_states, value_states
 
+    def start_prompt(self, mask, key) -> None:
+        """Before the method sees the prompt: layer 0 reads the padding and checks the prompt (once per cache)."""
+        if self.layer_idx == 0:
+            self.cache.start(mask, key)
+
     def attend(self, module, query, key, value, mask, scaling: float) -> torch.Tensor:
-        self.pending = None
         policy = self.cache.policy
         if self.state is None:
-            if self.layer_idx == 0:
-                self.cache.start(mask, key)
+            self.start_prompt(mask, key)
             return policy.prefill(self, query, key, value, mask, scaling)
         if query.shape[2] != 1 and not self.is_croppable:
             raise PolicyError(f"method '{policy.name}' decodes one token per step after the prompt, got {query.shape[2]}")

@@ -1,11 +1,14 @@
 """The protocol every KV method implements, its parameters, and the registry by name.
 
 A method is a dataclass of its parameters (validated in `__post_init__`) with two hooks called by the attention
-function for each layer: `prefill` (the prompt; must return the attention output and set `layer.state` to a
-`LayerState`) and `decode` (one new token; must call `layer.record` once). Everything a generation accumulates lives
-on the `PolicyLayer` the hook receives (`layer.state`) or on its cache, never on the policy object, so one policy
-object serves all layers of a cache and any number of generations, interleaved or not. docs/adding-a-method.md
-states the rest of the contract.
+function for each layer: `store_prompt` (the prompt: set `layer.state` to a `LayerState`; the prompt's attention
+output is plain causal attention, computed once by the caller) and `decode` (one new token; must call
+`layer.record` once). Because every method's prompt output is the same, one forward pass can prefill several
+methods at once (core/shared_prefill.py); a future method whose prompt output differs (e.g. chunked prefill over
+a compressed cache) overrides `prefill` instead and sets `shares_prefill = False`, so it always runs alone.
+Everything a generation accumulates lives on the `PolicyLayer` the hook receives (`layer.state`) or on its cache,
+never on the policy object, so one policy object serves all layers of a cache and any number of generations,
+interleaved or not. docs/adding-a-method.md states the rest of the contract.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import math
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+
+from .attention_math import prompt_attention
 
 if TYPE_CHECKING:
     from .cache import PolicyLayer
@@ -30,9 +35,16 @@ class PolicyError(ValueError):
 class Policy:
     name: ClassVar[str]
     summary: ClassVar[str]
+    shares_prefill: ClassVar[bool] = True  # the prompt's output is plain causal attention (see the module doc)
+
+    def store_prompt(self, layer: PolicyLayer, query, key, value, scaling: float) -> None:
+        """Keep what the method needs of the prompt in `layer.state` (key/value: (B, Hkv, L, D), left-padded)."""
+        raise NotImplementedError
 
     def prefill(self, layer: PolicyLayer, query, key, value, mask, scaling: float) -> torch.Tensor:
-        raise NotImplementedError
+        """The prompt's attention output; store the prompt. Override only together with `shares_prefill = False`."""
+        self.store_prompt(layer, query, key, value, scaling)
+        return prompt_attention(query, key, value, mask, scaling)
 
     def decode(self, layer: PolicyLayer, query, key, value, scaling: float) -> torch.Tensor:
         raise NotImplementedError

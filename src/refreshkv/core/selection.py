@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from .attention_math import attend_with_probs, decode_attention, prompt_attention
+from .attention_math import attend_with_probs, decode_attention
 from .kvstore import LayerState, SlotStore
 from .policy import BudgetPolicy
 
@@ -108,11 +108,10 @@ class SelectionPolicy(BudgetPolicy):
         state.load(key, value, index, scores)
         return state
 
-    def prefill(self, layer, query, key, value, mask, scaling):
+    def store_prompt(self, layer, query, key, value, scaling):
         valid = layer.cache.valid_positions(key.shape[2], key.device)
         index, scores = self.select(layer, query, key, scaling, valid)
         layer.state = self.store_selection(layer, key, value, index, scores)
-        return prompt_attention(query, key, value, mask, scaling)
 
     def append(self, layer, key, value) -> None:
         """Store the decoded token in the lowest-scored slot (an empty one while there is room).

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.cache import PolicyCache
-from ..generate import generate
+from ..generate import generate_many
 from ..core.policy import Policy
 
 
@@ -26,6 +26,7 @@ class TeacherForced:
     prefill_s: float
     decode_s: float
     cache: PolicyCache
+    prefill_shared_by: int = 1
 
     @property
     def decode_ms_per_token(self) -> float:
@@ -34,15 +35,29 @@ class TeacherForced:
 
 def teacher_forced(model, input_ids: Sequence[int] | torch.Tensor, target_start: int, policy: Policy) -> TeacherForced:
     """Losses of `input_ids[target_start:]` given everything before, decoded under `policy` (batch of one)."""
+    return teacher_forced_many(model, input_ids, target_start, [policy])[0]
+
+
+def teacher_forced_many(
+    model, input_ids: Sequence[int] | torch.Tensor, target_start: int, policies: Sequence[Policy]
+) -> list[TeacherForced]:
+    """`teacher_forced` under several methods with one shared prefill (`generate_many`)."""
     ids = torch.as_tensor(input_ids, dtype=torch.long).flatten().to(model.device)
     total = ids.shape[0]
     if not 1 <= target_start < total:
         raise ValueError(f"target_start must be in [1, {total - 1}] for {total} tokens, got {target_start}")
     targets = ids[None, target_start:]
-    out = generate(model, ids[None, :target_start], method=policy, forced_tokens=targets, return_logits=True)
-    logits = torch.cat(out.logits)  # (targets, vocab), float32 on the CPU
-    losses = F.cross_entropy(logits, targets[0].cpu(), reduction="none")
-    return TeacherForced(losses=losses.tolist(), prefill_s=out.prefill_s, decode_s=out.decode_s, cache=out.cache)
+    outs = generate_many(model, ids[None, :target_start], methods=policies, forced_tokens=targets, return_logits=True)
+    return [
+        TeacherForced(
+            losses=F.cross_entropy(torch.cat(out.logits), targets[0].cpu(), reduction="none").tolist(),
+            prefill_s=out.prefill_s,
+            decode_s=out.decode_s,
+            cache=out.cache,
+            prefill_shared_by=out.prefill_shared_by,
+        )
+        for out in outs
+    ]
 
 
 @torch.inference_mode()

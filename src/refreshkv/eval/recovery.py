@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..core.attention_math import attention_probs, prompt_attention
+from ..core.attention_math import attention_probs
 from ..core.kvstore import FullStore
 from ..methods.full import Full
 from ..core.policy import DEFAULT_BUDGET_RATIO
@@ -109,10 +109,9 @@ class RecoveryProbe(Full):
     steps: int = 10
     sinks: int = 4
 
-    def prefill(self, layer, query, key, value, mask, scaling):
+    def store_prompt(self, layer, query, key, value, scaling):
         layer.state = RecoveryStore(key, layer.cache.capacity())
         layer.state.append(key, value)
-        return prompt_attention(query, key, value, mask, scaling)
 
     def decode(self, layer, query, key, value, scaling):
         output = super().decode(layer, query, key, value, scaling)

@@ -49,7 +49,7 @@ import math
 
 import torch
 
-from ..core.attention_math import prompt_attention, ranked, top_k
+from ..core.attention_math import ranked, top_k
 from ..core.kvstore import SlotStore
 from ..core.policy import PolicyError, check_positive, register
 from ..core.selection import SelectionState
@@ -171,7 +171,7 @@ class DynamicKV(SnapKV):
         index, _ = _sorted_by_position(index, index, index >= 0)
         return self.with_window(index, attention.gather(-1, index.clamp(min=0)), length)
 
-    def prefill(self, layer, query, key, value, mask, scaling):
+    def store_prompt(self, layer, query, key, value, scaling):
         cache = layer.cache
         valid = cache.valid_positions(key.shape[2], key.device)
         attention = self.prefix_scores(query, key, scaling, valid)
@@ -191,7 +191,6 @@ class DynamicKV(SnapKV):
         last = layer.layer_idx == cache.num_layers - 1
         if (layer.layer_idx + 1) % self.interval == 0 or last:
             self.update(cache.layers[: layer.layer_idx + 1], self.selected_budget(cache), cache.num_layers, final=last)
-        return prompt_attention(query, key, value, mask, scaling)
 
     def update(
         self, layers, per_layer: int, num_layers: int, final: bool

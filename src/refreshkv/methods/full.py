@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..core.attention_math import decode_attention, prompt_attention
+from ..core.attention_math import decode_attention
 from ..core.kvstore import FullStore
 from ..core.policy import Policy, register
 
@@ -19,10 +19,9 @@ class Full(Policy):
     name = "full"
     summary = "vanilla attention over every token"
 
-    def prefill(self, layer, query, key, value, mask, scaling):
+    def store_prompt(self, layer, query, key, value, scaling):
         layer.state = FullStore(key, layer.cache.capacity())
         layer.state.append(key, value)
-        return prompt_attention(query, key, value, mask, scaling)
 
     def decode(self, layer, query, key, value, scaling):
         store: FullStore = layer.state

@@ -33,7 +33,6 @@ from ..core.attention_math import (
     attend_with_probs,
     attention_probs,
     decode_attention,
-    prompt_attention,
     selection_scores,
     top_k,
 )
@@ -128,7 +127,7 @@ class RefreshKV(BudgetPolicy):
         check_window("window", self.window, shortest)
 
     # -- prefill ---------------------------------------------------------------------------------------------------
-    def prefill(self, layer, query, key, value, mask, scaling):
+    def store_prompt(self, layer, query, key, value, scaling):
         cache = layer.cache
         length = key.shape[2]
         full = FullStore(key, cache.capacity())
@@ -139,7 +138,6 @@ class RefreshKV(BudgetPolicy):
         valid = cache.valid_positions(length, key.device)
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
         self._refresh(layer.state, selection_scores(probs, self.kernel, self.aggregation), valid)
-        return prompt_attention(query, key, value, mask, scaling)
 
     # -- decode ----------------------------------------------------------------------------------------------------
     def decode(self, layer, query, key, value, scaling):

@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from ..core.attention_math import decode_attention, prompt_attention
+from ..core.attention_math import decode_attention
 from ..core.kvstore import FullStore
 from ..core.policy import BudgetPolicy, check_positive, register
 from .streamingllm import check_sinks, effective_sinks
@@ -42,11 +42,10 @@ class StreamingLLMPlusPlus(BudgetPolicy):
         check_sinks(self.sinks)
         check_positive("stride", self.stride)
 
-    def prefill(self, layer, query, key, value, mask, scaling):
+    def store_prompt(self, layer, query, key, value, scaling):
         full = FullStore(key, layer.cache.capacity())
         full.append(key, value)
         layer.state = full
-        return prompt_attention(query, key, value, mask, scaling)
 
     def decode(self, layer, query, key, value, scaling):
         cache = layer.cache
