@@ -1,7 +1,8 @@
 """Decode speed and memory of methods, measured in one run so that machine drift cancels.
 
-A length is the context size at the end of decoding (prompt = length - new tokens). For each length, every round runs every method once on the same prompt (the method order rotates from round
-to round); a method's figures are medians over rounds. Per-step decode times are kept, so the median step (a partial
+A length is the context size at the end of decoding (prompt = length - new tokens). For each length, every round
+runs every method once on the same prompt (the method order rotates from round to round), by default after one
+shared prefill (`generate_many`); a method's figures are medians over rounds. Per-step decode times are kept, so the median step (a partial
 step for methods that attend fully only now and then) is reported next to the mean.
 
 The physical floor of a decode step is (weight bytes + KV bytes attended) / memory bandwidth, with the bandwidth
@@ -20,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from .demo import book_text
-from .generate import check_length, generate, synchronize
+from .generate import check_length, generate, generate_many, synchronize
 from .core.policy import make_policy
 
 REFERENCE = "transformers"  # not a method: stock transformers decoding, benchmarked for reference
@@ -93,11 +94,26 @@ class Run:
     peak_bytes: int | None
 
 
-def run_once(model, ids, method, params, new_tokens, peak: PeakMemory) -> Run:
-    if method == REFERENCE:
-        return run_transformers_once(model, ids, new_tokens, peak)
-    peak.reset()
-    result = generate(model, ids, method=method, max_new_tokens=new_tokens, eos_token_id=[], **params)
+def run_round(model, ids, methods: dict[str, dict], names: list[str], new_tokens, peak: PeakMemory,
+              share_prefill: bool) -> list[Run]:
+    """One run of each of `names`, in that order. Shared: one prefill for all (its time in every Run, peak memory
+    unattributable); otherwise each method prefills alone and its peak memory is its own."""
+    runs = {}
+    if REFERENCE in names:
+        runs[REFERENCE] = run_transformers_once(model, ids, new_tokens, peak)
+    policies = {name: make_policy(name, **methods[name]) for name in names if name != REFERENCE}
+    if share_prefill:
+        outs = generate_many(model, ids, methods=list(policies.values()), max_new_tokens=new_tokens, eos_token_id=[])
+        runs.update((name, run_from(name, ids, new_tokens, out, None)) for name, out in zip(policies, outs))
+    else:
+        for name, policy in policies.items():
+            peak.reset()
+            out = generate(model, ids, method=policy, max_new_tokens=new_tokens, eos_token_id=[])
+            runs[name] = run_from(name, ids, new_tokens, out, peak.peak_bytes())
+    return [runs[name] for name in names]
+
+
+def run_from(method: str, ids, new_tokens: int, result, peak_bytes: int | None) -> Run:
     stats = result.stats()
     return Run(
         method=method,
@@ -109,7 +125,7 @@ def run_once(model, ids, method, params, new_tokens, peak: PeakMemory) -> Run:
         full_step_fraction=stats["full_step_fraction"],
         kv_bytes_held=stats["kv_bytes_full"],
         kv_bytes_attended=stats["kv_bytes_attended_mean"],
-        peak_bytes=peak.peak_bytes(),
+        peak_bytes=peak_bytes,
     )
 
 
@@ -170,8 +186,12 @@ def check_methods(methods: dict[str, dict]) -> None:
 
 
 def run_bench(model, tokenizer, methods: dict[str, dict], lengths: list[int], new_tokens: int, rounds: int,
-              progress=None) -> dict:
-    """Interleaved benchmark; `methods` maps a method name to its parameters. Returns rows + machine facts."""
+              progress=None, share_prefill: bool = True) -> dict:
+    """Interleaved benchmark; `methods` maps a method name to its parameters. Returns rows + machine facts.
+
+    With `share_prefill` each round prefills the prompt once for every method (`generate_many`), so the prefill is
+    timed once; peak memory is then not measured per method (all caches exist together).
+    """
     check_methods(methods)
     for length in lengths:
         if length - new_tokens < 16:
@@ -188,10 +208,11 @@ def run_bench(model, tokenizer, methods: dict[str, dict], lengths: list[int], ne
         runs: dict[str, list[Run]] = {name: [] for name in names}
         for round_index in range(rounds):
             shift = round_index % len(names)
-            for name in names[shift:] + names[:shift]:
-                runs[name].append(run_once(model, ids, name, methods[name], new_tokens, peak))
-                if progress is not None:
-                    progress()
+            order = names[shift:] + names[:shift]
+            for run in run_round(model, ids, methods, order, new_tokens, peak, share_prefill):
+                runs[run.method].append(run)
+            if progress is not None:
+                progress(len(order))
         summaries = [summarize(runs[name], weights, bandwidth) for name in names]
         full = next((s for s in summaries if s["method"] == "full"), None)
         for summary in summaries:
@@ -212,4 +233,5 @@ def run_bench(model, tokenizer, methods: dict[str, dict], lengths: list[int], ne
         "new_tokens": new_tokens,
         "rounds": rounds,
         "methods": methods,
+        "shared_prefill": share_prefill,
     }

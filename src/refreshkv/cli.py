@@ -269,6 +269,9 @@ def bench(
     threads: Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results here as JSON.")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="Write a PNG of decode time per token vs length.")] = None,
+    share_prefill: Annotated[bool, typer.Option(
+        help="Prefill once per round for all methods (--no-share-prefill: each alone, which also measures each "
+        "method's peak memory).")] = True,
 ):
     """Decode speed, memory and distance to the bandwidth floor of methods, interleaved in one run."""
     import torch
@@ -287,7 +290,8 @@ def bench(
         torch.set_num_threads(threads)
     lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
     with tqdm(total=rounds * len(chosen) * len(length_list), desc="bench runs", unit="run") as bar:
-        result = run_bench(lm, tokenizer, chosen, length_list, new_tokens, rounds, progress=bar.update)
+        result = run_bench(lm, tokenizer, chosen, length_list, new_tokens, rounds, progress=bar.update,
+                           share_prefill=share_prefill)
     for table in bench_tables(result):
         out.print(table)
     if json_out is not None:

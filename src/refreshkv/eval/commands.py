@@ -88,21 +88,32 @@ def register(app, user_errors) -> None:
         config: Annotated[Path, typer.Argument(help="Sweep YAML file (schema in docs/evaluation.md).")],
         out: Annotated[Optional[Path], typer.Option(help="JSONL results file (overrides `out` in the YAML).")] = None,
         device: DeviceOpt = "cpu",
+        share_prefill: Annotated[Optional[int], typer.Option(
+            min=1, help="At most N methods per shared prefill of an example (1: each prefills alone; default: all, "
+            "whose caches are held together, so memory grows with N).")] = None,
     ):
-        """Run methods x parameters x tasks x lengths from a YAML file into one resumable JSONL file."""
+        """Run methods x parameters x tasks x lengths from a YAML file into one resumable JSONL file.
+
+        Data-parallel: `torchrun --nproc-per-node N -m refreshkv sweep FILE` (or `accelerate launch`); each rank
+        runs every N-th example into OUT's rank file (<stem>.rank<r>.jsonl); `refreshkv report OUT` merges them.
+        """
         from ..model import load_model
-        from .runner import ResultsFile
-        from .sweep import load_sweep, run_sweep
+        from .distributed import agree, current_launch
+        from .sweep import load_sweep, open_results, run_sweep
 
         sweep = load_sweep(config, out)
+        launch = current_launch()
         torch_dtype = check_runtime(sweep.dtype, device)
         for run_config in sweep.configs():
             run_config.validate()
-        with ResultsFile(sweep.out, run=sweep.identity()) as results:  # refuses a foreign, busy or unwritable file first
+        agree(launch, f"{sweep.identity()} ({sweep.counts()})", device)
+        if launch.is_distributed and device == "cuda":
+            device = f"cuda:{launch.local_rank}"
+        with open_results(sweep, launch) as results:  # refuses a foreign, busy or unwritable file first
             lm, tokenizer = load_model(sweep.model, dtype=torch_dtype, device=device)
-            counts = run_sweep(sweep, lm, tokenizer, results=results)
+            counts = run_sweep(sweep, lm, tokenizer, results=results, share_prefill=share_prefill, launch=launch)
         console.print(
-            f"{counts['ran']} row(s) run, {counts['done_before']} already in {sweep.out} "
+            f"{counts['ran']} row(s) run, {counts['done_before']} already in {results.path} "
             f"({len(sweep.configs())} configurations, {sweep.identity()}). "
             f"Summarise with: refreshkv report {sweep.out}",
             highlight=False,
@@ -116,9 +127,12 @@ def register(app, user_errors) -> None:
         plots: Annotated[bool, typer.Option(help="Write PNG plots (needs matplotlib).")] = True,
     ):
         """Tables (task x method, relative to full) and plots of evaluation results."""
+        from .distributed import sweep_files
         from .report import rich_tables, write_report
 
-        groups, _, written = write_report(results, out_dir, plots=plots)
+        # a data-parallel sweep's rank files (<stem>.rank<r>.jsonl) come with its file
+        paths = list(dict.fromkeys(found for path in results for found in (sweep_files(path) or [path])))
+        groups, _, written = write_report(paths, out_dir, plots=plots)
         for table in rich_tables(groups):
             console.print(table)
         console.print(f"wrote {', '.join(str(p) for p in written)}", highlight=False)

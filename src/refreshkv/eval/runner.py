@@ -28,10 +28,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ..budget_report import budget_report
-from ..generate import check_length, generate
+from ..generate import check_length, generate_many
 from ..core.policy import make_policy
-from .perplexity import teacher_forced
-from .recovery import RecoveryProbe, RecoveryTask, probe_for, recovery_score
+from .perplexity import teacher_forced, teacher_forced_many
+from .distributed import Launch, my_share
+from .recovery import RecoveryTask, probe_for, recovery_score
 from .tasks import TASKS, get_task
 from .tasks.base import encode_user_turn
 from .tasks.ppl import PerplexityTask
@@ -202,49 +203,64 @@ def cache_fields(cache) -> dict:
     }
 
 
-def run_example(model, tokenizer, config: RunConfig, item: Prepared) -> dict:
-    """The measured part of a row (everything but the identifying fields)."""
+def run_examples(model, tokenizer, configs: list[RunConfig], item: Prepared) -> list[dict]:
+    """The measured part of each configuration's row (everything but the identifying fields) on one example.
+
+    The configurations differ only in method and parameters: one prefill serves them all (`generate_many`).
+    """
     import torch
 
-    task = find_task(config.task)
+    task = find_task(configs[0].task)
     kind = task_kind(task)
     example = item.example
+    if kind == "recovery":
+        return [recovery_row(model, config, item) for config in configs]
+    policies = [make_policy(config.method, **config.params) for config in configs]
     if kind == "generation":
         ids = torch.tensor([item.input_ids], device=model.device)
-        out = generate(model, ids, method=config.method, max_new_tokens=example["max_new_tokens"], **config.params)
-        prediction = tokenizer.decode(out.tokens[0], skip_special_tokens=True)
-        return {
-            "prediction": prediction,
-            "reference": example["reference"],
-            "score": float(task.score(prediction, example)),
-            "prompt_tokens": len(item.input_ids),
-            "new_tokens": len(out.tokens[0]),
-            "prefill_s": round(out.prefill_s, 4),
-            "decode_ms_per_token": round(out.decode_ms_per_token, 3),
-            **cache_fields(out.cache),
-        }
-    if kind == "ppl":
-        policy = make_policy(config.method, **config.params)
-    else:
-        policy = probe_for(config.length, config.task_options)
-    forced = teacher_forced(model, item.input_ids, example["target_start"], policy)
-    row = {
+        outs = generate_many(model, ids, methods=policies, max_new_tokens=example["max_new_tokens"])
+        rows = []
+        for out in outs:
+            prediction = tokenizer.decode(out.tokens[0], skip_special_tokens=True)
+            rows.append({
+                "prediction": prediction,
+                "reference": example["reference"],
+                "score": float(task.score(prediction, example)),
+                "prompt_tokens": len(item.input_ids),
+                "new_tokens": len(out.tokens[0]),
+                **timing_fields(out),
+                **cache_fields(out.cache),
+            })
+        return rows
+    forced = teacher_forced_many(model, item.input_ids, example["target_start"], policies)
+    return [{**forced_fields(example, one), "score": PerplexityTask.score_losses(one.losses)} for one in forced]
+
+
+def timing_fields(out) -> dict:
+    return {
+        "prefill_s": round(out.prefill_s, 4),
+        "prefill_shared_by": out.prefill_shared_by,
+        "decode_ms_per_token": round(out.decode_ms_per_token, 3),
+    }
+
+
+def forced_fields(example: dict, forced) -> dict:
+    return {
         "prediction": "",
         "reference": example.get("reference"),
         "prompt_tokens": example["target_start"],
         "new_tokens": len(forced.losses),
-        "prefill_s": round(forced.prefill_s, 4),
-        "decode_ms_per_token": round(forced.decode_ms_per_token, 3),
+        **timing_fields(forced),
         **cache_fields(forced.cache),
         "losses": [round(v, 6) for v in forced.losses],
     }
-    if kind == "ppl":
-        row["score"] = PerplexityTask.score_losses(forced.losses)
-    else:
-        assert isinstance(policy, RecoveryProbe)
-        row["recovery"] = policy.result(forced.cache)
-        row["score"] = recovery_score(row["recovery"])
-    return row
+
+
+def recovery_row(model, config: RunConfig, item: Prepared) -> dict:
+    policy = probe_for(config.length, config.task_options)
+    forced = teacher_forced(model, item.input_ids, item.example["target_start"], policy)
+    result = policy.result(forced.cache)
+    return {**forced_fields(item.example, forced), "recovery": result, "score": recovery_score(result)}
 
 
 # ---- the results file ------------------------------------------------------------------------------------------
@@ -314,6 +330,18 @@ class ResultsFile:
             self.close()
             raise
         self.done = {(row["config"], row["id"]) for row in rows}
+
+    def include_done(self, paths: Iterable[Path]) -> None:
+        """Count the rows of other files of this run (a sweep's rank files) as done; they are read, never written."""
+        for path in paths:
+            if path == self.path:
+                continue
+            rows = read_results(path, warn=False)[0]
+            others = sorted({str(row["run"]) for row in rows if row["run"] != self.run})
+            if others:
+                raise ResultsError(f"{path} holds results of another configuration (run {others[0]}, this run is "
+                                   f"{self.run}); choose another output file, nothing was written")
+            self.done |= {(row["config"], row["id"]) for row in rows}
 
     def _open_locked(self) -> tuple[int, bool]:
         """(descriptor holding the lock, whether this run created the file)."""
@@ -398,6 +426,21 @@ class Job:
     items: list[Prepared]
 
 
+def prompt_key(config: RunConfig, item: Prepared) -> str:
+    """The same for every configuration that runs this example's prompt (they differ in method and parameters)."""
+    return short_hash([{**config.fields(), "method": None, "params": None}, item.example["id"]])
+
+
+def example_groups(todo: list[tuple[RunConfig, Prepared]], share_prefill: int | None) -> list[list]:
+    """(configuration, example) pairs grouped by prompt, at most `share_prefill` per group (None: no limit), in order
+    of first appearance."""
+    groups: dict[str, list] = {}
+    for config, item in todo:
+        groups.setdefault(prompt_key(config, item), []).append((config, item))
+    size = share_prefill or len(todo) or 1
+    return [group[i : i + size] for group in groups.values() for i in range(0, len(group), size)]
+
+
 def run_jobs(
     model,
     tokenizer,
@@ -405,20 +448,37 @@ def run_jobs(
     results: ResultsFile,
     progress: bool = True,
     on_row: Callable[[dict], None] | None = None,
+    share_prefill: int | None = None,
+    launch: Launch = Launch(),
 ) -> dict:
-    """Run every (configuration, example) not yet in `results`; returns counts {done_before, ran}."""
+    """Run every (configuration, example) not yet in `results`; returns counts {done_before, ran}.
+
+    The configurations of one example share one prefill (at most `share_prefill` of them, None: all; their caches
+    are held together, so memory grows with the group). Rows are appended once the group's decodes are done: a
+    run killed in between runs that example's group again. Under a data-parallel launch this process runs only its
+    share of the examples (eval/distributed.py).
+    """
     from tqdm.auto import tqdm
 
-    todo = [(job.config, item) for job in jobs for item in job.items if (job.config.key(), item.example["id"]) not in results.done]
-    total = sum(len(job.items) for job in jobs)
-    with tqdm(total=total, initial=total - len(todo), desc="eval", unit="ex", disable=not progress) as bar:
-        for config, item in todo:
-            bar.set_postfix_str(config.label(), refresh=False)
-            row = row_for(config, results.run, item, run_example(model, tokenizer, config, item))
-            results.append(row)
-            if on_row is not None:
-                on_row(row)
-            bar.update()
+    if share_prefill is not None and not (is_number(share_prefill, integer=True) and share_prefill >= 1):
+        raise ValueError(f"share_prefill must be an integer >= 1, got {share_prefill!r}")
+    prompts: dict[str, int] = {}
+    mine = [(job.config, item) for job in jobs for item in job.items
+            if my_share(prompts.setdefault(prompt_key(job.config, item), len(prompts)), launch)]
+    todo = [(config, item) for config, item in mine if (config.key(), item.example["id"]) not in results.done]
+    total = len(mine)
+    desc = f"rank {launch.rank}" if launch.is_distributed else "eval"
+    with tqdm(total=total, initial=total - len(todo), desc=desc, unit="ex", disable=not progress) as bar:
+        for group in example_groups(todo, share_prefill):
+            configs = [config for config, _ in group]
+            item = group[0][1]
+            bar.set_postfix_str(f"{configs[0].task} L={configs[0].length} x{len(configs)} methods", refresh=False)
+            for config, measured in zip(configs, run_examples(model, tokenizer, configs, item)):
+                row = row_for(config, results.run, item, measured)
+                results.append(row)
+                if on_row is not None:
+                    on_row(row)
+                bar.update()
     return {"done_before": total - len(todo), "ran": len(todo)}
 
 

@@ -9,15 +9,16 @@ Schema (see docs/evaluation.md for an example):
     seed: 0                     # int or list of ints
     num_examples: 10
     lengths: [2048, 4096]       # int or list
-    tasks:                      # names, or {name, options}
+    tasks:                      # names, or {name, options, num_examples}
       - ruler/niah_single_1
-      - {name: ppl, options: {paths: [book.txt], target_tokens: 256}}
+      - {name: ppl, options: {paths: [book.txt], target_tokens: 256}, num_examples: 8}
     methods:                    # names, or {name, params, grid}
       - full
       - {name: refreshkv, params: {budget_ratio: 0.125}, grid: {qc_stride: [5, 10]}}
 
-`grid` values are lists; every combination is one configuration (`params` holds the fixed ones). The sweep's
-identity (`run` in every row) hashes everything except `out` and `num_examples`, so raising `num_examples`
+`grid` values are lists; every combination is one configuration (`params` holds the fixed ones). A task's
+`num_examples` overrides the sweep's; relative `paths` in task options are read from the YAML file's folder. The
+sweep's identity (`run` in every row) hashes everything except `out` and the `num_examples`, so raising them
 extends a finished sweep while a changed sweep refuses the old file.
 """
 
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from ..options import DTYPES
 from ..core.policy import make_policy
+from .distributed import Launch, rank_file, sweep_files
 from .recovery import RecoveryTask
 from .runner import RunConfig, check_task_options, find_task, model_identity, short_hash
 
@@ -51,6 +53,14 @@ class Sweep:
     lengths: list[int]
     tasks: list[tuple[str, dict]]
     methods: list[tuple[str, dict]]  # expanded: one entry per parameter combination
+    task_examples: dict[str, int] = dataclasses.field(default_factory=dict)  # per-task num_examples, by task key
+
+    def examples_for(self, task: str, options: dict) -> int:
+        return self.task_examples.get(short_hash([task, options]), self.num_examples)
+
+    def counts(self) -> str:
+        """The examples each task runs (not part of the identity: more examples extend a sweep)."""
+        return ", ".join(f"{task} x{self.examples_for(task, options)}" for task, options in self.tasks)
 
     def identity(self) -> str:
         return "sweep-" + short_hash(
@@ -86,7 +96,8 @@ def _int_list(value, name: str, where: str, minimum: int) -> list[int]:
     return list(dict.fromkeys(values))  # a repeated value would only run the same configurations again
 
 
-def _entries(value, name: str, where: str, inner: tuple[str, ...]) -> list[tuple[str, dict]]:
+def _entries(value, name: str, where: str, inner: tuple[str, ...], counts: tuple[str, ...] = ()) -> list[tuple[str, dict]]:
+    """Entries as (name, {key: mapping for `inner`, key: int or None for `counts`})."""
     if not isinstance(value, list) or not value:
         raise SweepError(f"{where}: '{name}' must be a non-empty list")
     entries = []
@@ -95,17 +106,31 @@ def _entries(value, name: str, where: str, inner: tuple[str, ...]) -> list[tuple
             entry = {"name": entry}
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             raise SweepError(f"{where}: {name} entry {i} must be a name or a mapping with 'name'")
-        unknown = sorted(set(entry) - {"name", *inner})
+        unknown = sorted(set(entry) - {"name", *inner, *counts})
         if unknown:
             raise SweepError(
                 f"{where}: {name} entry {i} ({entry['name']}) has unknown key(s) {', '.join(unknown)}; "
-                f"allowed: name, {', '.join(inner)}"
+                f"allowed: name, {', '.join(inner + counts)}"
             )
         for key in inner:
             if entry.get(key) is not None and not isinstance(entry[key], dict):
                 raise SweepError(f"{where}: {name} entry {i} ({entry['name']}): '{key}' must be a mapping")
-        entries.append((entry["name"], {key: dict(entry.get(key) or {}) for key in inner}))
+        for key in counts:
+            count = entry.get(key)
+            if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
+                raise SweepError(f"{where}: {name} entry {i} ({entry['name']}): '{key}' must be an integer >= 1, got {count!r}")
+        parts = {key: dict(entry.get(key) or {}) for key in inner}
+        entries.append((entry["name"], {**parts, **{key: entry.get(key) for key in counts}}))
     return entries
+
+
+def _beside(options: dict, folder: Path) -> dict:
+    """Task options with relative file paths (`paths`) taken from the sweep file's folder, like `out` and `model`."""
+    if "paths" not in options:
+        return options
+    paths = options["paths"]
+    resolve = lambda p: str(folder / p) if isinstance(p, str) and not Path(p).is_absolute() else p  # noqa: E731
+    return {**options, "paths": [resolve(p) for p in paths] if isinstance(paths, list) else resolve(paths)}
 
 
 def load_sweep(path: str | Path, out: str | Path | None = None) -> Sweep:
@@ -154,15 +179,18 @@ def load_sweep(path: str | Path, out: str | Path | None = None) -> Sweep:
         raise SweepError(f"{where}: 'num_examples' must be an integer >= 1, got {num_examples!r}")
     lengths = _int_list(data["lengths"], "lengths", where, 1)
 
-    tasks = []
-    for name, parts in _entries(data["tasks"], "tasks", where, ("options",)):
+    tasks, task_examples = [], {}
+    for name, parts in _entries(data["tasks"], "tasks", where, ("options",), counts=("num_examples",)):
+        options = _beside(parts["options"], path.parent)
         try:
             find_task(name)
-            check_task_options(name, parts["options"])
+            check_task_options(name, options)
         except ValueError as error:
             raise SweepError(f"{where}: {error}") from None
-        if (name, parts["options"]) not in tasks:
-            tasks.append((name, parts["options"]))
+        if (name, options) not in tasks:
+            tasks.append((name, options))
+        if parts["num_examples"] is not None:
+            task_examples[short_hash([name, options])] = parts["num_examples"]
 
     methods = []
     for name, parts in _entries(data["methods"], "methods", where, ("params", "grid")):
@@ -183,25 +211,42 @@ def load_sweep(path: str | Path, out: str | Path | None = None) -> Sweep:
                 methods.append((name, params))
     if any(isinstance(find_task(t), RecoveryTask) for t, _ in tasks) and any(m != "full" for m, _ in methods):
         raise SweepError(f"{where}: task 'recovery' measures attention under 'full' only; put it in its own sweep")
-    return Sweep(path, out_path, model, chat, dtype, seeds, num_examples, lengths, tasks, methods)
+    return Sweep(path, out_path, model, chat, dtype, seeds, num_examples, lengths, tasks, methods, task_examples)
 
 
-def run_sweep(sweep: Sweep, model, tokenizer, progress: bool = True, results=None) -> dict:
+def open_results(sweep: Sweep, launch: Launch = Launch()):
+    """This process's results file (a rank file under a data-parallel launch), knowing the rows of the others."""
+    from .runner import ResultsFile
+
+    results = ResultsFile(rank_file(sweep.out, launch), run=sweep.identity())
+    try:
+        results.include_done(sweep_files(sweep.out))
+    except BaseException:
+        results.close()
+        raise
+    return results
+
+
+def run_sweep(
+    sweep: Sweep, model, tokenizer, progress: bool = True, results=None, share_prefill: int | None = None,
+    launch: Launch = Launch(),
+) -> dict:
     """Run (or resume) a sweep with a loaded model; examples are built and checked before anything is run.
 
     `results`: the sweep's ResultsFile when the caller opened it already (the command does, before loading the model).
+    `share_prefill`: at most this many configurations per shared prefill (None: every method of an example).
     """
-    from .runner import Job, ResultsFile, prepare, run_jobs
+    from .runner import Job, prepare, run_jobs
 
     configs = sweep.configs()
     for config in configs:
         config.validate(model)
-    with results or ResultsFile(sweep.out, run=sweep.identity()) as results:
+    with results or open_results(sweep, launch) as results:
         built: dict[str, list] = {}
         jobs = []
         for config in configs:
             shared = short_hash([config.task, config.task_options, config.length, config.seed])
             if shared not in built:
-                built[shared] = prepare(model, tokenizer, config, sweep.num_examples)
+                built[shared] = prepare(model, tokenizer, config, sweep.examples_for(config.task, config.task_options))
             jobs.append(Job(config, built[shared]))
-        return run_jobs(model, tokenizer, jobs, results, progress)
+        return run_jobs(model, tokenizer, jobs, results, progress, share_prefill=share_prefill, launch=launch)

@@ -1,0 +1,146 @@
+"""Sweeps that share one prefill per example, and data-parallel sweeps under torchrun (2 CPU processes, gloo)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_eval_runner import NIAH, TOKENIZER, CountCalls, text_file
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from refreshkv.eval.distributed import Launch, LaunchError, current_launch, rank_file, sweep_files
+from refreshkv.eval.sweep import load_sweep, run_sweep
+from refreshkv.model import resolve_model_dir
+
+pytest.importorskip("long_context_eval")
+pytest.importorskip("wonderwords")
+
+METHODS = """
+          - full
+          - {name: refreshkv, params: {budget: 16, qc_stride: 2}}
+          - {name: snapkv, params: {budget: 16, window: 4}}
+"""
+
+
+def write_sweep(folder: Path, doc: Path, model: str = "tiny", out: str = "results.jsonl", examples: int = 2) -> Path:
+    spec = folder / f"{out}.yaml"
+    spec.write_text(textwrap.dedent(f"""
+        out: {out}
+        model: {model}
+        chat: false
+        num_examples: {examples}
+        lengths: [300]
+        tasks:
+          - {NIAH}
+          - {{name: ppl, options: {{paths: [{doc}], target_tokens: 8}}}}
+        methods:""") + METHODS)
+    return spec
+
+
+def rows_of(paths) -> dict:
+    return {(r["config"], r["id"]): r for path in paths for r in map(json.loads, Path(path).read_text().splitlines())}
+
+
+def test_shared_prefill_sweep_equals_one_prefill_per_method(tmp_path):
+    model, doc = tiny_model("llama", layers=3, seed=0), text_file(tmp_path / "doc.txt")
+    prompt_calls = CountCalls(model)
+    shared = load_sweep(write_sweep(tmp_path, doc, out="shared.jsonl"))
+    assert run_sweep(shared, model, TOKENIZER, progress=False) == {"done_before": 0, "ran": 12}
+    calls_shared = prompt_calls.calls
+    prompt_calls.calls = 0
+    alone = load_sweep(write_sweep(tmp_path, doc, out="alone.jsonl"))
+    run_sweep(alone, model, TOKENIZER, progress=False, share_prefill=1)
+    prompt_calls.remove()
+    assert calls_shared < prompt_calls.calls  # forward passes: 4 prefills + decodes vs 12 prefills + decodes
+    assert prompt_calls.calls - calls_shared == 8
+    together, apart = rows_of([shared.out]), rows_of([alone.out])
+    assert together.keys() == apart.keys()
+    for key, row in together.items():
+        assert row["prediction"] == apart[key]["prediction"]
+        assert row["score"] == pytest.approx(apart[key]["score"], rel=1e-5)
+        assert row["losses"] == pytest.approx(apart[key]["losses"], abs=1e-5) if "losses" in row else True
+        assert (row["prefill_shared_by"], apart[key]["prefill_shared_by"]) == (3, 1)
+
+
+def test_launch_environment_and_rank_files(tmp_path):
+    assert current_launch({}) == Launch(0, 1, 0)
+    assert current_launch({"RANK": "1", "WORLD_SIZE": "2"}) == Launch(1, 2, 1)
+    with pytest.raises(LaunchError, match="RANK=2 must be below WORLD_SIZE=2"):
+        current_launch({"RANK": "2", "WORLD_SIZE": "2"})
+    with pytest.raises(LaunchError, match="WORLD_SIZE='two'"):
+        current_launch({"WORLD_SIZE": "two"})
+    out = tmp_path / "study.jsonl"
+    assert rank_file(out, Launch()) == out and rank_file(out, Launch(1, 2)) == tmp_path / "study.rank1.jsonl"
+    for name in ("study.rank1.jsonl", "study.rank0.jsonl", "study.ranked.jsonl", "other.rank0.jsonl"):
+        (tmp_path / name).write_text("")
+    assert sweep_files(out) == [tmp_path / "study.rank0.jsonl", tmp_path / "study.rank1.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Llama saved with the embedded model's tokenizer, loadable by `--model`/`model:`."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None), local_files_only=True)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         eos_token_id=tokenizer.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def free_port() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+def cli(*args, env=None, module="refreshkv"):
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def test_two_process_sweep_writes_the_rows_of_one_process(tmp_path, model_dir):
+    doc = text_file(tmp_path / "doc.txt")
+    single = cli("sweep", str(write_sweep(tmp_path, doc, str(model_dir), out="single.jsonl", examples=3)))
+    assert single.returncode == 0, single.stderr
+    spec = write_sweep(tmp_path, doc, str(model_dir), out="parallel.jsonl", examples=3)
+    parallel = cli("--nproc-per-node", "2", "--master-port", free_port(), "-m", "refreshkv", "sweep", str(spec),
+                   module="torch.distributed.run")
+    assert parallel.returncode == 0, parallel.stderr
+    out = tmp_path / "parallel.jsonl"
+    shards = sweep_files(out)
+    assert shards == [tmp_path / "parallel.rank0.jsonl", tmp_path / "parallel.rank1.jsonl"]
+    assert all(rows_of([shard]) for shard in shards)  # both ranks did work
+    one, two = rows_of([tmp_path / "single.jsonl"]), rows_of(shards)
+    assert one.keys() == two.keys() and len(one) == 18
+    assert all(one[key]["prediction"] == two[key]["prediction"] and one[key]["id"] == two[key]["id"] for key in one)
+    # resuming with one process finds nothing left to do; report merges the rank files
+    again = cli("sweep", str(spec))
+    assert again.returncode == 0 and "0 row(s) run, 18 already" in again.stdout, again.stdout + again.stderr
+    assert not out.exists()
+    report = cli("report", str(out), "--no-plots", "--out-dir", str(tmp_path / "report"))
+    assert report.returncode == 0, report.stderr
+    assert "| ruler/niah_single_1 | 300 | full | 3 |" in (tmp_path / "report" / "summary.md").read_text()
+
+
+def test_ranks_with_different_sweeps_stop_with_one_line(tmp_path, model_dir):
+    doc = text_file(tmp_path / "doc.txt")
+    specs = [write_sweep(tmp_path, doc, str(model_dir), out=f"mismatch{i}.jsonl", examples=1 + i) for i in range(2)]
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}
+    processes = [subprocess.Popen([sys.executable, "-m", "refreshkv", "sweep", str(spec)], text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), **env})
+                 for rank, spec in enumerate(specs)]
+    for process in processes:
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 2, stderr
+        assert stderr.strip().count("\n") == 0 and "rank 1 runs sweep" in stderr and "same sweep file" in stderr
+    assert not list(tmp_path.glob("mismatch*.jsonl"))
