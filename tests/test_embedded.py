@@ -58,13 +58,15 @@ def run_cli(*args):
 
 def test_cli_generate_json(embedded):
     done = run_cli("generate", "--method", "refreshkv", "--budget", "16", "--prompt", "Name three colors.", "--chat",
-                   "--max-new-tokens", "6", "--json")
+                   "--max-new-tokens", "6", "--json", "--compare", "full")
     assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
+    result, compared = json.loads(done.stdout)["runs"]
     for key in ("text", "new_tokens", "prompt_tokens", "prefill_s", "decode_ms_per_token", "full_step_fraction",
                 "kv_bytes_full", "kv_bytes_attended_mean"):
         assert key in result
     assert result["new_tokens"] == 6 and result["prompt_tokens"] > 10
+    assert (result["method"], compared["method"]) == ("refreshkv", "full")
+    assert result["prefill_shared_by"] == compared["prefill_shared_by"] == 2  # one prefill for both
 
 
 @pytest.mark.parametrize(

@@ -87,24 +87,30 @@ def encode(tokenizer, text: str, chat: bool):
     return ids
 
 
-def run_generation(model, tokenizer, ids, method: str, params: dict, max_new_tokens: int, **sampling) -> dict:
+def run_generations(model, tokenizer, ids, methods: list[tuple[str, dict]], max_new_tokens: int, **sampling) -> list[dict]:
+    """Each (method, parameters) on the same prompt, with one shared prefill (`generate_many`)."""
     from .budget_report import budget_report
-    from .generate import generate
+    from .core.policy import make_policy
+    from .generate import generate_many
 
-    result = generate(model, ids.to(model.device), method=method, max_new_tokens=max_new_tokens, progress=True,
-                      **sampling, **params)
-    stats = result.stats()
-    kept = budget_report(result.cache)
-    return {
-        "method": method,
-        "params": params,
-        "text": tokenizer.decode(result.tokens[0], skip_special_tokens=True),
-        **{k: v[0] if k in ("new_tokens", "prompt_tokens") else v for k, v in stats.items()},
-        "budget_ratio": round(kept["budget_ratio"], 4),
-        "budget_per_layer": kept["budget_per_layer"],
-        "budget_per_head": kept["budget_per_head"],
-        "ratio_per_layer": kept["ratio_per_layer"],
-    }
+    policies = [make_policy(method, **params) for method, params in methods]
+    outs = generate_many(model, ids.to(model.device), methods=policies, max_new_tokens=max_new_tokens, progress=True,
+                         **sampling)
+    results = []
+    for (method, params), result in zip(methods, outs):
+        stats = result.stats()
+        kept = budget_report(result.cache)
+        results.append({
+            "method": method,
+            "params": params,
+            "text": tokenizer.decode(result.tokens[0], skip_special_tokens=True),
+            **{k: v[0] if k in ("new_tokens", "prompt_tokens") else v for k, v in stats.items()},
+            "budget_ratio": round(kept["budget_ratio"], 4),
+            "budget_per_layer": kept["budget_per_layer"],
+            "budget_per_head": kept["budget_per_head"],
+            "ratio_per_layer": kept["ratio_per_layer"],
+        })
+    return results
 
 
 STAT_ROWS = (
@@ -112,7 +118,7 @@ STAT_ROWS = (
     ("new tokens", "new_tokens"),
     ("budget K", "budget"),
     ("kept prompt ratio", "budget_ratio"),
-    ("prefill s", "prefill_s"),
+    ("prefill s (shared)", "prefill_s"),
     ("decode ms/token", "decode_ms_per_token"),
     ("full-step fraction", "full_step_fraction"),
     ("KV MB held", "kv_bytes_full"),
@@ -188,10 +194,8 @@ def generate(
     lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
     ids = encode(tokenizer, text, chat)
     sampling = dict(do_sample=sample, temperature=temperature, top_p=top_p, seed=seed)
-    results = [run_generation(lm, tokenizer, ids, method, params, max_new_tokens, **sampling)]
-    if compare is not None:
-        results.append(run_generation(lm, tokenizer, ids, compare, {}, max_new_tokens, **sampling))
-    show(results, as_json)
+    methods = [(method, params)] + ([(compare, {})] if compare is not None else [])
+    show(run_generations(lm, tokenizer, ids, methods, max_new_tokens, **sampling), as_json)
 
 
 @app.command()
@@ -213,11 +217,7 @@ def demo(
     make_policy("refreshkv", **params)  # validate before loading anything (and before the `full` run)
     lm, tokenizer = load_model()
     ids = demo_prompt(tokenizer, length)
-    results = [
-        run_generation(lm, tokenizer, ids, "full", {}, max_new_tokens),
-        run_generation(lm, tokenizer, ids, "refreshkv", params, max_new_tokens),
-    ]
-    show(results, as_json)
+    show(run_generations(lm, tokenizer, ids, [("full", {}), ("refreshkv", params)], max_new_tokens), as_json)
 
 
 def bench_methods(names: str, budget: int, param: list[str]) -> dict[str, dict]:
