@@ -68,6 +68,24 @@ def test_shared_prefill_sweep_equals_one_prefill_per_method(tmp_path):
         assert (row["prefill_shared_by"], apart[key]["prefill_shared_by"]) == (3, 1)
 
 
+def test_a_method_with_its_own_prefill_runs_alone_with_a_note(tmp_path, capsys):
+    from test_shared_prefill import OwnPrefill
+
+    from refreshkv.core.policy import METHODS, register
+
+    register(OwnPrefill)
+    try:
+        spec = tmp_path / "own.yaml"
+        spec.write_text(f"out: own.jsonl\nchat: false\nnum_examples: 1\nlengths: [300]\ntasks: [{NIAH}]\n"
+                        "methods: [full, own-prefill, {name: snapkv, params: {budget: 16, window: 4}}]\n")
+        run_sweep(load_sweep(spec), tiny_model("llama", layers=3, seed=0), TOKENIZER, progress=False)
+    finally:
+        del METHODS["own-prefill"]
+    assert "note: own-prefill compute(s) their own prefill and run alone" in capsys.readouterr().err
+    shared_by = {row["method"]: row["prefill_shared_by"] for row in rows_of([tmp_path / "own.jsonl"]).values()}
+    assert shared_by == {"full": 2, "own-prefill": 1, "snapkv": 2}
+
+
 def test_launch_environment_and_rank_files(tmp_path):
     assert current_launch({}) == Launch(0, 1, 0)
     assert current_launch({"RANK": "1", "WORLD_SIZE": "2"}) == Launch(1, 2, 1)

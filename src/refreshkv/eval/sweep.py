@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 from pathlib import Path
 
 from ..options import DTYPES
-from ..core.policy import make_policy
+from ..core.policy import METHODS, make_policy
 from .distributed import Launch, rank_file, sweep_files
 from .recovery import RecoveryTask
 from .runner import RunConfig, check_task_options, find_task, model_identity, short_hash
@@ -241,6 +242,9 @@ def run_sweep(
     configs = sweep.configs()
     for config in configs:
         config.validate(model)
+    alone = sorted({name for name, _ in sweep.methods if not METHODS[name].shares_prefill})
+    if alone:
+        print(f"note: {', '.join(alone)} compute(s) their own prefill and run alone on each example", file=sys.stderr)
     with results or open_results(sweep, launch) as results:
         built: dict[str, list] = {}
         jobs = []
