@@ -6,7 +6,7 @@ head, which of the needle value's token positions are in the set the step attend
 token is written, or everything on a full step; SnapKV / StreamingLLM: the store). Nothing in src/ is changed:
 the policies are subclassed here.
 
-    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/analysis/needle.py --lengths 2048 --n 3 --out /tmp/needle.jsonl
+    OMP_NUM_THREADS=1 python benchmarks/analysis/needle.py --lengths 2048 --n 3 --out /tmp/needle.jsonl
 
 Output: one JSONL row per (example, setting) and a summary table on stdout (re-print it with --summary FILE).
 """

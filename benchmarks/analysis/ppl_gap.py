@@ -5,8 +5,8 @@ several settings; for RefreshKV the script also records, per decode step and lay
 step (refresh) and how many of the most recent tokens C_p holds after the step (local context). Nothing in src/ is
 changed: the policy is subclassed here.
 
-    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/analysis/ppl_gap.py --length 2048 --n 2 --out /tmp/ppl2k.jsonl
-    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/analysis/ppl_gap.py --length 4096 --budget 512 --target 128 \
+    OMP_NUM_THREADS=1 python benchmarks/analysis/ppl_gap.py --length 2048 --n 2 --out /tmp/ppl2k.jsonl
+    OMP_NUM_THREADS=1 python benchmarks/analysis/ppl_gap.py --length 4096 --budget 512 --target 128 \
         --n 2 --settings full snapkv-w1 "refreshkv default" "refreshkv k1" --out /tmp/ppl4k.jsonl
     python benchmarks/analysis/ppl_gap.py --summary /tmp/ppl2k.jsonl
 
@@ -37,7 +37,8 @@ from refreshkv.eval.perplexity import teacher_forced  # noqa: E402
 from refreshkv.eval.tasks.ppl import PerplexityTask  # noqa: E402
 from refreshkv.methods.refreshkv import RefreshKV  # noqa: E402
 
-BOOK = "/work/shared/data/books/austen-persuasion.txt"
+# the public-domain books beside the repository (../shared/data/books)
+BOOK = str(Path(__file__).resolve().parents[3] / "shared" / "data" / "books" / "austen-persuasion.txt")
 RECENT = 16
 REC: dict = {}
 
