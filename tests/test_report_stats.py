@@ -118,3 +118,11 @@ def test_a_zero_full_mean_gives_no_ratio_and_no_nan(tmp_path):
     assert {r["method"]: r for r in method_summaries(groups)[0].rows}["m"]["vs_full"] is None
     assert "nan" not in markdown.lower() and "inf" not in markdown
     assert table_line(markdown, "t", 100, "m", 3).split(" | ")[5] == "-"
+
+
+def test_reports_name_files_without_their_folders_or_hashes():
+    from refreshkv.eval.report import shown_options
+
+    pinned = '{"paths":["/data/books/emma.txt"],"sha256":["ab12"],"target_tokens":256}'
+    assert shown_options(pinned) == '{"paths":["emma.txt"],"target_tokens":256}'
+    assert shown_options('{"subtask":"vt"}') == '{"subtask":"vt"}'

@@ -30,6 +30,7 @@ of the group's losses over that of `full` on the same examples; recovery curves 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -247,11 +248,21 @@ class MethodSummary:
         return f"{self.kind} at L={self.length}, tasks: {', '.join(self.tasks) or 'none'}{left_out}"
 
 
+def shown_options(options: str) -> str:
+    """Task options as a report shows them: files by name (rows pin their absolute paths and hashes)."""
+    shown = json.loads(options)
+    if "paths" in shown:
+        paths = shown["paths"] if isinstance(shown["paths"], list) else [shown["paths"]]
+        shown["paths"] = [Path(path).name for path in paths]
+    shown.pop("sha256", None)
+    return canonical(shown)
+
+
 def method_summaries(groups: list[Group]) -> list[MethodSummary]:
     sets: dict[tuple, dict[str, dict[str, Group]]] = {}
     for g in groups:
         if task_kind(g.task):
-            name = g.task + (f" {g.options}" if g.options != "{}" else "")
+            name = g.task + (f" {shown_options(g.options)}" if g.options != "{}" else "")
             sets.setdefault((g.model, task_kind(g.task), g.length), {}).setdefault(g.label, {})[name] = g
     summaries = []
     order = sorted(sets, key=lambda key: (key[0], key[1] != "generation", key[2]))  # generation tasks before ppl
@@ -328,7 +339,7 @@ def rich_tables(groups: list[Group]) -> list:
     for group in groups:
         panels.setdefault((group.model, group.task, group.options, group.length), []).append(group)
     for i, ((model, task, options, length), members) in enumerate(panels.items()):
-        title = f"{task} at {length} tokens" + (f" {options}" if options != "{}" else "")
+        title = f"{task} at {length} tokens" + (f" {shown_options(options)}" if options != "{}" else "")
         last = i == len(panels) - 1
         caption = "\n".join(([LEGEND] if last else []) + ([f"model: {model}"] if many_models or last else []))
         tables.append(_rich_table(title, COLUMNS[2:], summary_rows(members), caption or None))
