@@ -86,6 +86,27 @@ def test_a_method_with_its_own_prefill_runs_alone_with_a_note(tmp_path, capsys):
     assert shared_by == {"full": 2, "own-prefill": 1, "snapkv": 2}
 
 
+def test_a_task_runs_its_own_number_of_examples(tmp_path):
+    doc = text_file(tmp_path / "doc.txt")
+    spec = tmp_path / "counts.yaml"
+    spec.write_text(textwrap.dedent(f"""
+        out: counts.jsonl
+        chat: false
+        num_examples: 1
+        lengths: [300]
+        tasks:
+          - {{name: {NIAH}, num_examples: 2}}
+          - {{name: ppl, options: {{paths: [doc.txt], target_tokens: 8}}, num_examples: 3}}
+        methods: [full]
+    """))
+    sweep = load_sweep(spec)
+    assert sweep.counts() == f"{NIAH} x2, ppl x3"
+    run_sweep(sweep, tiny_model("llama", layers=3, seed=0), TOKENIZER, progress=False)
+    rows = rows_of([tmp_path / "counts.jsonl"]).values()
+    assert sorted(row["task"] for row in rows) == ["ppl"] * 3 + [NIAH] * 2
+    assert {row["task_options"].get("paths", [None])[0] for row in rows} == {None, str(doc.resolve())}
+
+
 def test_launch_environment_and_rank_files(tmp_path):
     assert current_launch({}) == Launch(0, 1, 0)
     assert current_launch({"RANK": "1", "WORLD_SIZE": "2"}) == Launch(1, 2, 1)

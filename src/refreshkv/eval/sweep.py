@@ -54,10 +54,10 @@ class Sweep:
     lengths: list[int]
     tasks: list[tuple[str, dict]]
     methods: list[tuple[str, dict]]  # expanded: one entry per parameter combination
-    task_examples: dict[str, int] = dataclasses.field(default_factory=dict)  # per-task num_examples, by task key
+    task_examples: dict[str, int] = dataclasses.field(default_factory=dict)  # per-task num_examples, by task_key
 
     def examples_for(self, task: str, options: dict) -> int:
-        return self.task_examples.get(short_hash([task, options]), self.num_examples)
+        return self.task_examples.get(task_key(task, options), self.num_examples)
 
     def counts(self) -> str:
         """The examples each task runs (not part of the identity: more examples extend a sweep)."""
@@ -125,6 +125,12 @@ def _entries(value, name: str, where: str, inner: tuple[str, ...], counts: tuple
     return entries
 
 
+def task_key(task: str, options: dict) -> str:
+    """The same for a task's options as written and as a RunConfig pins them (ppl: absolute paths and hashes)."""
+    resolve = getattr(find_task(task), "resolve_options", None)
+    return short_hash([task, resolve(options) if resolve is not None else options])
+
+
 def _beside(options: dict, folder: Path) -> dict:
     """Task options with relative file paths (`paths`) taken from the sweep file's folder, like `out` and `model`."""
     if "paths" not in options:
@@ -186,12 +192,12 @@ def load_sweep(path: str | Path, out: str | Path | None = None) -> Sweep:
         try:
             find_task(name)
             check_task_options(name, options)
+            if parts["num_examples"] is not None:
+                task_examples[task_key(name, options)] = parts["num_examples"]
         except ValueError as error:
             raise SweepError(f"{where}: {error}") from None
         if (name, options) not in tasks:
             tasks.append((name, options))
-        if parts["num_examples"] is not None:
-            task_examples[short_hash([name, options])] = parts["num_examples"]
 
     methods = []
     for name, parts in _entries(data["methods"], "methods", where, ("params", "grid")):
