@@ -180,18 +180,16 @@ def generate_many(
 
     caches = [PolicyCache(policy, model, max_new_tokens) for policy in policies]
     shared = [cache for cache in caches if cache.policy.shares_prefill]
-    groups = [shared] if len(shared) > 1 else []
-    groups += [[cache] for cache in caches if not any(cache in group for group in groups)]
+    groups = [shared] if len(shared) > 1 else []  # a lone method prefills through its own cache, as in `generate`
+    groups += [[cache] for cache in caches if not (len(shared) > 1 and cache.policy.shares_prefill)]
     outputs = {}
     for group in groups:
         logits, prefill_s = prefill(model, input_ids, attention_mask, group[0] if len(group) == 1 else SharedPrefill(group))
         for cache in group:
-            outputs[id(cache)] = decode(
-                model, cache, logits, attention_mask, max_new_tokens, sampling, eos, forced_tokens, return_logits,
-                progress,
-            )
-            outputs[id(cache)].prefill_s = prefill_s
-            outputs[id(cache)].prefill_shared_by = len(group)
+            out = decode(model, cache, logits, attention_mask, max_new_tokens, sampling, eos, forced_tokens,
+                         return_logits, progress)
+            out.prefill_s, out.prefill_shared_by = prefill_s, len(group)
+            outputs[id(cache)] = out
     return [outputs[id(cache)] for cache in caches]
 
 
