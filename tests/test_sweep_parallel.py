@@ -107,6 +107,17 @@ def test_a_task_runs_its_own_number_of_examples(tmp_path):
     assert {row["task_options"].get("paths", [None])[0] for row in rows} == {None, str(doc.resolve())}
 
 
+def test_a_rank_file_of_another_sweep_is_refused(tmp_path):
+    from refreshkv.eval.runner import ResultsError
+    from refreshkv.eval.sweep import open_results
+
+    sweep = load_sweep(write_sweep(tmp_path, text_file(tmp_path / "doc.txt")))
+    (tmp_path / "results.rank1.jsonl").write_text('{"run":"sweep-other","config":"c","id":"i"}\n')
+    with pytest.raises(ResultsError, match="results.rank1.jsonl holds results of another configuration"):
+        open_results(sweep, Launch(0, 2))
+    assert not (tmp_path / "results.rank0.jsonl").exists()  # nothing written
+
+
 def test_launch_environment_and_rank_files(tmp_path):
     assert current_launch({}) == Launch(0, 1, 0)
     assert current_launch({"RANK": "1", "WORLD_SIZE": "2"}) == Launch(1, 2, 1)

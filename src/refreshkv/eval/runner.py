@@ -320,28 +320,26 @@ class ResultsFile:
         self._fd, self._created = self._open_locked()
         try:
             rows, self._end, self._torn = read_results(self.path)
-            others = sorted({str(row["run"]) for row in rows if row["run"] != run})
-            if others:
-                raise ResultsError(
-                    f"{self.path} holds results of another configuration (run {others[0]}, this run is {run}); "
-                    "choose another output file, nothing was written"
-                )
+            self.done = self._done_in(self.path, rows)
         except BaseException:
             self.close()
             raise
-        self.done = {(row["config"], row["id"]) for row in rows}
+
+    def _done_in(self, path: Path, rows: list[dict]) -> set[tuple]:
+        """The (config, id) keys of `rows`, refusing a file that holds rows of another run."""
+        others = sorted({str(row["run"]) for row in rows if row["run"] != self.run})
+        if others:
+            raise ResultsError(
+                f"{path} holds results of another configuration (run {others[0]}, this run is {self.run}); "
+                "choose another output file, nothing was written"
+            )
+        return {(row["config"], row["id"]) for row in rows}
 
     def include_done(self, paths: Iterable[Path]) -> None:
         """Count the rows of other files of this run (a sweep's rank files) as done; they are read, never written."""
         for path in paths:
-            if path == self.path:
-                continue
-            rows = read_results(path, warn=False)[0]
-            others = sorted({str(row["run"]) for row in rows if row["run"] != self.run})
-            if others:
-                raise ResultsError(f"{path} holds results of another configuration (run {others[0]}, this run is "
-                                   f"{self.run}); choose another output file, nothing was written")
-            self.done |= {(row["config"], row["id"]) for row in rows}
+            if path != self.path:
+                self.done |= self._done_in(path, read_results(path, warn=False)[0])
 
     def _open_locked(self) -> tuple[int, bool]:
         """(descriptor holding the lock, whether this run created the file)."""
