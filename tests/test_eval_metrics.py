@@ -1,6 +1,7 @@
 """Scorers on hand-written predictions (LongProc HTML->TSV, chain-of-key) and how perplexity windows are made."""
 
 import hashlib
+import json
 import zlib
 from pathlib import Path
 
@@ -249,6 +250,29 @@ def test_ppl_with_the_same_relative_path_from_two_folders_is_two_configurations(
     # the same folder, the file edited: a new configuration too
     write_words(second / "book.txt", 400, offset=8)
     assert ppl_config().key() != in_second.key()
+
+
+def test_ppl_rows_record_file_names_so_a_moved_checkout_resumes(tmp_path):
+    """The key and the rows name a book by file name and SHA-256: no folder of the machine, the same run elsewhere."""
+    here, moved = tmp_path / "here", tmp_path / "moved"
+    here.mkdir()
+    moved.mkdir()
+    write_words(here / "book.txt", 400)
+    write_words(moved / "book.txt", 400)
+
+    def ppl_config(folder):
+        options = {"paths": [str(folder / "book.txt")], "target_tokens": 8}
+        return RunConfig(task="ppl", method="full", length=60, model="tiny", chat=False, task_options=options)
+
+    assert ppl_config(here).key() == ppl_config(moved).key()
+    out = tmp_path / "ppl.jsonl"
+    model = tiny_model("llama", layers=2, seed=0)
+    run_eval(model, WordTokenizer(), ppl_config(here), 2, out, progress=False)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(row["task_options"]["paths"] == ["book.txt"] for row in rows)
+    assert str(tmp_path) not in out.read_text()
+    run_eval(model, WordTokenizer(), ppl_config(moved), 3, out, progress=False)  # resumes: one more window
+    assert len(out.read_text().splitlines()) == 3
 
 
 def test_ppl_missing_file_is_a_one_line_error_on_the_command_line(tmp_path, monkeypatch):

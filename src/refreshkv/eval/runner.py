@@ -127,7 +127,10 @@ class RunConfig:
             object.__setattr__(self, "task_options", resolve(self.task_options))
 
     def fields(self) -> dict:
-        return dataclasses.asdict(self)
+        """What the key and the rows record (a task may record its options without machine-specific parts)."""
+        record = getattr(all_tasks().get(self.task), "recorded_options", None)
+        fields = dataclasses.asdict(self)
+        return fields if record is None else {**fields, "task_options": record(self.task_options)}
 
     def key(self) -> str:
         return short_hash(self.fields())
@@ -407,7 +410,7 @@ def row_for(config: RunConfig, run: str, item: Prepared, measured: dict) -> dict
         "params": config.params,
         "length": config.length,
         "seed": config.seed,
-        "task_options": config.task_options,
+        "task_options": config.fields()["task_options"],
         "model": config.model,
         "chat": config.chat,
         "dtype": config.dtype,

@@ -64,17 +64,8 @@ class Sweep:
         return ", ".join(f"{task} x{self.examples_for(task, options)}" for task, options in self.tasks)
 
     def identity(self) -> str:
-        return "sweep-" + short_hash(
-            {
-                "model": model_identity(self.model),
-                "chat": self.chat,
-                "dtype": self.dtype,
-                "seeds": self.seeds,
-                "lengths": self.lengths,
-                "tasks": self.tasks,
-                "methods": self.methods,
-            }
-        )
+        # from the configurations' keys: the same sweep from another folder or checkout is the same run
+        return "sweep-" + short_hash([config.key() for config in self.configs()])
 
     def configs(self) -> list[RunConfig]:
         """In run order: length, task, seed outermost, so the examples are built once for all methods."""

@@ -1,7 +1,7 @@
 """Perplexity windows over plain-text documents.
 
 Options: `paths` (UTF-8 text files, required), `target_tokens` (default 256) and `sha256` (the files'
-SHA-256, one per path; recorded automatically, see `resolve_options`). Each example is a window of
+SHA-256, one per path; recorded automatically, see `resolve_options` and `recorded_options`). Each example is a window of
 `length` context tokens followed by `target_tokens` scored tokens: `input_ids` holds the window and
 `target_start` (= length) the index of the first scored token. The runner computes the losses;
 `score_losses` turns them into a perplexity.
@@ -54,6 +54,16 @@ class PerplexityTask:
         hashes = options.get("sha256") or [hashlib.sha256(Path(path).read_bytes()).hexdigest() for path in paths]
         return {**options, "paths": paths, "sha256": hashes}
 
+    def recorded_options(self, options: dict) -> dict:
+        """`options` as configuration keys and result rows record them: file names and contents, not folders.
+
+        The SHA-256 already tells files apart, so a checkout moved elsewhere resumes its runs, and a
+        committed results file names no folder of the machine that wrote it.
+        """
+        if not options.get("paths"):
+            return options
+        return {**options, "paths": [Path(path).name for path in _as_list(options["paths"])]}
+
     def build(
         self,
         tokenizer,
@@ -101,7 +111,7 @@ class PerplexityTask:
                     max_new_tokens=0,
                     input_ids=prefix + ids[start : start + text_tokens],
                     target_start=length,
-                    source_id=f"{path}@{start}",
+                    source_id=f"{Path(path).name}@{start}",  # the file by name, as rows record it
                 )
             )
         return examples
