@@ -1,6 +1,7 @@
 """The attention function registered with transformers under the name "refreshkv".
 
-With a `PolicyCache`, each layer's attention is computed by the cache's method (see cache.py). Without one (plain
+With a `PolicyCache`, each layer's attention is computed by the cache's method (see cache.py). A forward given a
+training pattern by keyword (`partial_pattern=`, train/pattern.py) attends with that pattern. Otherwise (plain
 forward, `use_cache=False`, another cache class) it is exactly transformers' SDPA attention, and masks are built as
 for SDPA, so a model loaded with this implementation behaves like an SDPA model everywhere else.
 """
@@ -13,8 +14,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache import ATTENTION_NAME, take_handoff
 
+PATTERN_ARGUMENT = "partial_pattern"  # model(..., partial_pattern=PartialPattern(...)) reaches every layer's attention
+
 
 def policy_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    pattern = kwargs.pop(PATTERN_ARGUMENT, None)
+    if pattern is not None:
+        return pattern.attend(query, key, value, query.shape[-1] ** -0.5 if scaling is None else scaling), None
     layer = take_handoff(key)
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
