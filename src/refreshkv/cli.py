@@ -15,6 +15,7 @@ from rich.table import Table
 
 from .demo import MAX_LENGTH as DEMO_MAX_LENGTH, MIN_LENGTH as DEMO_MIN_LENGTH
 from .eval.commands import register as register_eval_commands
+from .train.commands import register as register_train_commands
 from .options import (
     AggOpt,
     BudgetOpt,
@@ -316,6 +317,7 @@ def methods():
 
 
 register_eval_commands(app, user_errors)
+register_train_commands(app, user_errors)
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """Perplexity windows over plain-text documents.
 
-Options: `paths` (UTF-8 text files, required), `target_tokens` (default 256) and `sha256` (the files'
+Options: `paths` (UTF-8 text files, one document each, or JSONL files with a document per line in `text`, as
+`refreshkv train` writes its test split; required), `target_tokens` (default 256) and `sha256` (the files'
 SHA-256, one per path; recorded automatically, see `resolve_options` and `recorded_options`). Each example is a window of
 `length` context tokens followed by `target_tokens` scored tokens: `input_ids` holds the window and
 `target_start` (= length) the index of the first scored token. The runner computes the losses;
@@ -29,6 +30,7 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
+from refreshkv.documents import read_documents
 from refreshkv.eval.data import data_file
 from refreshkv.eval.tasks.base import Example, example_id
 
@@ -83,7 +85,7 @@ class PerplexityTask:
         bos = getattr(tokenizer, "bos_token_id", None)
         prefix = [] if bos is None else [bos]
         text_tokens = length + target_tokens - len(prefix)  # text tokens per window
-        documents = []  # (path, token ids) of the documents that hold at least one window
+        documents = []  # (name, token ids) of the documents that hold at least one window
         for index, path in enumerate(paths):
             data = data_file(path, self.name).read_bytes()
             if hashes is not None and hashlib.sha256(data).hexdigest() != hashes[index]:
@@ -91,16 +93,17 @@ class PerplexityTask:
                     f"task 'ppl': {path} has changed since its configuration was made (SHA-256 differs); "
                     "run the command again to make a new configuration"
                 )
-            ids = tokenizer.encode(data.decode("utf-8"), add_special_tokens=False)
-            if len(ids) >= text_tokens:
-                documents.append((str(path), list(ids)))
+            for document in read_documents([path]):
+                ids = tokenizer.encode(document.text, add_special_tokens=False)
+                if len(ids) >= text_tokens:
+                    documents.append((document.name, list(ids)))
         if not documents:
             raise ValueError(f"task 'ppl': no document in {paths} has {text_tokens} tokens")
         starts_per_document = [len(ids) - text_tokens + 1 for _, ids in documents]
         rng = random.Random(f"{self.name}/{seed}")
         examples = []
         for index in range(num_examples):
-            path, ids = rng.choices(documents, weights=starts_per_document)[0]
+            name, ids = rng.choices(documents, weights=starts_per_document)[0]
             start = rng.randrange(len(ids) - text_tokens + 1)
             examples.append(
                 Example(
@@ -111,7 +114,7 @@ class PerplexityTask:
                     max_new_tokens=0,
                     input_ids=prefix + ids[start : start + text_tokens],
                     target_start=length,
-                    source_id=f"{Path(path).name}@{start}",  # the file by name, as rows record it
+                    source_id=f"{name}@{start}",  # the document by file name (and line), as rows record it
                 )
             )
         return examples
