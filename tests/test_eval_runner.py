@@ -172,6 +172,15 @@ def test_sweep_file_errors_are_one_line(tmp_path):
     assert [m for m in load_sweep(spec).methods] == [("snapkv", {"budget": 8}), ("snapkv", {"budget": 16})]
 
 
+def test_sweep_model_from_the_command_line_replaces_the_files(tmp_path):
+    """`sweep --model DIR` runs the same sweep on another model (before/after training): another identity."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text("out: r.jsonl\nmodel: base\nlengths: [100]\ntasks: [ruler/niah_single_1]\nmethods: [full]\n")
+    in_file, given = load_sweep(spec), load_sweep(spec, model="runs/trained")
+    assert in_file.model == str(tmp_path / "base") and given.model == "runs/trained"
+    assert in_file.identity() != given.identity()
+
+
 # ---- resume -----------------------------------------------------------------------------------------------------
 
 

@@ -87,6 +87,7 @@ def register(app, user_errors) -> None:
     def sweep_command(
         config: Annotated[Path, typer.Argument(help="Sweep YAML file (schema in docs/evaluation.md).")],
         out: Annotated[Optional[Path], typer.Option(help="JSONL results file (overrides `out` in the YAML).")] = None,
+        model: Annotated[Optional[str], typer.Option(help="Model directory or .gguf (overrides `model` in the YAML).")] = None,
         device: DeviceOpt = "cpu",
         share_prefill: Annotated[Optional[int], typer.Option(
             min=1, help="At most N methods per shared prefill of an example (1: each prefills alone; default: all, "
@@ -101,7 +102,7 @@ def register(app, user_errors) -> None:
         from .distributed import agree, current_launch
         from .sweep import load_sweep, open_results, run_sweep
 
-        sweep = load_sweep(config, out)
+        sweep = load_sweep(config, out, model)
         launch = current_launch()
         torch_dtype = check_runtime(sweep.dtype, device)
         for run_config in sweep.configs():

@@ -131,8 +131,11 @@ def _beside(options: dict, folder: Path) -> dict:
     return {**options, "paths": [resolve(p) for p in paths] if isinstance(paths, list) else resolve(paths)}
 
 
-def load_sweep(path: str | Path, out: str | Path | None = None) -> Sweep:
-    """Read and validate a sweep file (every error is one line starting with the file name)."""
+def load_sweep(path: str | Path, out: str | Path | None = None, model: str | None = None) -> Sweep:
+    """Read and validate a sweep file (every error is one line starting with the file name).
+
+    `out` and `model` (from the command line, relative to the working folder) replace the file's.
+    """
     import yaml
 
     path = Path(path)
@@ -160,11 +163,12 @@ def load_sweep(path: str | Path, out: str | Path | None = None) -> Sweep:
     if not isinstance(out_path, (str, Path)):
         raise SweepError(f"{where}: 'out' must be a file path, got {out_path!r}")
     out_path = Path(out_path) if out is not None else path.parent / out_path
-    model = data.get("model")
-    if model is not None and not isinstance(model, str):
-        raise SweepError(f"{where}: 'model' must be a path or null, got {model!r}")
-    if model is not None and not Path(model).is_absolute():
-        model = str(path.parent / model)
+    if model is None:
+        model = data.get("model")
+        if model is not None and not isinstance(model, str):
+            raise SweepError(f"{where}: 'model' must be a path or null, got {model!r}")
+        if model is not None and not Path(model).is_absolute():
+            model = str(path.parent / model)
     chat = data.get("chat", True)
     if not isinstance(chat, bool):
         raise SweepError(f"{where}: 'chat' must be true or false, got {chat!r}")
