@@ -20,6 +20,12 @@ def _bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def every_position(length: int, like: torch.Tensor, pads: torch.Tensor | None) -> torch.Tensor:
+    """(B, H, length) positions 0..length-1 of a store that keeps every token, -1 at left padding."""
+    positions = torch.arange(length, device=like.device).expand(*like.shape[:2], -1)
+    return positions if pads is None else positions.masked_fill(positions < pads.view(-1, 1, 1), -1)
+
+
 class LayerState:
     """What a method keeps for one layer. The rule that makes `select_rows` generic: every tensor attribute is
     batch-first (one entry per row), and every other attribute is shared by all rows or is itself a LayerState."""
@@ -77,9 +83,7 @@ class FullStore(LayerState):
         return self.nbytes() * self.length // self.keys.shape[2]
 
     def kept(self, pads: torch.Tensor | None) -> torch.Tensor:
-        batch, heads = self.keys.shape[:2]
-        positions = torch.arange(self.length, device=self.keys.device).expand(batch, heads, -1)
-        return positions if pads is None else positions.masked_fill(positions < pads.view(-1, 1, 1), -1)
+        return every_position(self.length, self.keys, pads)
 
 
 class SlotStore(LayerState):

@@ -7,6 +7,9 @@ recycled-attention.txt §2.3, §6):
 - partial step: attend to C_p plus the new token, which takes the slot of the lowest-scored entry, so C_p keeps K
   entries besides the newest token;
 - full step: attend to all of C_f, recompute the current query's scores (one row per head) and rebuild C_p.
+C_f is read only at full steps, so it can be held in few bits or off the GPU (`full_cache`: dense, int8, int4, int2,
+offload; core/full_cache.py). Then a full step attends to the dequantized C_f and C_p is gathered from it; the
+prefill's selection uses the prompt's exact keys.
 Schedules: `stride` S = a full step every S decode steps (Recycled Attention). Otherwise dynamic: every `qc_stride`
 steps each layer compares its head-averaged query with the one of its last full step (the prefill's last token at
 first) and attends fully when the cosine similarity is below `threshold`.
@@ -36,6 +39,7 @@ from ..core.attention_math import (
     selection_scores,
     top_k,
 )
+from ..core.full_cache import DEFAULT_GROUP_SIZE, check_full_cache, check_group_size, make_full_store
 from ..core.kvstore import FullStore, LayerState
 from ..core.rope import unrotate
 from ..core.policy import (
@@ -67,7 +71,7 @@ def default_threshold(model_type: str) -> float:
 
 @dataclasses.dataclass
 class RefreshState(LayerState):
-    full: FullStore  # C_f
+    full: FullStore  # C_f (or a store with its interface: quantized, offloaded; core/full_cache.py)
     partial: SelectionState  # C_p: K slots + the newest token
     anchor: torch.Tensor | None  # (B, D) compared query of the last full step (dynamic schedule only)
 
@@ -91,6 +95,8 @@ class RefreshKV(BudgetPolicy):
     window: int = 1
     aggregation: str = "max"
     query: str = "pre_rope"
+    full_cache: str = "dense"
+    group_size: int = DEFAULT_GROUP_SIZE
 
     def __post_init__(self):
         super().__post_init__()
@@ -104,6 +110,7 @@ class RefreshKV(BudgetPolicy):
         check_positive("window", self.window)
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
         check_choice("query", self.query, QUERY_SPACES)
+        check_full_cache(self.full_cache, self.group_size)
 
     @classmethod
     def parameters(cls) -> dict[str, object]:
@@ -130,7 +137,8 @@ class RefreshKV(BudgetPolicy):
     def store_prompt(self, layer, query, key, value, scaling):
         cache = layer.cache
         length = key.shape[2]
-        full = FullStore(key, cache.capacity())
+        check_group_size(self.full_cache, self.group_size, key.shape[-1])
+        full = make_full_store(key, cache.capacity(), self.full_cache, self.group_size)
         full.append(key, value)
         partial = SelectionState.empty_like(key, min(cache.budget, cache.capacity()) + 1)
         anchor = self.compared_query(layer, query) if self.stride is None else None

@@ -1,0 +1,143 @@
+"""A full cache C_f held in few bits (KIVI-style), for methods that read it only at full steps and refreshes.
+
+Quantization is per group, asymmetric, to `bits` in {8, 4, 2}: a group's minimum m and scale s = (max - m) /
+(2^bits - 1) give q = round((x - m) / s), read back as q * s + m, so no element moves by more than s / 2
+(tests/test_quantized_store.py checks the bound). As KIVI does, keys are grouped per channel over `group_size`
+consecutive tokens (key outliers live in channels) and values per token over `group_size` consecutive channels.
+The newest tokens wait in full precision until `group_size` of them fill a key group (the residual), so a token is
+quantized once, whole groups at a time. Codes are packed 8 / bits to a byte.
+
+What is counted (`nbytes`): the packed codes, the scales and minimums (in the model's dtype) and the residual; the
+buffers grow by doubling like `FullStore`'s. `view` dequantizes everything held: a full step's read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kvstore import LayerState, _bytes, every_position
+
+QUANTIZED_BITS = {"int8": 8, "int4": 4, "int2": 2}
+
+
+def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8 in [0, 2^bits - 1], scale, minimum) of x, one group along `dim`."""
+    low = x.amin(dim=dim, keepdim=True)
+    scale = (x.amax(dim=dim, keepdim=True) - low) / (2**bits - 1)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: any scale reads it back
+    codes = ((x - low) / scale).round_().clamp_(0, 2**bits - 1).to(torch.uint8)
+    return codes, scale, low
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """8 / bits codes per byte along the last dimension."""
+    per_byte = 8 // bits
+    grouped = codes.view(*codes.shape[:-1], -1, per_byte)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (grouped << shifts).sum(dim=-1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)
+    return codes.view(*packed.shape[:-1], -1)
+
+
+class QuantizedFullStore(LayerState):
+    """C_f in `bits` bits: the FullStore interface that refreshkv / recycled use (append, view, length, bytes)."""
+
+    BUFFERS = ("key_codes", "key_scale", "key_min", "value_codes", "value_scale", "value_min", "residual_keys",
+               "residual_values")
+
+    def __init__(self, like: torch.Tensor, capacity: int, bits: int, group_size: int):
+        batch, heads, _, dim = like.shape
+        self.bits, self.group = bits, group_size
+        groups = max(1, -(-capacity // group_size))
+        self.key_codes = like.new_empty(batch, heads, groups, group_size, dim * bits // 8, dtype=torch.uint8)
+        self.key_scale = like.new_empty(batch, heads, groups, 1, dim)
+        self.key_min = like.new_empty(batch, heads, groups, 1, dim)
+        tokens = groups * group_size
+        self.value_codes = like.new_empty(batch, heads, tokens, dim // group_size, group_size * bits // 8, dtype=torch.uint8)
+        self.value_scale = like.new_empty(batch, heads, tokens, dim // group_size, 1)
+        self.value_min = like.new_empty(batch, heads, tokens, dim // group_size, 1)
+        self.residual_keys = like.new_empty(batch, heads, group_size, dim)
+        self.residual_values = like.new_empty(batch, heads, group_size, dim)
+        self.groups = 0  # quantized groups held
+        self.pending = 0  # tokens in the residual
+        self.length = 0
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        done = 0
+        while done < keys.shape[2]:
+            if self.pending == 0 and keys.shape[2] - done >= self.group:  # whole groups straight from the input
+                whole = (keys.shape[2] - done) // self.group * self.group
+                self._quantize(keys[:, :, done : done + whole], values[:, :, done : done + whole])
+                done += whole
+                continue
+            take = min(self.group - self.pending, keys.shape[2] - done)
+            self.residual_keys[:, :, self.pending : self.pending + take] = keys[:, :, done : done + take]
+            self.residual_values[:, :, self.pending : self.pending + take] = values[:, :, done : done + take]
+            self.pending += take
+            done += take
+            if self.pending == self.group:
+                self._quantize(self.residual_keys, self.residual_values)
+                self.pending = 0
+        self.length += keys.shape[2]
+
+    def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Quantize n = a multiple of group_size tokens into the next groups."""
+        batch, heads, n, dim = keys.shape
+        count = n // self.group
+        if self.groups + count > self.key_codes.shape[2]:
+            self._grow(max(2 * self.key_codes.shape[2], self.groups + count))
+        first, last = self.groups, self.groups + count
+        codes, scale, low = quantize(keys.reshape(batch, heads, count, self.group, dim), self.bits, dim=3)
+        self.key_codes[:, :, first:last] = pack(codes, self.bits)
+        self.key_scale[:, :, first:last], self.key_min[:, :, first:last] = scale, low
+        tokens = slice(first * self.group, last * self.group)
+        codes, scale, low = quantize(values.reshape(batch, heads, n, dim // self.group, self.group), self.bits, dim=4)
+        self.value_codes[:, :, tokens] = pack(codes, self.bits)
+        self.value_scale[:, :, tokens], self.value_min[:, :, tokens] = scale, low
+        self.groups = last
+
+    def _grow(self, groups: int) -> None:
+        for name in ("key_codes", "key_scale", "key_min"):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:2], groups, *old.shape[3:])
+            new[:, :, : self.groups] = old[:, :, : self.groups]
+            setattr(self, name, new)
+        for name in ("value_codes", "value_scale", "value_min"):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:2], groups * self.group, *old.shape[3:])
+            new[:, :, : self.groups * self.group] = old[:, :, : self.groups * self.group]
+            setattr(self, name, new)
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All tokens, dequantized, followed by the residual: (B, H, length, D) keys and values."""
+        batch, heads, _, dim = self.residual_keys.shape
+        dtype = self.residual_keys.dtype
+        codes = unpack(self.key_codes[:, :, : self.groups], self.bits).to(dtype)
+        keys = (codes * self.key_scale[:, :, : self.groups] + self.key_min[:, :, : self.groups]).view(batch, heads, -1, dim)
+        tokens = self.groups * self.group
+        codes = unpack(self.value_codes[:, :, :tokens], self.bits).to(dtype)
+        values = (codes * self.value_scale[:, :, :tokens] + self.value_min[:, :, :tokens]).view(batch, heads, -1, dim)
+        keys = torch.cat([keys, self.residual_keys[:, :, : self.pending]], dim=2)
+        values = torch.cat([values, self.residual_values[:, :, : self.pending]], dim=2)
+        return keys, values
+
+    def _held(self) -> list[torch.Tensor]:
+        tokens = self.groups * self.group
+        return [self.key_codes[:, :, : self.groups], self.key_scale[:, :, : self.groups],
+                self.key_min[:, :, : self.groups], self.value_codes[:, :, :tokens], self.value_scale[:, :, :tokens],
+                self.value_min[:, :, :tokens], self.residual_keys, self.residual_values]
+
+    def nbytes(self) -> int:
+        """Bytes of every buffer held (codes, scales, minimums, residual), including room not yet filled."""
+        return _bytes(*(getattr(self, name) for name in self.BUFFERS))
+
+    def attended_bytes(self) -> int:
+        """Bytes a full step reads: the filled groups and the residual."""
+        return _bytes(*self._held())
+
+    def kept(self, pads: torch.Tensor | None) -> torch.Tensor:
+        return every_position(self.length, self.residual_keys, pads)
