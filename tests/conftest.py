@@ -1,13 +1,30 @@
 import pytest
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
+
+# family: (model class, config class, what the family needs besides the common sizes)
+FAMILIES = {
+    "llama": (LlamaForCausalLM, LlamaConfig, {}),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config, {}),
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config, {"head_dim": 16}),
+    "mistral": (MistralForCausalLM, MistralConfig, {"sliding_window": None}),
+    "phi3": (Phi3ForCausalLM, Phi3Config, {"pad_token_id": 0}),
+    # 6 layers: Gemma 3's pattern of 5 sliding-window layers and 1 global layer
+    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, {"head_dim": 16, "sliding_window": 16, "num_hidden_layers": 6}),
+}
 
 import refreshkv  # noqa: F401  (registers the attention function)
 
@@ -25,13 +42,8 @@ def tiny_model(family: str = "llama", layers: int = 3, seed: int = 0, **override
         max_position_embeddings=1024,
         attn_implementation="refreshkv",
     )
-    common.update(overrides)
-    if family == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    elif family == "mistral":
-        model = MistralForCausalLM(MistralConfig(**{"sliding_window": None, **common}))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common))
+    model_class, config_class, needs = FAMILIES[family]
+    model = model_class(config_class(**{**common, **needs, **overrides}))
     # Random init gives near-uniform logits; sharpen them so greedy decoding is not decided by rounding.
     with torch.no_grad():
         model.lm_head.weight.mul_(20)

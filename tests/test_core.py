@@ -214,12 +214,6 @@ def test_prompt_longer_than_context_is_refused(llama):
         generate(llama, random_prompt(1020), method="full", max_new_tokens=10)
 
 
-def test_sliding_window_beyond_the_window_is_refused():
-    model = tiny_model("mistral", sliding_window=32)
-    with pytest.raises(ValueError, match="sliding-window attention"):
-        generate(model, random_prompt(30), method="refreshkv", max_new_tokens=8)
-
-
 def test_window_larger_than_prompt_is_refused(llama):
     with pytest.raises(PolicyError, match="window"):
         generate(llama, random_prompt(5), method="refreshkv", window=8, max_new_tokens=2)

@@ -82,14 +82,6 @@ def check_length(model, prompt_length: int, max_new_tokens: int) -> None:
             f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
             f"{limit} tokens"
         )
-    # The methods attend over whatever they keep; a sliding-window layer would need its window enforced too.
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)  # None (Mistral): the window applies to every layer
-    if window and (layer_types is None or "sliding_attention" in layer_types) and total > window:
-        raise ValueError(
-            f"this model uses sliding-window attention ({window} tokens), which the methods do not implement: "
-            f"keep prompt + max_new_tokens within {window} tokens"
-        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ def policy_attention(module, query, key, value, attention_mask, scaling=None, dr
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    return layer.attend(module, query, key, value, attention_mask, scaling), None
+    return layer.attend(module, query, key, value, attention_mask, scaling, kwargs.get("sliding_window")), None
 
 
 AttentionInterface.register(ATTENTION_NAME, policy_attention)

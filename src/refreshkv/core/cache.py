@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .policy import Policy, PolicyError
 from .rope import inverse_frequencies
+from .sliding_window import SlidingWindow
 
 ATTENTION_NAME = "refreshkv"
 DEFAULT_NEW_TOKENS = 256
@@ -68,6 +69,8 @@ class PolicyLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.seen = 0  # tokens processed, counting left padding
         self.state = None  # the policy's LayerState, set at prefill
+        self.policy = None  # the cache's method, or the window of a sliding-window layer (sliding_window.py)
+        self.window = None  # the layer's sliding window, if it has one
         self.pending = None
         self.recorded = False
 
@@ -95,16 +98,30 @@ class PolicyLayer(CacheLayerMixin):
         hand_over(self, key_states)
         return key_states, value_states
 
-    def start_prompt(self, mask, key) -> None:
-        """Before the method sees the prompt: layer 0 reads the padding and checks the prompt (once per cache)."""
+    def start_prompt(self, mask, key, sliding_window: int | None) -> None:
+        """Before the method sees the prompt: layer 0 reads the padding and checks the prompt (once per cache); a
+        sliding-window layer whose window will bite keeps its window instead of running the method."""
         if self.layer_idx == 0:
             self.cache.start(mask, key)
+        expected = self.cache.layer_windows[self.layer_idx]
+        if sliding_window != expected:
+            raise PolicyError(
+                f"layer {self.layer_idx}'s attention uses sliding_window={sliding_window} where its config says "
+                f"{expected}; the package cannot reproduce this model's attention"
+            )
+        self.window = sliding_window
+        self.policy = SlidingWindow(sliding_window) if self.cache.windowed[self.layer_idx] else self.cache.policy
 
-    def attend(self, module, query, key, value, mask, scaling: float) -> torch.Tensor:
-        policy = self.cache.policy
+    def attend(self, module, query, key, value, mask, scaling: float, sliding_window: int | None = None):
         if self.state is None:
-            self.start_prompt(mask, key)
-            return policy.prefill(self, query, key, value, mask, scaling)
+            self.start_prompt(mask, key, sliding_window)
+            return self.policy.prefill(self, query, key, value, mask, scaling)
+        policy = self.policy
+        if self.window is not None and self.seen > self.window and not isinstance(policy, SlidingWindow):
+            raise ValueError(
+                f"the generation went past layer {self.layer_idx}'s sliding window ({self.window} tokens) after "
+                f"fewer new tokens were announced; give max_new_tokens to the cache (PolicyCache(..., max_new_tokens))"
+            )
         if query.shape[2] != 1 and not self.is_croppable:
             raise PolicyError(f"method '{policy.name}' decodes one token per step after the prompt, got {query.shape[2]}")
         self.recorded = False
@@ -123,7 +140,8 @@ class PolicyLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.seen, self.state, self.pending = 0, None, None
+        self.seen, self.state, self.pending, self.window = 0, None, None, None
+        self.policy = self.cache.policy
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -144,7 +162,7 @@ class PolicyLayer(CacheLayerMixin):
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
         if tokens_to_remove == 0 or self.state is None:
             return
-        self.cache.policy.crop(self, -tokens_to_remove)
+        self.policy.crop(self, -tokens_to_remove)
         self.seen += tokens_to_remove
 
     def record(self, full_fraction: float, attended_bytes: int) -> None:
@@ -153,6 +171,15 @@ class PolicyLayer(CacheLayerMixin):
         stats.full_steps[self.layer_idx] += full_fraction
         stats.attended_bytes += attended_bytes
         self.recorded = True
+
+
+def layer_windows(text_config) -> list[int | None]:
+    """Each layer's sliding window from the config: per layer type (Gemma, Qwen2), else one for all (Mistral, Phi-3)."""
+    window = getattr(text_config, "sliding_window", None)
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is None:
+        return [window] * text_config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
 class DecodeStats:
@@ -184,7 +211,10 @@ class PolicyCache(Cache):
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_layers = text_config.num_hidden_layers
         self.model_type = text_config.model_type  # some methods' defaults depend on the family (e.g. a threshold)
-        self.rope_inv_freq = inverse_frequencies(model_or_config)  # None: no RoPE the package can undo
+        layer_types = getattr(text_config, "layer_types", None) or [None] * self.num_layers
+        # per layer (layer types may rotate differently); None: no RoPE the package can undo
+        self.rope_inv_freq = [inverse_frequencies(model_or_config, layer_type) for layer_type in layer_types]
+        self.layer_windows = layer_windows(text_config)
         super().__init__(layers=[PolicyLayer(self, i) for i in range(self.num_layers)])
         self.policy = policy
         self.max_new_tokens = max_new_tokens
@@ -198,6 +228,7 @@ class PolicyCache(Cache):
         self.pads: torch.Tensor | None = None  # (B,) left-pad count per row, None without padding
         self.prompt_length = 0  # the longest row's real prompt
         self.budget = 0
+        self.windowed = [False] * self.num_layers  # sliding-window layers whose window bites: they keep the window
         self.stats = DecodeStats(self.num_layers)
 
     def start(self, mask: torch.Tensor | None, key: torch.Tensor) -> None:
@@ -206,18 +237,25 @@ class PolicyCache(Cache):
         self.prompt_length = length
         shortest = length
         if mask is not None:
-            last_row = mask[:, 0, -1, :].to(torch.bool)
-            pads = (~last_row).sum(-1)
+            # A token sees itself unless it is padding: the diagonal marks real tokens, in causal and sliding masks.
+            real = mask[:, 0].to(torch.bool).diagonal(dim1=-2, dim2=-1)
+            pads = (~real).sum(-1)
             positions = torch.arange(length, device=mask.device)
-            if not torch.equal(last_row, positions >= pads[:, None]):
+            if not torch.equal(real, positions >= pads[:, None]):
                 raise ValueError("padding must be on the left (tokenizer.padding_side = 'left')")
             if int(pads.max()) > 0:
                 self.pads = pads
                 self.prompt_length = length - int(pads.min())
                 shortest = length - int(pads.max())
         self.policy.check_prompt(shortest)
+        total = length + self.expected_new_tokens()
+        self.windowed = [window is not None and total > window for window in self.layer_windows]
         budget_for = getattr(self.policy, "budget_for", None)
         self.budget = budget_for(self.prompt_length) if budget_for else 0
+
+    def method_layers(self) -> list[PolicyLayer]:
+        """The layers that run the method (all but sliding-window layers whose window bites), bottom first."""
+        return [layer for layer, windowed in zip(self.layers, self.windowed) if not windowed]
 
     def positions(self, seen: int, device) -> torch.Tensor:
         """(B or 1,) RoPE position of the token at index `seen` - 1 in each row (0 at a row's first real token)."""

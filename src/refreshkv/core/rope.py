@@ -10,19 +10,24 @@ from __future__ import annotations
 import torch
 
 
-def inverse_frequencies(model_or_config) -> torch.Tensor | None:
-    """The model's RoPE inverse frequencies (D/2,): its rotary module's buffer, or from the config for plain RoPE."""
-    if hasattr(model_or_config, "modules"):
-        for module in model_or_config.modules():
-            if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
-                return module.inv_freq.float()
-        model_or_config = model_or_config.config
-    config = model_or_config.get_text_config() if hasattr(model_or_config, "get_text_config") else model_or_config
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default" or "rope_theta" not in rope:
-        return None
+def inverse_frequencies(model_or_config, layer_type: str | None = None) -> torch.Tensor | None:
+    """The RoPE inverse frequencies (D/2,) of a layer type: the rotary module's buffer (`inv_freq`, or
+    `<layer_type>_inv_freq` where layer types rotate differently, as Gemma 3's local and global layers), else from the
+    config for plain RoPE. None when neither says, or when RoPE turns only part of the head (partial rotary)."""
+    config = model_or_config.config if hasattr(model_or_config, "modules") else model_or_config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 1.0 / rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    found = None
+    if hasattr(model_or_config, "modules"):
+        names = ([f"{layer_type}_inv_freq"] if layer_type else []) + ["inv_freq"]
+        buffers = (getattr(module, name, None) for name in names for module in model_or_config.modules())
+        found = next((buffer.float() for buffer in buffers if isinstance(buffer, torch.Tensor)), None)
+    if found is None:
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope = rope.get(layer_type, rope) if layer_type else rope  # per layer type (Gemma 3) or one for all
+        if rope.get("rope_type", "default") == "default" and "rope_theta" in rope:
+            found = 1.0 / rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    return found if found is not None and 2 * found.numel() == dim else None
 
 
 def unrotate(vectors: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -43,10 +43,10 @@ class SharedPrefillLayer(CacheLayerMixin):
         hand_over(self, key_states)
         return key_states, value_states
 
-    def attend(self, module, query, key, value, mask, scaling: float):
+    def attend(self, module, query, key, value, mask, scaling: float, sliding_window: int | None = None):
         for layer in self.members:
-            layer.start_prompt(mask, key)
-            layer.cache.policy.store_prompt(layer, query, key, value, scaling)
+            layer.start_prompt(mask, key, sliding_window)
+            layer.policy.store_prompt(layer, query, key, value, scaling)
         return prompt_attention(query, key, value, mask, scaling)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

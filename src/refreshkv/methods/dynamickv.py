@@ -188,9 +188,10 @@ class DynamicKV(SnapKV):
             budget=(index[..., :selected] >= 0).sum(-1)[:, 0],  # the same in every head of a row
             attention=attention,
         )
-        last = layer.layer_idx == cache.num_layers - 1
-        if (layer.layer_idx + 1) % self.interval == 0 or last:
-            self.update(cache.layers[: layer.layer_idx + 1], self.selected_budget(cache), cache.num_layers, final=last)
+        layers = cache.method_layers()  # the layers that share the budget (not sliding windows)
+        depth = layers.index(layer) + 1
+        if depth % self.interval == 0 or depth == len(layers):
+            self.update(layers[:depth], self.selected_budget(cache), len(layers), final=depth == len(layers))
 
     def update(
         self, layers, per_layer: int, num_layers: int, final: bool

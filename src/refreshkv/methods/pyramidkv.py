@@ -90,6 +90,7 @@ class PyramidKV(SnapKV):
     def layer_budget(self, layer) -> int:
         cache = layer.cache
         outside_window = max(layer.seen - self.window, 0)  # prompt tokens SnapKV selects from (window kept anyway)
-        total = self.selected_budget(cache) * cache.num_layers
-        budgets = pyramid_budgets(total, cache.num_layers, self.beta, cap=outside_window)
-        return budgets[layer.layer_idx]
+        layers = cache.method_layers()  # the pyramid spans the layers that run the method (not sliding windows)
+        total = self.selected_budget(cache) * len(layers)
+        budgets = pyramid_budgets(total, len(layers), self.beta, cap=outside_window)
+        return budgets[layers.index(layer)]

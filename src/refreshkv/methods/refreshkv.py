@@ -125,10 +125,11 @@ class RefreshKV(BudgetPolicy):
         mean = head_mean(query)
         if self.query == "post_rope":
             return mean
-        if layer.cache.rope_inv_freq is None:
+        inv_freq = layer.cache.rope_inv_freq[layer.layer_idx]
+        if inv_freq is None:
             raise PolicyError("query='pre_rope' needs a model with plain RoPE (or give the model to PolicyCache); "
                               "use query='post_rope'")
-        return unrotate(mean, layer.cache.positions(layer.seen, query.device), layer.cache.rope_inv_freq)
+        return unrotate(mean, layer.cache.positions(layer.seen, query.device), inv_freq)
 
     def check_prompt(self, shortest):
         check_window("window", self.window, shortest)
