@@ -1,6 +1,8 @@
 import pytest
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -22,6 +24,8 @@ FAMILIES = {
     "qwen3": (Qwen3ForCausalLM, Qwen3Config, {"head_dim": 16}),
     "mistral": (MistralForCausalLM, MistralConfig, {"sliding_window": None}),
     "phi3": (Phi3ForCausalLM, Phi3Config, {"pad_token_id": 0}),
+    # soft-capped attention logits (a cap small enough to matter), alternating sliding-window and global layers
+    "gemma2": (Gemma2ForCausalLM, Gemma2Config, {"head_dim": 16, "sliding_window": 16, "attn_logit_softcapping": 5.0}),
     # 6 layers: Gemma 3's pattern of 5 sliding-window layers and 1 global layer
     "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, {"head_dim": 16, "sliding_window": 16, "num_hidden_layers": 6}),
 }
@@ -47,6 +51,10 @@ def tiny_model(family: str = "llama", layers: int = 3, seed: int = 0, **override
     # Random init gives near-uniform logits; sharpen them so greedy decoding is not decided by rounding.
     with torch.no_grad():
         model.lm_head.weight.mul_(20)
+        if getattr(model.config, "attn_logit_softcapping", None):  # soft-capping acts on large logits only
+            for name, weight in model.named_parameters():
+                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                    weight.mul_(8)
     return model.eval()
 
 

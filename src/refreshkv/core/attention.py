@@ -12,6 +12,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .attention_math import SoftCapped, prompt_attention
 from .cache import ATTENTION_NAME, take_handoff
 
 PATTERN_ARGUMENT = "partial_pattern"  # model(..., partial_pattern=PartialPattern(...)) reaches every layer's attention
@@ -22,10 +23,15 @@ def policy_attention(module, query, key, value, attention_mask, scaling=None, dr
     if pattern is not None:
         return pattern.attend(query, key, value, query.shape[-1] ** -0.5 if scaling is None else scaling), None
     layer = take_handoff(key)
-    if layer is None:
+    softcap = kwargs.get("softcap")
+    if layer is None and softcap is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if softcap is not None:  # Gemma 2: SDPA cannot soft-cap, attention_math's explicit path does
+        scaling = SoftCapped(scaling, softcap)
+    if layer is None:
+        return prompt_attention(query, key, value, attention_mask, scaling), None
     return layer.attend(module, query, key, value, attention_mask, scaling, kwargs.get("sliding_window")), None
 
 

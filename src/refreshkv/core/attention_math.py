@@ -3,9 +3,14 @@
 
 Shapes: query (B, Hq, q, D); keys (B, Hkv, n, D). Grouped-query attention is handled by packing the G = Hq / Hkv
 query heads of a group next to each other, so every product is one batched matmul against the KV-head-sized cache.
+
+`scaling` is the layer's logit scale: a float, or `SoftCapped` for a layer that soft-caps its logits (Gemma 2). SDPA
+cannot soft-cap, so those layers take an explicit softmax path; methods only pass `scaling` through.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +18,30 @@ import torch.nn.functional as F
 AGGREGATIONS = ("max", "mean", "first")
 # Finite, so that a pad query whose keys are all masked gets a uniform row instead of NaN.
 _MASKED = torch.finfo(torch.float32).min
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftCapped:
+    """Logits = cap * tanh(q.k * scale / cap), as Gemma 2's attention computes them."""
+
+    scale: float
+    cap: float
+
+
+def logits_of(packed_query: torch.Tensor, keys: torch.Tensor, scaling) -> torch.Tensor:
+    """float32 logits (B, Hkv, rows, n) of packed queries against keys."""
+    products = torch.matmul(packed_query, keys.transpose(-1, -2)).float()
+    if isinstance(scaling, SoftCapped):
+        return scaling.cap * torch.tanh(products * scaling.scale / scaling.cap)
+    return products * scaling
+
+
+def _explicit_attention(packed_query, keys, values, scaling, mask) -> torch.Tensor:
+    """Softmax attention without SDPA (soft-capped layers): mask (bool, broadcastable to the logits) or None."""
+    logits = logits_of(packed_query, keys, scaling)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, _MASKED)
+    return torch.matmul(logits.softmax(dim=-1).to(values.dtype), values)
 
 
 def pack_queries(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -28,15 +57,23 @@ def unpack_output(output: torch.Tensor, query_heads: int) -> torch.Tensor:
     return output.reshape(batch, query_heads, q_len, dim).transpose(1, 2)
 
 
-def prompt_attention(query, key, value, mask, scaling: float) -> torch.Tensor:
-    """Causal attention over the prompt (mask: transformers' boolean (B, 1, L, L) padding mask, or None)."""
+def prompt_attention(query, key, value, mask, scaling) -> torch.Tensor:
+    """Causal attention over the prompt (mask: transformers' boolean (B, 1, L, L) padding mask, or None). A soft-capped
+    layer also takes queries that are the last q of the keys (plain forwards through another cache)."""
+    if isinstance(scaling, SoftCapped):
+        q_len, n, group = query.shape[2], key.shape[2], query.shape[1] // key.shape[1]
+        if mask is None:  # causal, the queries being the last q_len positions
+            mask = torch.arange(n, device=key.device) <= (n - q_len + torch.arange(q_len, device=key.device))[:, None]
+        rows = mask.reshape(-1, 1, q_len, n).repeat(1, 1, group, 1)  # packed rows: (group member, position)
+        output = _explicit_attention(pack_queries(query, key.shape[1]), key, value, scaling, rows)
+        return unpack_output(output, query.shape[1])
     output = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True
     )
     return output.transpose(1, 2)
 
 
-def decode_attention(query, keys, values, scaling: float, valid: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(query, keys, values, scaling, valid: torch.Tensor | None = None) -> torch.Tensor:
     """The q newest tokens' queries over a KV-head-sized cache that ends with them, without repeating keys per query
     head; with q > 1 (assisted decoding's drafted tokens) each query sees the keys up to itself."""
     kv_heads, n, q_len = keys.shape[1], keys.shape[2], query.shape[2]
@@ -46,11 +83,14 @@ def decode_attention(query, keys, values, scaling: float, valid: torch.Tensor | 
         rows = torch.arange(q_len, device=keys.device).repeat(query.shape[1] // kv_heads)
         causal = torch.arange(n, device=keys.device) <= (n - q_len + rows)[:, None]
         mask = causal if mask is None else mask & causal
-    output = F.scaled_dot_product_attention(pack_queries(query, kv_heads), keys, values, attn_mask=mask, scale=scaling)
+    if isinstance(scaling, SoftCapped):
+        output = _explicit_attention(pack_queries(query, kv_heads), keys, values, scaling, mask)
+    else:
+        output = F.scaled_dot_product_attention(pack_queries(query, kv_heads), keys, values, attn_mask=mask, scale=scaling)
     return unpack_output(output, query.shape[1])
 
 
-def attend_with_probs(query, keys, values, scaling: float, valid: torch.Tensor | None = None):
+def attend_with_probs(query, keys, values, scaling, valid: torch.Tensor | None = None):
     """One query token over a KV-head-sized cache, keeping the probabilities for methods that score with them.
 
     Returns the attention output (as `decode_attention`) and the float32 probabilities (B, Hkv, G, n).
@@ -63,7 +103,7 @@ def attend_with_probs(query, keys, values, scaling: float, valid: torch.Tensor |
 
 
 def attention_probs(
-    query: torch.Tensor, keys: torch.Tensor, scaling: float, valid: torch.Tensor | None = None, causal_tail: bool = False
+    query: torch.Tensor, keys: torch.Tensor, scaling, valid: torch.Tensor | None = None, causal_tail: bool = False
 ) -> torch.Tensor:
     """Softmax attention of `query` over `keys` in float32: (B, Hkv, G, q, n).
 
@@ -72,8 +112,7 @@ def attention_probs(
     """
     batch, heads, q_len, _ = query.shape
     kv_heads, n = keys.shape[1], keys.shape[2]
-    logits = torch.matmul(pack_queries(query, kv_heads), keys.transpose(-1, -2)).float() * scaling
-    logits = logits.view(batch, kv_heads, heads // kv_heads, q_len, n)
+    logits = logits_of(pack_queries(query, kv_heads), keys, scaling).view(batch, kv_heads, heads // kv_heads, q_len, n)
     if valid is not None:
         logits = logits.masked_fill(~valid.view(valid.shape[0], -1, 1, 1, n), _MASKED)
     if causal_tail and q_len > 1:
