@@ -11,7 +11,7 @@ from conftest import FAMILIES, random_prompt, tiny_model
 import refreshkv
 from refreshkv import METHODS, make_policy
 from refreshkv.core.sliding_window import SlidingWindow
-from test_method_contract import left_pad, max_diff
+from test_method_contract import left_pad, max_diff, small_budget
 
 NEW = 10
 WINDOW = 16  # below the 40-token prompts: the window bites
@@ -45,12 +45,12 @@ def test_keeping_everything_equals_transformers_beyond_the_sliding_window(family
     assert max_diff(out.logits, logits) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["full", "refreshkv", "snapkv", "streamingllm"])
+@pytest.mark.parametrize("name", sorted(METHODS))
 def test_a_padded_batch_equals_its_rows(family_model, name):
     family, model = family_model
     rows = [random_prompt(40, seed=6)[0], random_prompt(29, seed=7)[0]]
     ids, mask = left_pad(rows)
-    params = {"budget": 8, "window": 4} if name == "snapkv" else {"budget": 8} if name != "full" else {}
+    params = small_budget(name)
     batch = refreshkv.generate(model, ids, mask, method=make_policy(name, **params), max_new_tokens=NEW,
                                eos_token_id=[], return_logits=True)
     for i, row in enumerate(rows):

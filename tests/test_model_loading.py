@@ -62,3 +62,19 @@ def test_unloadable_model_directories_are_one_line(tmp_path, contents, message):
     with pytest.raises(ModelError, match=rf"^cannot load the model in {tmp_path}: .*{message}.*model directory") as error:
         load_model(tmp_path)
     assert "\n" not in str(error.value)
+
+
+def test_a_custom_attention_module_is_refused_before_any_work():
+    """A layer whose attention does not call transformers' attention interface would silently skip the method."""
+    from refreshkv.model import check_attention
+
+    model = tiny_model("llama")
+    check_attention(model)  # a stock model passes
+    attention = model.model.layers[1].self_attn
+
+    def custom_forward(hidden_states, *args, **kwargs):  # computes something, never the registered function
+        return attention.o_proj(attention.v_proj(hidden_states).repeat(1, 1, 2)), None
+
+    attention.forward = custom_forward
+    with pytest.raises(ModelError, match="cannot be run by the KV methods: layer 1's attention never used the cache"):
+        check_attention(model)

@@ -163,7 +163,28 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
     except (OSError, ValueError, SafetensorError) as error:
         raise _unloadable(model_dir, error) from None
     model.eval()
+    check_attention(model)
     return model, tokenizer
+
+
+def check_attention(model) -> None:
+    """Refuse, before any work, a model whose attention the methods cannot run exactly: a layer that bypasses the
+    registered attention function (a custom attention module) or whose sliding window differs from its config.
+    One 2-token forward through a `full` cache finds both."""
+    from .core.cache import PolicyCache, check_handoff_taken
+    from .core.policy import PolicyError, make_policy
+
+    ids = torch.zeros(1, 2, dtype=torch.long, device=model.device)
+    cache = PolicyCache(make_policy("full"), model)
+    try:
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+        check_handoff_taken()
+        skipped = [layer.layer_idx for layer in cache.layers if layer.state is None]
+        if skipped:
+            raise RuntimeError(f"layer {skipped[0]}'s attention never used the cache")
+    except (RuntimeError, PolicyError) as error:
+        raise ModelError(f"this model's attention cannot be run by the KV methods: {_first_line(error)}") from None
 
 
 def _unloadable(model_dir: Path, error: BaseException) -> ModelError:
