@@ -56,6 +56,9 @@ def test_store_reads_back_every_token_within_the_bound_and_the_residual_exactly(
     value_error = (read_values[:, :, :24] - values[:, :, :24]).abs().reshape(2, 3, 24, 2, group)
     assert (value_error <= value_step.unsqueeze(4) / 2 + 1e-5).all()
     assert store.kept(None)[0, 0].tolist() == list(range(29))
+    for start, end in [(0, 4), (3, 20), (16, 29), (25, 29), (22, 27), (0, 29)]:  # spans, across groups and residual
+        span_keys, span_values = store.span(start, end)
+        assert torch.equal(span_keys, read_keys[:, :, start:end]) and torch.equal(span_values, read_values[:, :, start:end])
 
 
 def test_bytes_reported_are_the_sum_of_every_tensor_held():
@@ -78,7 +81,9 @@ def _decode(model, method, ids, steps=12):
     return out, torch.stack([step[0] for step in out.logits])
 
 
-@pytest.mark.parametrize("name, params", [("recycled", {"stride": 3}), ("refreshkv", {"qc_stride": 2, "threshold": 1.0})])
+@pytest.mark.parametrize("name, params", [
+    ("recycled", {"stride": 3}), ("refreshkv", {"qc_stride": 2, "threshold": 1.0}), ("streamingllm++", {"stride": 3}),
+])
 def test_int8_full_cache_at_full_budget_is_full_attention_within_quantization_error(name, params):
     """With every token in C_p and a full step every few steps, the only difference from `full` is int8 rounding of
     C_f (read at full steps and copied into C_p at refreshes): relative error <= 1/510 of each group's range, which
@@ -95,6 +100,24 @@ def test_int8_full_cache_at_full_budget_is_full_attention_within_quantization_er
         if cache == "int8":
             assert out.tokens == full_out.tokens
     assert errors["int8"] < 0.01 < errors["int2"] and errors["int8"] < errors["int4"] < errors["int2"]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_streamingllm_pp_partial_steps_read_spans_of_a_quantized_full_cache(padded):
+    """Sinks + recent window dequantized from the spans they occupy: int8 stays within rounding of dense."""
+    model = tiny_model("llama", layers=2, seed=3)
+    rows = [torch.randint(3, 128, (70,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    ids = torch.stack(rows) if not padded else torch.cat([torch.zeros(1, 70, dtype=torch.long), rows[1][None]])
+    mask = None if not padded else torch.cat([torch.zeros(1, 70), torch.ones(1, 70)]).long()
+    if padded:
+        mask[0, 9:] = 1
+        ids[0, 9:] = rows[0][:61]
+    logits = {}
+    for cache in ("dense", "int8"):
+        policy = make_policy("streamingllm++", budget=20, stride=5, full_cache=cache, group_size=8)
+        out = generate(model, ids, mask, method=policy, max_new_tokens=8, eos_token_id=[], return_logits=True)
+        logits[cache] = torch.stack(out.logits)
+    assert ((logits["int8"] - logits["dense"]).abs().max() / logits["dense"].std()) < 0.01
 
 
 def test_refreshkv_holds_less_with_a_quantized_full_cache_and_counts_it():

@@ -226,6 +226,7 @@ class PolicyCache(Cache):
             layer.reset()
         self.step = 0  # decode steps taken after the prompt
         self.pads: torch.Tensor | None = None  # (B,) left-pad count per row, None without padding
+        self.max_pad = 0
         self.prompt_length = 0  # the longest row's real prompt
         self.budget = 0
         self.windowed = [False] * self.num_layers  # sliding-window layers whose window bites: they keep the window
@@ -245,6 +246,7 @@ class PolicyCache(Cache):
                 raise ValueError("padding must be on the left (tokenizer.padding_side = 'left')")
             if int(pads.max()) > 0:
                 self.pads = pads
+                self.max_pad = int(pads.max())
                 self.prompt_length = length - int(pads.min())
                 shortest = length - int(pads.max())
         self.policy.check_prompt(shortest)

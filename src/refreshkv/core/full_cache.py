@@ -4,8 +4,8 @@
 - `int8`, `int4`, `int2`: a `QuantizedFullStore` (KIVI-style groups of `group_size`, quantized_store.py).
 - `offload`: an `OffloadedFullStore` in pinned host memory, copied to the GPU at full steps; refused without a GPU.
 
-Used by `refreshkv`, `recycled` and `streamingllm++`, whose partial steps do not read C_f (StreamingLLM++ reads its
-window slice from it: see its docstring).
+Used by `refreshkv` and `recycled`, whose partial steps do not read C_f, and `streamingllm++`, whose partial steps
+read two spans of it (the sinks and the recent window: K tokens dequantized or copied in per step).
 """
 
 from __future__ import annotations
@@ -63,6 +63,6 @@ class OffloadedFullStore(FullStore):
         super()._grow(capacity)
         self._pin()
 
-    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = super().view()
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = super().span(start, end)
         return keys.to(self.device, non_blocking=True), values.to(self.device, non_blocking=True)

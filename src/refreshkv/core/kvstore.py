@@ -70,7 +70,11 @@ class FullStore(LayerState):
             setattr(self, name, new)
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+        return self.span(0, self.length)
+
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions [start, end), ready to attend to."""
+        return self.keys[:, :, start:end], self.values[:, :, start:end]
 
     def crop(self, tokens: int) -> None:
         """Forget the last `tokens` tokens (assisted decoding rejects drafted tokens)."""

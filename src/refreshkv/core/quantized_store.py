@@ -114,16 +114,29 @@ class QuantizedFullStore(LayerState):
 
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All tokens, dequantized, followed by the residual: (B, H, length, D) keys and values."""
+        return self.span(0, self.length)
+
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [start, end): the quantized groups they touch, dequantized, and the residual's part."""
         batch, heads, _, dim = self.residual_keys.shape
-        dtype = self.residual_keys.dtype
-        codes = unpack(self.key_codes[:, :, : self.groups], self.bits).to(dtype)
-        keys = (codes * self.key_scale[:, :, : self.groups] + self.key_min[:, :, : self.groups]).view(batch, heads, -1, dim)
-        tokens = self.groups * self.group
-        codes = unpack(self.value_codes[:, :, :tokens], self.bits).to(dtype)
-        values = (codes * self.value_scale[:, :, :tokens] + self.value_min[:, :, :tokens]).view(batch, heads, -1, dim)
-        keys = torch.cat([keys, self.residual_keys[:, :, : self.pending]], dim=2)
-        values = torch.cat([values, self.residual_values[:, :, : self.pending]], dim=2)
-        return keys, values
+        quantized = self.groups * self.group
+        first, last = start // self.group, min(-(-end // self.group), self.groups)
+        parts_k, parts_v = [], []
+        if first < last:
+            dtype = self.residual_keys.dtype
+            codes = unpack(self.key_codes[:, :, first:last], self.bits).to(dtype)
+            keys = codes * self.key_scale[:, :, first:last] + self.key_min[:, :, first:last]
+            tokens = slice(first * self.group, last * self.group)
+            codes = unpack(self.value_codes[:, :, tokens], self.bits).to(dtype)
+            values = codes * self.value_scale[:, :, tokens] + self.value_min[:, :, tokens]
+            cut = slice(start - first * self.group, min(end, quantized) - first * self.group)
+            parts_k.append(keys.view(batch, heads, -1, dim)[:, :, cut])
+            parts_v.append(values.view(batch, heads, -1, dim)[:, :, cut])
+        if end > quantized:
+            residual = slice(max(start, quantized) - quantized, end - quantized)
+            parts_k.append(self.residual_keys[:, :, residual])
+            parts_v.append(self.residual_values[:, :, residual])
+        return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
 
     def _held(self) -> list[torch.Tensor]:
         tokens = self.groups * self.group

@@ -13,17 +13,18 @@ Choices:
   sinks are its first real tokens, gathered with a (B, Hkv, sinks) index; positions that would be counted twice
   (short rows) or are padding are masked.
 - With a budget K <= `sinks`, only K - 1 sinks are used so that the window holds at least the current token.
+- `full_cache` (core/full_cache.py) may hold the full cache in 8/4/2 bits or off the GPU; a partial step then
+  dequantizes (or copies in) only the two spans it reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-
 import torch
 
 from ..core.attention_math import decode_attention
-from ..core.kvstore import FullStore
+from ..core.full_cache import DEFAULT_GROUP_SIZE, check_full_cache, check_group_size, make_full_store
 from ..core.policy import BudgetPolicy, check_positive, register
 from .streamingllm import check_sinks, effective_sinks
 
@@ -36,20 +37,24 @@ class StreamingLLMPlusPlus(BudgetPolicy):
 
     sinks: int = 4
     stride: int = 10
+    full_cache: str = "dense"
+    group_size: int = DEFAULT_GROUP_SIZE
 
     def __post_init__(self):
         super().__post_init__()
         check_sinks(self.sinks)
         check_positive("stride", self.stride)
+        check_full_cache(self.full_cache, self.group_size)
 
     def store_prompt(self, layer, query, key, value, scaling):
-        full = FullStore(key, layer.cache.capacity())
+        check_group_size(self.full_cache, self.group_size, key.shape[-1])
+        full = make_full_store(key, layer.cache.capacity(), self.full_cache, self.group_size)
         full.append(key, value)
         layer.state = full
 
     def decode(self, layer, query, key, value, scaling):
         cache = layer.cache
-        full: FullStore = layer.state
+        full = layer.state
         full.append(key, value)
         length = full.length
         budget = cache.budget
@@ -58,29 +63,29 @@ class StreamingLLMPlusPlus(BudgetPolicy):
             keys, values = full.view()
             layer.record(1.0 if cache.step % self.stride == 0 else 0.0, full.attended_bytes())
             return decode_attention(query, keys, values, scaling, cache.valid_positions(length, key.device))
-        keys, values, valid = self._window(full, cache.pads, effective_sinks(self.sinks, budget), budget)
-        layer.record(0.0, 2 * keys.numel() * keys.element_size())
+        keys, values, valid = self._window(full, cache.pads, cache.max_pad, effective_sinks(self.sinks, budget), budget)
+        layer.record(0.0, full.attended_bytes() * keys.shape[2] // length)
         return decode_attention(query, keys, values, scaling, valid)
 
     @staticmethod
-    def _window(full: FullStore, pads, sinks: int, budget: int):
+    def _window(full, pads, max_pad: int, sinks: int, budget: int):
         """Keys/values of the sinks followed by the recent window, and a (B, 1, 1, n) validity mask (or None)."""
         length = full.length
         start = max(0, length - (budget - sinks))
-        recent_k, recent_v = full.keys[:, :, start:length], full.values[:, :, start:length]
+        recent_k, recent_v = full.span(start, length)
         if pads is None:
             if sinks == 0:
                 return recent_k, recent_v, None
-            keys = torch.cat([full.keys[:, :, :sinks], recent_k], dim=2)
-            values = torch.cat([full.values[:, :, :sinks], recent_v], dim=2)
-            return keys, values, None  # length > budget here, so sinks and window do not overlap
-        device = full.keys.device
+            sink_k, sink_v = full.span(0, sinks)  # length > budget here, so sinks and window do not overlap
+            return torch.cat([sink_k, recent_k], dim=2), torch.cat([sink_v, recent_v], dim=2), None
+        head_k, head_v = full.span(0, min(max_pad + sinks, length))  # every row's sinks lie in here
+        device = recent_k.device
         sink_pos = pads.view(-1, 1) + torch.arange(sinks, device=device)  # (B, s)
         sink_valid = sink_pos < length
-        index = sink_pos.clamp(max=length - 1).view(-1, 1, sinks, 1)
-        index = index.expand(-1, full.keys.shape[1], -1, full.keys.shape[3])
-        keys = torch.cat([full.keys.gather(2, index), recent_k], dim=2)
-        values = torch.cat([full.values.gather(2, index), recent_v], dim=2)
+        index = sink_pos.clamp(max=head_k.shape[2] - 1).view(-1, 1, sinks, 1)
+        index = index.expand(-1, head_k.shape[1], -1, head_k.shape[3])
+        keys = torch.cat([head_k.gather(2, index), recent_k], dim=2)
+        values = torch.cat([head_v.gather(2, index), recent_v], dim=2)
         recent_valid = torch.arange(start, length, device=device) >= (pads.view(-1, 1) + sinks)  # no pads, no sinks
         valid = torch.cat([sink_valid, recent_valid], dim=1)
         return keys, values, valid.view(valid.shape[0], 1, 1, -1)
