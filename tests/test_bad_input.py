@@ -368,6 +368,17 @@ def test_bench_checks_every_methods_parameters_before_loading(no_model, monkeypa
     assert_one_line_error(code, err, "kernel")
 
 
+def test_bench_runs_variants_of_a_method_with_their_own_parameters(no_model, monkeypatch, capsys):
+    from refreshkv.cli import bench_methods
+
+    methods = bench_methods("full,refreshkv,refreshkv@int4", 64, ["refreshkv@int4:full_cache=int4"])
+    assert methods == {"full": {}, "refreshkv": {"budget": 64}, "refreshkv@int4": {"budget": 64, "full_cache": "int4"}}
+    code, _, err = cli(monkeypatch, capsys, "bench", "--methods", "full,nope@int4")
+    assert_one_line_error(code, err, "unknown method 'nope'", "METHOD@TAG")
+    code, _, err = cli(monkeypatch, capsys, "bench", "--methods", "refreshkv@q", "--param", "refreshkv@q:full_cache=int3")
+    assert_one_line_error(code, err, "unknown full_cache 'int3'")
+
+
 def test_demo_checks_its_budget_and_length_before_loading(no_model, monkeypatch, capsys):
     code, _, err = cli(monkeypatch, capsys, "demo", "--budget", "0")
     assert_one_line_error(code, err, "budget")

@@ -27,6 +27,11 @@ from .core.policy import make_policy
 REFERENCE = "transformers"  # not a method: stock transformers decoding, benchmarked for reference
 
 
+def method_of(label: str) -> str:
+    """The method a bench entry runs: `refreshkv@int4` is `refreshkv` with its own --param settings (a variant)."""
+    return label.split("@", 1)[0]
+
+
 def memory_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5) -> float:
     """Bytes per second moved by a large copy (read + write), best of `repeats`."""
     source = torch.empty(megabytes * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
@@ -101,7 +106,7 @@ def run_round(model, ids, methods: dict[str, dict], names: list[str], new_tokens
     runs = {}
     if REFERENCE in names:
         runs[REFERENCE] = run_transformers_once(model, ids, new_tokens, peak)
-    policies = {name: make_policy(name, **methods[name]) for name in names if name != REFERENCE}
+    policies = {name: make_policy(method_of(name), **methods[name]) for name in names if name != REFERENCE}
     if share_prefill:
         outs = generate_many(model, ids, methods=list(policies.values()), max_new_tokens=new_tokens, eos_token_id=[])
         runs.update((name, run_from(name, ids, new_tokens, out, None)) for name, out in zip(policies, outs))
@@ -182,7 +187,7 @@ def check_methods(methods: dict[str, dict]) -> None:
     """Build every method once, so that a bad parameter fails before a model is loaded or a run is timed."""
     for name, params in methods.items():
         if name != REFERENCE:
-            make_policy(name, **params)
+            make_policy(method_of(name), **params)
 
 
 def run_bench(model, tokenizer, methods: dict[str, dict], lengths: list[int], new_tokens: int, rounds: int,

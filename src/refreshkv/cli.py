@@ -223,7 +223,7 @@ def demo(
 
 def bench_methods(names: str, budget: int, param: list[str]) -> dict[str, dict]:
     """Method name -> parameters: `budget` for every method that has one, plus `--param METHOD:NAME=VALUE`."""
-    from .bench import REFERENCE, check_methods
+    from .bench import REFERENCE, check_methods, method_of
     from .core.policy import METHODS
 
     methods = {}
@@ -231,9 +231,11 @@ def bench_methods(names: str, budget: int, param: list[str]) -> dict[str, dict]:
         if name == REFERENCE:
             methods[name] = {}
             continue
-        if name not in METHODS:
-            raise ValueError(f"unknown method '{name}'; choose from: {', '.join(sorted(METHODS))}, {REFERENCE}")
-        methods[name] = {"budget": budget} if "budget" in METHODS[name].parameters() else {}
+        method = method_of(name)
+        if method not in METHODS:
+            raise ValueError(f"unknown method '{method}'; choose from: {', '.join(sorted(METHODS))}, {REFERENCE} "
+                             "(METHOD@TAG names a variant of METHOD)")
+        methods[name] = {"budget": budget} if "budget" in METHODS[method].parameters() else {}
     if not methods:
         raise ValueError("--methods is empty; give a comma-separated list, e.g. full,refreshkv")
     for item in param:
@@ -258,7 +260,8 @@ def parse_lengths(lengths: str) -> list[int]:
 @app.command()
 @user_errors
 def bench(
-    methods: Annotated[str, typer.Option(help="Comma-separated methods; `transformers` = stock decoding, for reference.")] = "full,refreshkv,recycled,snapkv,streamingllm,h2o",
+    methods: Annotated[str, typer.Option(help="Comma-separated methods; METHOD@TAG adds a variant with its own --param "
+                                          "(e.g. refreshkv@int4); `transformers` = stock decoding, for reference.")] = "full,refreshkv,recycled,snapkv,streamingllm,h2o",
     lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths in tokens.")] = "1024,2048,4096,8192",
     new_tokens: Annotated[int, typer.Option(min=2, help="Decode steps per run.")] = 128,
     rounds: Annotated[int, typer.Option(min=1, help="Rounds; every round runs every method once.")] = 3,
