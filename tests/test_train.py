@@ -160,6 +160,9 @@ def test_bad_data_and_folders_are_refused_before_anything_is_written(tmp_path):
           log=lambda line: None)
     with pytest.raises(ValueError, match=r"holds a different training run \(differs in: lr\)"):
         train(model, tokenizer, tiny_config(tmp_path / "d", steps=2, lr=1e-4), out, resume=True, progress=False)
+    with pytest.raises(ValueError, match="without a sliding window shorter than L"):  # Gemma 3: window 16 < 56
+        train(tiny_model("gemma3"), tokenizer, tiny_config(tmp_path / "d"), tmp_path / "gemma", progress=False)
+    assert not (tmp_path / "gemma").exists()
     stray = tmp_path / "stray"
     stray.mkdir()
     (stray / "notes.txt").write_text("x")

@@ -66,3 +66,11 @@ def test_pattern_gives_gradients_to_the_selected_keys_only_through_attention():
 def test_bad_pattern_is_one_line(args, message):
     with pytest.raises(ValueError, match=message):
         PartialPattern(**args)
+
+
+def test_models_with_sliding_windows_or_soft_capping_are_refused_by_the_pattern():
+    pattern = PartialPattern(PREFIX, SUFFIX, 8)
+    ids = torch.randint(0, 128, (1, PREFIX + SUFFIX))
+    for family in ("gemma2", "gemma3"):
+        with pytest.raises(ValueError, match="training pattern needs attention layers without soft-capping"):
+            tiny_model(family, seed=0)(ids, **{PATTERN_ARGUMENT: pattern})

@@ -16,11 +16,16 @@ from .attention_math import SoftCapped, prompt_attention
 from .cache import ATTENTION_NAME, take_handoff
 
 PATTERN_ARGUMENT = "partial_pattern"  # model(..., partial_pattern=PartialPattern(...)) reaches every layer's attention
+TRAINING_UNSUPPORTED = ("the RefreshKV training pattern needs attention layers without soft-capping and without a "
+                        "sliding window shorter than L + S")
 
 
 def policy_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     pattern = kwargs.pop(PATTERN_ARGUMENT, None)
     if pattern is not None:
+        window = kwargs.get("sliding_window")
+        if (window is not None and window < key.shape[2]) or kwargs.get("softcap") is not None:
+            raise ValueError(TRAINING_UNSUPPORTED)
         return pattern.attend(query, key, value, query.shape[-1] ** -0.5 if scaling is None else scaling), None
     layer = take_handoff(key)
     softcap = kwargs.get("softcap")

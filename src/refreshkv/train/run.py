@@ -30,7 +30,8 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.utils import logging as hf_logging
 
-from ..core.attention import PATTERN_ARGUMENT
+from ..core.attention import PATTERN_ARGUMENT, TRAINING_UNSUPPORTED
+from ..core.cache import layer_windows
 from ..core.policy import DEFAULT_BUDGET_RATIO
 from ..documents import read_documents
 from .data import cut_windows, split_documents, write_split
@@ -165,6 +166,10 @@ def train(model, tokenizer, config: TrainConfig, out: str | Path, resume: bool =
 
     `callbacks` are added to the Trainer's (transformers `TrainerCallback`s).
     """
+    text_config = model.config.get_text_config()
+    windows = [window for window in layer_windows(text_config) if window is not None]
+    if getattr(text_config, "attn_logit_softcapping", None) or any(w < config.pattern().length for w in windows):
+        raise ValueError(TRAINING_UNSUPPORTED)
     out = Path(out)
     record = config.record()
     check_out_folder(out, record, resume)
