@@ -289,3 +289,16 @@ def test_threshold_default_follows_the_model_family(llama, qwen2):
 
     shown = METHODS["refreshkv"].parameters()
     assert shown["qc_stride"] == 10 and "0.95 for qwen2" in shown["threshold"]
+
+
+def test_gather_tokens_equals_gather_on_store_slices_and_any_layout():
+    from refreshkv.core.kvstore import gather_tokens
+
+    buffer = torch.randn(2, 3, 60, 8)  # a store's preallocated buffer; views of its filled part are not contiguous
+    index = torch.randint(0, 45, (2, 3, 7), generator=torch.Generator().manual_seed(0))
+    views = [buffer[:, :, :50], buffer[:, :, 5:55], buffer[1:, :, :50], torch.randn(2, 50, 3, 8).transpose(1, 2),
+             torch.randn(1, 3, 50, 8).expand(2, -1, -1, -1)]
+    for view in views:
+        rows = index[: view.shape[0]]
+        expected = view.gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, 8))
+        assert torch.equal(gather_tokens(view, rows), expected)

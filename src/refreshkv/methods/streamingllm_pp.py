@@ -24,6 +24,7 @@ import dataclasses
 import torch
 
 from ..core.attention_math import decode_attention
+from ..core.kvstore import gather_tokens
 from ..core.full_cache import DEFAULT_GROUP_SIZE, check_full_cache, check_group_size, make_full_store
 from ..core.policy import BudgetPolicy, check_positive, register
 from .streamingllm import check_sinks, effective_sinks
@@ -82,10 +83,9 @@ class StreamingLLMPlusPlus(BudgetPolicy):
         device = recent_k.device
         sink_pos = pads.view(-1, 1) + torch.arange(sinks, device=device)  # (B, s)
         sink_valid = sink_pos < length
-        index = sink_pos.clamp(max=head_k.shape[2] - 1).view(-1, 1, sinks, 1)
-        index = index.expand(-1, head_k.shape[1], -1, head_k.shape[3])
-        keys = torch.cat([head_k.gather(2, index), recent_k], dim=2)
-        values = torch.cat([head_v.gather(2, index), recent_v], dim=2)
+        index = sink_pos.clamp(max=head_k.shape[2] - 1).view(-1, 1, sinks).expand(-1, head_k.shape[1], -1)
+        keys = torch.cat([gather_tokens(head_k, index), recent_k], dim=2)
+        values = torch.cat([gather_tokens(head_v, index), recent_v], dim=2)
         recent_valid = torch.arange(start, length, device=device) >= (pads.view(-1, 1) + sinks)  # no pads, no sinks
         valid = torch.cat([sink_valid, recent_valid], dim=1)
         return keys, values, valid.view(valid.shape[0], 1, 1, -1)

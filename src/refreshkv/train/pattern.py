@@ -35,6 +35,7 @@ from ..core.attention_math import (
     selection_scores,
     unpack_output,
 )
+from ..core.kvstore import gather_tokens
 from ..core.policy import check_choice, check_kernel, check_positive
 
 
@@ -72,9 +73,8 @@ class PartialPattern:
         prefix = self.prefix_length
         prefix_out = prompt_attention(query[:, :, :prefix], key[:, :, :prefix], value[:, :, :prefix], None, scaling)
         index, visible = self.selection(query, key, scaling)
-        columns = index.unsqueeze(-1).expand(-1, -1, -1, key.shape[-1])
-        keys = torch.cat([key.gather(2, columns), key[:, :, prefix:]], dim=2)  # (B, Hkv, K + S, D)
-        values = torch.cat([value.gather(2, columns), value[:, :, prefix:]], dim=2)
+        keys = torch.cat([gather_tokens(key, index), key[:, :, prefix:]], dim=2)  # (B, Hkv, K + S, D)
+        values = torch.cat([gather_tokens(value, index), value[:, :, prefix:]], dim=2)
         kv_heads, group = key.shape[1], query.shape[1] // key.shape[1]
         mask = visible.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(visible.shape[0], kv_heads, -1, keys.shape[2])
         suffix = F.scaled_dot_product_attention(
