@@ -97,6 +97,19 @@ class Run:
     kv_bytes_held: int
     kv_bytes_attended: float
     peak_bytes: int | None
+    full_steps_s: list[float] = dataclasses.field(default_factory=list)  # steps where most layers attended fully
+    partial_steps_s: list[float] = dataclasses.field(default_factory=list)  # steps where no layer did
+
+
+def split_steps(step_s: list[float], full_layers: list[float], num_layers: int) -> tuple[list[float], list[float]]:
+    """Decode-step times of full steps (at least half the layers attended fully) and of partial steps (none did).
+
+    A refresh or a fixed-stride full step involves every layer at once; mixed steps (the dynamic schedule sending
+    a few layers to full attention) are in neither list.
+    """
+    full = [t for t, layers in zip(step_s, full_layers) if layers >= num_layers / 2]
+    partial = [t for t, layers in zip(step_s, full_layers) if layers == 0]
+    return full, partial
 
 
 def run_round(model, ids, methods: dict[str, dict], names: list[str], new_tokens, peak: PeakMemory,
@@ -120,6 +133,8 @@ def run_round(model, ids, methods: dict[str, dict], names: list[str], new_tokens
 
 def run_from(method: str, ids, new_tokens: int, result, peak_bytes: int | None) -> Run:
     stats = result.stats()
+    full_steps, partial_steps = split_steps(result.step_s, result.cache.stats.full_layers_per_step,
+                                            result.cache.num_layers)
     return Run(
         method=method,
         length=ids.shape[1] + new_tokens,
@@ -131,6 +146,8 @@ def run_from(method: str, ids, new_tokens: int, result, peak_bytes: int | None) 
         kv_bytes_held=stats["kv_bytes_full"],
         kv_bytes_attended=stats["kv_bytes_attended_mean"],
         peak_bytes=peak_bytes,
+        full_steps_s=full_steps,
+        partial_steps_s=partial_steps,
     )
 
 
@@ -175,12 +192,24 @@ def summarize(runs: list[Run], weights: int, bandwidth: float) -> dict:
         "decode_ms_median_step": 1000 * statistics.median(r.decode_median_s for r in runs),
         "tokens_per_s": 1 / median_token,
         "full_step_fraction": statistics.median(r.full_step_fraction for r in runs),
+        **step_kinds(runs),
         "kv_bytes_held": runs[0].kv_bytes_held,
         "kv_bytes_attended": attended,
         "peak_process_bytes": max(peaks) if peaks else None,
         "floor_ms": 1000 * floor,
         "measured_over_floor": median_token / floor,
     }
+
+
+def step_kinds(runs: list[Run]) -> dict:
+    """Full and partial steps of all rounds: count, median and 90th percentile (ms), the steps' histogram in brief."""
+    summary = {}
+    for kind in ("full", "partial"):
+        times = sorted(t for r in runs for t in getattr(r, f"{kind}_steps_s"))
+        summary[f"{kind}_steps"] = len(times)
+        summary[f"{kind}_step_ms"] = 1000 * statistics.median(times) if times else None
+        summary[f"{kind}_step_p90_ms"] = 1000 * times[int(0.9 * (len(times) - 1))] if times else None
+    return summary
 
 
 def check_methods(methods: dict[str, dict]) -> None:
@@ -224,6 +253,9 @@ def run_bench(model, tokenizer, methods: dict[str, dict], lengths: list[int], ne
             if full is not None:
                 summary["speedup_vs_full"] = full["decode_ms_per_token"] / summary["decode_ms_per_token"]
                 summary["kv_held_vs_full"] = summary["kv_bytes_held"] / full["kv_bytes_held"]
+                if summary["full_step_ms"] is not None and full["full_step_ms"] is not None:
+                    # issue 13's target: a refresh / full step of a method against a step of full attention
+                    summary["full_step_vs_full"] = summary["full_step_ms"] / full["full_step_ms"]
         rows.extend(summaries)
     return {
         "rows": rows,

@@ -17,6 +17,16 @@ SPEED = (
     ("vs full", "speedup_vs_full", "{:.2f}x"),
     ("full steps", "full_step_fraction", "{:.3f}"),
 )
+STEPS = (  # full steps (most layers attended fully: refreshes, fixed-stride steps) against partial steps
+    ("method", "method", "{}"),
+    ("full steps", "full_steps", "{}"),
+    ("full step ms", "full_step_ms", "{:.1f}"),
+    ("p90", "full_step_p90_ms", "{:.1f}"),
+    ("vs full's step", "full_step_vs_full", "{:.2f}x"),
+    ("partial steps", "partial_steps", "{}"),
+    ("partial step ms", "partial_step_ms", "{:.1f}"),
+    ("p90", "partial_step_p90_ms", "{:.1f}"),
+)
 MEMORY = (
     ("method", "method", "{}"),
     ("KV MB held", "kv_bytes_held", "mb"),
@@ -26,7 +36,7 @@ MEMORY = (
     ("floor ms", "floor_ms", "{:.1f}"),
     ("measured/floor", "measured_over_floor", "{:.2f}"),
 )
-COLUMNS = SPEED + MEMORY[1:]
+COLUMNS = SPEED + MEMORY[1:] + STEPS[1:]
 
 
 def _cell(value, fmt: str) -> str:
@@ -46,8 +56,8 @@ def bench_tables(result: dict) -> list[Table]:
     )
     tables = []
     for length in sorted({row["length"] for row in result["rows"]}):
-        for kind, columns in (("speed", SPEED), ("memory and bandwidth floor", MEMORY)):
-            table = Table(title=f"{kind} at {length} tokens of context", caption=caption if kind != "speed" else None)
+        for kind, columns in (("speed", SPEED), ("full and partial steps", STEPS), ("memory and bandwidth floor", MEMORY)):
+            table = Table(title=f"{kind} at {length} tokens of context", caption=caption if kind == "memory and bandwidth floor" else None)
             for label, key, _ in columns:
                 table.add_column(label, justify="right", no_wrap=key == "method", min_width=14 if key == "method" else None)
             for row in (r for r in result["rows"] if r["length"] == length):

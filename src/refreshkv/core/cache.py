@@ -169,6 +169,9 @@ class PolicyLayer(CacheLayerMixin):
         """Statistics of one decode step of this layer: share of rows that attended fully, bytes of K/V read."""
         stats = self.cache.stats
         stats.full_steps[self.layer_idx] += full_fraction
+        while len(stats.full_layers_per_step) < self.cache.step:
+            stats.full_layers_per_step.append(0.0)
+        stats.full_layers_per_step[self.cache.step - 1] += full_fraction
         stats.attended_bytes += attended_bytes
         self.recorded = True
 
@@ -184,7 +187,8 @@ def layer_windows(text_config) -> list[int | None]:
 
 class DecodeStats:
     def __init__(self, num_layers: int):
-        self.full_steps = [0.0] * num_layers
+        self.full_steps = [0.0] * num_layers  # per layer: decode steps that attended fully
+        self.full_layers_per_step: list[float] = []  # per decode step: layers that attended fully
         self.attended_bytes = 0
 
 

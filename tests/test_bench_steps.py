@@ -1,0 +1,27 @@
+"""bench tells full steps from partial steps (issue 13: what a refresh costs against a step of full attention)."""
+
+from conftest import random_prompt
+
+import refreshkv
+from refreshkv.bench import Run, split_steps, step_kinds
+
+
+def test_the_cache_counts_the_layers_that_attended_fully_at_each_step(llama):
+    out = refreshkv.generate(llama, random_prompt(40), method=refreshkv.make_policy("recycled", stride=3, budget=8),
+                             max_new_tokens=8, eos_token_id=[])
+    assert out.cache.stats.full_layers_per_step == [0.0, 0.0, 3.0, 0.0, 0.0, 3.0, 0.0]  # steps 3 and 6 are full
+    full = refreshkv.generate(llama, random_prompt(40), method="full", max_new_tokens=4, eos_token_id=[])
+    assert full.cache.stats.full_layers_per_step == [3.0, 3.0, 3.0]
+    assert len(out.step_s) == len(out.cache.stats.full_layers_per_step)
+
+
+def test_steps_are_split_by_how_many_layers_attended_fully():
+    times = [0.10, 0.11, 0.30, 0.12, 0.20]
+    layers = [0.0, 0.0, 30.0, 0.0, 3.0]  # the last: a few layers only (dynamic schedule), in neither list
+    assert split_steps(times, layers, num_layers=30) == ([0.30], [0.10, 0.11, 0.12])
+    runs = [Run("recycled", 100, 5, 1.0, 0.1, 0.1, 0.2, 1, 1.0, None, [0.30, 0.32], [0.10, 0.11, 0.12]),
+            Run("recycled", 100, 5, 1.0, 0.1, 0.1, 0.2, 1, 1.0, None, [0.34], [0.13])]
+    kinds = step_kinds(runs)
+    assert kinds["full_steps"] == 3 and abs(kinds["full_step_ms"] - 320) < 1e-9
+    assert kinds["partial_steps"] == 4 and abs(kinds["partial_step_ms"] - 115) < 1e-9
+    assert abs(kinds["partial_step_p90_ms"] - 120) < 1e-9
