@@ -15,7 +15,7 @@ from test_eval_runner import NIAH, TOKENIZER, CountCalls, text_file
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from refreshkv.eval.distributed import Launch, LaunchError, current_launch, rank_file, sweep_files
-from refreshkv.eval.sweep import load_sweep, run_sweep
+from refreshkv.eval.sweep import load_sweep, open_results, run_sweep
 from refreshkv.model import resolve_model_dir
 
 pytest.importorskip("long_context_eval")
@@ -45,6 +45,27 @@ def write_sweep(folder: Path, doc: Path, model: str = "tiny", out: str = "result
 
 def rows_of(paths) -> dict:
     return {(r["config"], r["id"]): r for path in paths for r in map(json.loads, Path(path).read_text().splitlines())}
+
+
+def test_ranks_share_the_work_left_not_the_whole_sweep(tmp_path):
+    """A resumed data-parallel sweep deals the examples still to run among the ranks: rows done by one rank before
+    do not leave the other with all of what remains."""
+    model, doc = tiny_model("llama", layers=2, seed=0), text_file(tmp_path / "doc.txt")
+    spec = write_sweep(tmp_path, doc, out="resumed.jsonl", examples=4)  # 8 prompts (2 tasks x 4), 3 methods each
+    sweep = load_sweep(spec)
+    first = Launch(rank=0, world=2)
+    with open_results(sweep, first) as results:  # a first launch stopped after rank 0's share of two prompts
+        run_sweep(sweep, model, TOKENIZER, progress=False, results=results, launch=first)
+    done = rows_of(sweep_files(sweep.out))
+    assert len(done) == 12  # 4 of the 8 prompts (every other one) x 3 methods
+    ran = []
+    for rank in (0, 1):
+        launch = Launch(rank=rank, world=2)
+        with open_results(sweep, launch) as results:
+            results.done = set(done)  # both ranks read the rows done before either runs (the command checks it)
+            ran.append(run_sweep(sweep, model, TOKENIZER, progress=False, results=results, launch=launch)["ran"])
+    assert ran == [6, 6]  # the 4 prompts left, 2 each (with the old every-other-prompt rule: [0, 12])
+    assert len(rows_of(sweep_files(sweep.out))) == 24
 
 
 def test_shared_prefill_sweep_equals_one_prefill_per_method(tmp_path):
@@ -192,5 +213,5 @@ def test_ranks_with_different_sweeps_stop_with_one_line(tmp_path, model_dir):
     for process in processes:
         _, stderr = process.communicate(timeout=300)
         assert process.returncode == 2, stderr
-        assert stderr.strip().count("\n") == 0 and "rank 1 runs sweep" in stderr and "same sweep file" in stderr
+        assert stderr.strip().count("\n") == 0 and "rank 1 has sweep" in stderr and "same sweep file" in stderr
     assert not list(tmp_path.glob("mismatch*.jsonl"))

@@ -100,6 +100,7 @@ def register(app, user_errors) -> None:
         """
         from ..model import load_model
         from .distributed import agree, current_launch
+        from .runner import short_hash
         from .sweep import load_sweep, open_results, run_sweep
 
         sweep = load_sweep(config, out, model)
@@ -107,10 +108,26 @@ def register(app, user_errors) -> None:
         torch_dtype = check_runtime(sweep.dtype, device)
         for run_config in sweep.configs():
             run_config.validate()
-        agree(launch, f"{sweep.identity()} ({sweep.counts()})", device)
+        try:  # refuses a foreign, busy or unwritable file first
+            results = open_results(sweep, launch)
+        except (ValueError, OSError) as error:
+            results = error  # said after the ranks agree, so that no rank waits for one that has stopped
+        # Every rank must run the same sweep and have read the same rows done (before any rank runs: the work
+        # left is dealt out from them).
+        state = (f"an error ({results})" if isinstance(results, Exception) else
+                 f"sweep {sweep.identity()} ({sweep.counts()}; {len(results.done)} rows done, "
+                 f"{short_hash(sorted(results.done))})")
+        try:
+            agree(launch, state, device)
+        except BaseException:
+            if not isinstance(results, Exception):
+                results.close()
+            raise
+        if isinstance(results, Exception):
+            raise results
         if launch.is_distributed and device == "cuda":
             device = f"cuda:{launch.local_rank}"
-        with open_results(sweep, launch) as results:  # refuses a foreign, busy or unwritable file first
+        with results:
             lm, tokenizer = load_model(sweep.model, dtype=torch_dtype, device=device)
             counts = run_sweep(sweep, lm, tokenizer, results=results, share_prefill=share_prefill, launch=launch)
         console.print(

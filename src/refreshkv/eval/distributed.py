@@ -58,7 +58,7 @@ def sweep_files(out: Path) -> list[Path]:
 
 
 def agree(launch: Launch, identity: str, device: str) -> None:
-    """Stop (LaunchError, on every rank) unless every rank runs the sweep `identity`."""
+    """Stop (LaunchError, on every rank) unless every rank has the same `identity`."""
     if not launch.is_distributed:
         return
     import torch.distributed as dist
@@ -72,7 +72,7 @@ def agree(launch: Launch, identity: str, device: str) -> None:
     differing = [rank for rank, other in enumerate(identities) if other != identities[0]]
     if differing:
         raise LaunchError(
-            f"rank {differing[0]} runs sweep {identities[differing[0]]} but rank 0 runs {identities[0]}: launch every "
+            f"rank {differing[0]} has {identities[differing[0]]} but rank 0 has {identities[0]}: launch every "
             "rank with the same sweep file and options"
         )
 

@@ -463,13 +463,15 @@ def run_jobs(
 
     if share_prefill is not None and not (is_number(share_prefill, integer=True) and share_prefill >= 1):
         raise ValueError(f"share_prefill must be an integer >= 1, got {share_prefill!r}")
+    rows = [(job.config, item) for job in jobs for item in job.items]
+    left = [(config, item) for config, item in rows if (config.key(), item.example["id"]) not in results.done]
+    # The prompts with work left are dealt out in turn, so that every rank gets its share of what remains (ranks
+    # read the same rows done before any of them runs: the command checks that they agree).
     prompts: dict[str, int] = {}
-    mine = [(job.config, item) for job in jobs for item in job.items
-            if my_share(prompts.setdefault(prompt_key(job.config, item), len(prompts)), launch)]
-    todo = [(config, item) for config, item in mine if (config.key(), item.example["id"]) not in results.done]
-    total = len(mine)
+    todo = [(config, item) for config, item in left
+            if my_share(prompts.setdefault(prompt_key(config, item), len(prompts)), launch)]
     desc = f"rank {launch.rank}" if launch.is_distributed else "eval"
-    with tqdm(total=total, initial=total - len(todo), desc=desc, unit="ex", disable=not progress) as bar:
+    with tqdm(total=len(todo), desc=desc, unit="ex", disable=not progress) as bar:
         for group in example_groups(todo, share_prefill):
             configs = [config for config, _ in group]
             item = group[0][1]
@@ -480,7 +482,7 @@ def run_jobs(
                 if on_row is not None:
                     on_row(row)
                 bar.update()
-    return {"done_before": total - len(todo), "ran": len(todo)}
+    return {"done_before": len(rows) - len(left), "ran": len(todo)}
 
 
 def run_eval(
