@@ -79,3 +79,19 @@ def test_mistral_beyond_its_window_equals_transformers_with_full():
     tokens, logits = transformers_generation(model, ids)
     out = refreshkv.generate(model, ids, method="full", max_new_tokens=NEW, eos_token_id=[], return_logits=True)
     assert out.tokens == tokens and max_diff(out.logits, logits) < 1e-4
+
+
+def test_layer_budgets_are_shared_by_the_layers_that_run_the_method():
+    """Gemma 3 (5 sliding layers, 1 global) with 40 prompt tokens: the global layer alone runs PyramidKV / DynamicKV,
+    so it gets the whole budget of selected tokens, the per-layer budget SnapKV keeps (K = 8, window 4: 4 selected)."""
+    from refreshkv.budget_report import budget_report
+
+    model = tiny_model("gemma3", seed=4)
+    kept = {}
+    for name in ("snapkv", "pyramidkv", "dynamickv"):
+        out = refreshkv.generate(model, random_prompt(40, seed=5), method=make_policy(name, budget=8, window=4),
+                                 max_new_tokens=1, eos_token_id=[])
+        kept[name] = budget_report(out.cache)["budget_per_layer"]
+    assert kept["snapkv"][:5] == [WINDOW] * 5  # the sliding layers hold their window whatever the method
+    assert kept["pyramidkv"] == kept["snapkv"] == kept["dynamickv"]
+    assert kept["snapkv"][5] == 8
