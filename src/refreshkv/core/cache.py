@@ -8,6 +8,9 @@ built from a model, the cache switches it to the "refreshkv" attention (which is
 built from a config, it refuses one whose model would not hand it the layers. A handoff that is never taken (a
 model whose attention bypasses the registered function) is an error at the next layer, never a silent wrong answer.
 
+Layers run the cache's method, except sliding-window layers whose window the generation outgrows: those keep their
+window, whatever the method (sliding_window.py).
+
 Beam search (`reorder_cache`, `batch_repeat_interleave`, `batch_select_indices`) reorders every layer's state
 (`LayerState.select_rows`); `reset` empties the cache for a new generation; `crop` is done by the method (only
 `full` can: the others have dropped tokens).
