@@ -34,6 +34,7 @@ from ..core.attention import PATTERN_ARGUMENT, TRAINING_UNSUPPORTED
 from ..core.cache import layer_windows
 from ..core.policy import DEFAULT_BUDGET_RATIO
 from ..documents import read_documents
+from ..eval.distributed import current_launch
 from .data import cut_windows, split_documents, write_split
 from .pattern import PartialPattern
 from .progress import TrainProgress
@@ -167,21 +168,24 @@ def train(model, tokenizer, config: TrainConfig, out: str | Path, resume: bool =
     `callbacks` are added to the Trainer's (transformers `TrainerCallback`s).
     """
     text_config = model.config.get_text_config()
-    windows = [window for window in layer_windows(text_config) if window is not None]
-    if getattr(text_config, "attn_logit_softcapping", None) or any(w < config.pattern().length for w in windows):
+    spans = [window for window in layer_windows(text_config) if window is not None]
+    if getattr(text_config, "attn_logit_softcapping", None) or any(span < config.pattern().length for span in spans):
         raise ValueError(TRAINING_UNSUPPORTED)
     out = Path(out)
     record = config.record()
-    check_out_folder(out, record, resume)
+    primary = current_launch().rank == 0  # under `accelerate launch` / torchrun, rank 0 alone checks and writes OUT
+    if primary:
+        check_out_folder(out, record, resume)
     pattern = config.pattern()
     splits, windows = prepare_data(config, tokenizer, log)
-    out.mkdir(parents=True, exist_ok=True)  # nothing is written before the data has been checked
-    write_split(out / "split", splits)
-    (out / "run.json").write_text(json.dumps(record, indent=1) + "\n")
     checkpoints = out / "checkpoints"
     done = complete_checkpoints(checkpoints) if checkpoints.exists() else []
-    for partial in set(checkpoints.glob("checkpoint-*")) - set(done):
-        shutil.rmtree(partial)  # killed while saving: its step is redone from the previous checkpoint
+    if primary:
+        out.mkdir(parents=True, exist_ok=True)  # nothing is written before the data has been checked
+        write_split(out / "split", splits)
+        (out / "run.json").write_text(json.dumps(record, indent=1) + "\n")
+        for partial in set(checkpoints.glob("checkpoint-*")) - set(done):
+            shutil.rmtree(partial)  # killed while saving: its step is redone from the previous checkpoint
     args = TrainingArguments(
         output_dir=str(checkpoints),
         per_device_train_batch_size=config.batch_size,
@@ -243,19 +247,24 @@ def train(model, tokenizer, config: TrainConfig, out: str | Path, resume: bool =
         "tokens_per_s_this_session": round((steps - first_step) * tokens_per_step / elapsed, 1),
     }
     save_model(trainer, tokenizer, out / "model")
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    if trainer.is_world_process_zero():
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     return metrics
 
 
 def save_model(trainer, tokenizer, target: Path) -> None:
+    """The final model and tokenizer, written to a temporary folder and renamed (every rank calls it: FSDP gathers)."""
+    primary = trainer.is_world_process_zero()
     trainer.model.config.use_cache = True  # the Trainer turns it off for training; generation wants it back
     staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
+    if primary:
+        shutil.rmtree(staging, ignore_errors=True)
     trainer.save_model(str(staging))
-    if hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(str(staging))
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
+    if primary:
+        if hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(str(staging))
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
 
 
 class PatternTrainer(Trainer):
