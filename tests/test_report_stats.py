@@ -126,3 +126,13 @@ def test_reports_name_files_without_their_folders_or_hashes():
     pinned = '{"paths":["/data/books/emma.txt"],"sha256":["ab12"],"target_tokens":256}'
     assert shown_options(pinned) == '{"paths":["emma.txt"],"target_tokens":256}'
     assert shown_options('{"subtask":"vt"}') == '{"subtask":"vt"}'
+
+
+def test_score_by_task_puts_full_first_and_leaves_missing_cells_empty(tmp_path):
+    rows = (rows_of("b", "snapkv", [0, 1]) + rows_of("b", "full", [1, 1]) + rows_of("a", "full", [1, 0, 0, 0])
+            + rows_of("a", "snapkv", [0, 0, 0, 0], params={"budget": 4}))
+    _, markdown = report(tmp_path, rows)
+    section = markdown.split("## Score by task")[1].split("## Per task")[0]
+    assert "| task | L | n | full | snapkv(budget=4) | snapkv |" in section  # tasks and methods in report order
+    assert "| a | 100 | 4 | 0.250 | 0.000 |  |" in section
+    assert "| b | 100 | 2 | 1.000 |  | 0.500 |" in section

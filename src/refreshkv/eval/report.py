@@ -356,6 +356,21 @@ def _markdown(rows: list[dict], columns) -> str:
     return "\n".join(lines)
 
 
+def score_by_task(groups: list[Group]) -> str:
+    """The per-task scores at a glance: a row per task and length, a column per method (`full` first); n is the
+    number of examples of the task's first method."""
+    labels = list(dict.fromkeys(g.label for g in sorted(groups, key=lambda g: not g.is_reference)))
+    cells = {(g.task, g.options, g.length, g.label): g.summary() for g in groups}
+    tasks = list(dict.fromkeys((g.task, g.options, g.length) for g in groups))
+    lines = ["| task | L | n | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)]
+    for task, options, length in tasks:
+        found = [cells.get((task, options, length, label)) for label in labels]
+        n = next(summary["n"] for summary in found if summary)
+        scores = [cell(summary["score"], "{:.3f}") if summary else "" for summary in found]
+        lines.append(f"| {task} | {length} | {n} | " + " | ".join(scores) + " |")
+    return "\n".join(lines)
+
+
 def _per_layer_table(title: str, series: dict[str, list], fmt: str) -> list[str]:
     width = max(len(v) for v in series.values())
     lines = [f"### {title}", "", "| method | " + " | ".join(f"L{i}" for i in range(width)) + " |",
@@ -372,6 +387,7 @@ def markdown_summary(groups: list[Group], sources, plots: list[Path]) -> str:
     if summaries:
         lines += ["## Per method across tasks", "", _markdown([r for s in summaries for r in s.rows], SUMMARY_COLUMNS),
                   "", *(f"- {s.note}" for s in summaries), "", LEGEND, ""]
+    lines += ["## Score by task", "", score_by_task(groups), ""]
     lines += ["## Per task", "", markdown_table(groups), "", LEGEND, ""]
     strides = {f"{g.task} L={g.length} {g.label}": g.effective_stride() for g in groups if not g.is_reference}
     strides = {k: v for k, v in strides.items() if v and all(s is not None for s in v)}
