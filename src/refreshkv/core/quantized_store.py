@@ -117,26 +117,30 @@ class QuantizedFullStore(LayerState):
         return self.span(0, self.length)
 
     def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions [start, end): the quantized groups they touch, dequantized, and the residual's part."""
+        """Positions [start, end): the quantized groups they touch, dequantized, and the residual's part, written
+        into one new tensor each (no concatenation)."""
         batch, heads, _, dim = self.residual_keys.shape
         quantized = self.groups * self.group
+        keys = self.residual_keys.new_empty(batch, heads, end - start, dim)
+        values = torch.empty_like(keys)
         first, last = start // self.group, min(-(-end // self.group), self.groups)
-        parts_k, parts_v = [], []
+        taken = 0
         if first < last:
-            dtype = self.residual_keys.dtype
-            codes = unpack(self.key_codes[:, :, first:last], self.bits).to(dtype)
-            keys = codes * self.key_scale[:, :, first:last] + self.key_min[:, :, first:last]
-            tokens = slice(first * self.group, last * self.group)
-            codes = unpack(self.value_codes[:, :, tokens], self.bits).to(dtype)
-            values = codes * self.value_scale[:, :, tokens] + self.value_min[:, :, tokens]
             cut = slice(start - first * self.group, min(end, quantized) - first * self.group)
-            parts_k.append(keys.view(batch, heads, -1, dim)[:, :, cut])
-            parts_v.append(values.view(batch, heads, -1, dim)[:, :, cut])
+            groups = slice(first, last)
+            codes = unpack(self.key_codes[:, :, groups], self.bits).to(keys.dtype)
+            dequantized = torch.addcmul(self.key_min[:, :, groups], codes, self.key_scale[:, :, groups])
+            taken = cut.stop - cut.start
+            keys[:, :, :taken] = dequantized.view(batch, heads, -1, dim)[:, :, cut]
+            tokens = slice(first * self.group, last * self.group)
+            codes = unpack(self.value_codes[:, :, tokens], self.bits).to(keys.dtype)
+            dequantized = torch.addcmul(self.value_min[:, :, tokens], codes, self.value_scale[:, :, tokens])
+            values[:, :, :taken] = dequantized.view(batch, heads, -1, dim)[:, :, cut]
         if end > quantized:
             residual = slice(max(start, quantized) - quantized, end - quantized)
-            parts_k.append(self.residual_keys[:, :, residual])
-            parts_v.append(self.residual_values[:, :, residual])
-        return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
+            keys[:, :, taken:] = self.residual_keys[:, :, residual]
+            values[:, :, taken:] = self.residual_values[:, :, residual]
+        return keys, values
 
     def _held(self) -> list[torch.Tensor]:
         tokens = self.groups * self.group

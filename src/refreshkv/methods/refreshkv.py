@@ -146,7 +146,7 @@ class RefreshKV(BudgetPolicy):
         layer.state = RefreshState(full, partial, anchor)
         valid = cache.valid_positions(length, key.device)
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
-        self._refresh(layer.state, selection_scores(probs, self.kernel, self.aggregation), valid)
+        self._refresh(layer.state, selection_scores(probs, self.kernel, self.aggregation), valid, (key, value))
 
     # -- decode ----------------------------------------------------------------------------------------------------
     def decode(self, layer, query, key, value, scaling):
@@ -190,19 +190,21 @@ class RefreshKV(BudgetPolicy):
         keys, values = state.full.view()
         valid = layer.cache.valid_positions(state.full.length, keys.device)
         output, probs = attend_with_probs(query, keys, values, scaling, valid)
-        self._refresh(state, selection_scores(probs.unsqueeze(3), self.kernel, self.aggregation), valid, rows)
+        scores = selection_scores(probs.unsqueeze(3), self.kernel, self.aggregation)
+        self._refresh(state, scores, valid, (keys, values), rows)
         if self.stride is None:
             current = self.compared_query(layer, query)
             state.anchor = current if rows is None else torch.where(rows[:, None], current, state.anchor)
         return output
 
-    def _refresh(self, state: RefreshState, scores, valid, rows=None) -> None:
-        """Rebuild C_p from per-KV-head scores (B, Hkv, n) over C_f; only `rows` (B,) bool if given."""
+    def _refresh(self, state: RefreshState, scores, valid, full_kv, rows=None) -> None:
+        """Rebuild C_p from per-KV-head scores (B, Hkv, n) over C_f's keys and values `full_kv` (read once per full
+        step: a quantized C_f is dequantized once); only `rows` (B,) bool if given."""
         if valid is not None:
             scores = scores.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
         partial = state.partial
         index = top_k(scores, min(partial.store.slots - 1, scores.shape[-1]))
-        keys, values = state.full.view()
+        keys, values = full_kv
         if rows is None:
             partial.load(keys, values, index, scores.gather(-1, index))
             return
