@@ -5,7 +5,7 @@ Quantization is per group, asymmetric, to `bits` in {8, 4, 2}: a group's minimum
 (tests/test_quantized_store.py checks the bound). As KIVI does, keys are grouped per channel over `group_size`
 consecutive tokens (key outliers live in channels) and values per token over `group_size` consecutive channels.
 The newest tokens wait in full precision until `group_size` of them fill a key group (the residual), so a token is
-quantized once, whole groups at a time. Codes are packed 8 / bits to a byte.
+quantized once, whole groups at a time. Codes are packed 8 / bits to a byte (`pack`).
 
 What is counted (`nbytes`): the packed codes, the scales and minimums (in the model's dtype) and the residual; the
 buffers grow by doubling like `FullStore`'s. `view` dequantizes everything held: a full step's read.
@@ -29,18 +29,29 @@ def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.
     return codes, scale, low
 
 
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """8 / bits codes per byte along the last dimension."""
+def pack(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """8 / bits codes per byte along `dim` (size n): byte i holds codes i, i + n/p, i + 2n/p, ... (p = 8 / bits), so
+    that unpacking writes p contiguous blocks with one scalar shift each."""
+    blocks = codes.chunk(8 // bits, dim=dim)
+    packed = blocks[0].clone()
+    for j, block in enumerate(blocks[1:], start=1):
+        packed |= block << (bits * j)
+    return packed
+
+
+def unpack_into(packed: torch.Tensor, bits: int, out: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Write the codes of `packed` into `out` (any dtype; 8 / bits times packed's size along `dim`)."""
     per_byte = 8 // bits
-    grouped = codes.view(*codes.shape[:-1], -1, per_byte)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (grouped << shifts).sum(dim=-1, dtype=torch.uint8)
+    for j, block in enumerate(out.chunk(per_byte, dim=dim)):
+        codes = packed >> (bits * j) if j else packed
+        block.copy_(codes & (2**bits - 1) if j < per_byte - 1 else codes)
+    return out
 
 
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    codes = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)
-    return codes.view(*packed.shape[:-1], -1)
+def unpack(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    shape = list(packed.shape)
+    shape[dim] *= 8 // bits
+    return unpack_into(packed, bits, packed.new_empty(shape), dim)
 
 
 class QuantizedFullStore(LayerState):
@@ -53,11 +64,12 @@ class QuantizedFullStore(LayerState):
         batch, heads, _, dim = like.shape
         self.bits, self.group = bits, group_size
         groups = max(1, -(-capacity // group_size))
-        self.key_codes = like.new_empty(batch, heads, groups, group_size, dim * bits // 8, dtype=torch.uint8)
+        # codes of both: (groups, group_size * bits / 8 bytes, D), packed along the tokens of a group
+        self.key_codes = like.new_empty(batch, heads, groups, group_size * bits // 8, dim, dtype=torch.uint8)
         self.key_scale = like.new_empty(batch, heads, groups, 1, dim)
         self.key_min = like.new_empty(batch, heads, groups, 1, dim)
         tokens = groups * group_size
-        self.value_codes = like.new_empty(batch, heads, tokens, dim // group_size, group_size * bits // 8, dtype=torch.uint8)
+        self.value_codes = torch.empty_like(self.key_codes)
         self.value_scale = like.new_empty(batch, heads, tokens, dim // group_size, 1)
         self.value_min = like.new_empty(batch, heads, tokens, dim // group_size, 1)
         self.residual_keys = like.new_empty(batch, heads, group_size, dim)
@@ -92,21 +104,21 @@ class QuantizedFullStore(LayerState):
             self._grow(max(2 * self.key_codes.shape[2], self.groups + count))
         first, last = self.groups, self.groups + count
         codes, scale, low = quantize(keys.reshape(batch, heads, count, self.group, dim), self.bits, dim=3)
-        self.key_codes[:, :, first:last] = pack(codes, self.bits)
+        self.key_codes[:, :, first:last] = pack(codes, self.bits, dim=3)
         self.key_scale[:, :, first:last], self.key_min[:, :, first:last] = scale, low
         tokens = slice(first * self.group, last * self.group)
         codes, scale, low = quantize(values.reshape(batch, heads, n, dim // self.group, self.group), self.bits, dim=4)
-        self.value_codes[:, :, tokens] = pack(codes, self.bits)
+        self.value_codes[:, :, first:last] = pack(codes.view(batch, heads, count, self.group, dim), self.bits, dim=3)
         self.value_scale[:, :, tokens], self.value_min[:, :, tokens] = scale, low
         self.groups = last
 
     def _grow(self, groups: int) -> None:
-        for name in ("key_codes", "key_scale", "key_min"):
+        for name in ("key_codes", "key_scale", "key_min", "value_codes"):
             old = getattr(self, name)
             new = old.new_empty(*old.shape[:2], groups, *old.shape[3:])
             new[:, :, : self.groups] = old[:, :, : self.groups]
             setattr(self, name, new)
-        for name in ("value_codes", "value_scale", "value_min"):
+        for name in ("value_scale", "value_min"):
             old = getattr(self, name)
             new = old.new_empty(*old.shape[:2], groups * self.group, *old.shape[3:])
             new[:, :, : self.groups * self.group] = old[:, :, : self.groups * self.group]
@@ -117,35 +129,38 @@ class QuantizedFullStore(LayerState):
         return self.span(0, self.length)
 
     def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions [start, end): the quantized groups they touch, dequantized, and the residual's part, written
-        into one new tensor each (no concatenation)."""
+        """Positions [start, end): the quantized groups they touch, dequantized in place into one new tensor each,
+        followed by the residual's part (no concatenation, no temporary of the tensor's size)."""
         batch, heads, _, dim = self.residual_keys.shape
-        quantized = self.groups * self.group
-        keys = self.residual_keys.new_empty(batch, heads, end - start, dim)
+        group, quantized = self.group, self.groups * self.group
+        first, last = start // group, min(-(-end // group), self.groups)
+        whole = max(last - first, 0) * group  # positions of the whole groups touched
+        begin = first * group if whole else start  # position of the new tensors' first entry
+        keys = self.residual_keys.new_empty(batch, heads, max(end, begin + whole) - begin, dim)
         values = torch.empty_like(keys)
-        first, last = start // self.group, min(-(-end // self.group), self.groups)
-        taken = 0
-        if first < last:
-            cut = slice(start - first * self.group, min(end, quantized) - first * self.group)
-            groups = slice(first, last)
-            codes = unpack(self.key_codes[:, :, groups], self.bits).to(keys.dtype)
-            dequantized = torch.addcmul(self.key_min[:, :, groups], codes, self.key_scale[:, :, groups])
-            taken = cut.stop - cut.start
-            keys[:, :, :taken] = dequantized.view(batch, heads, -1, dim)[:, :, cut]
-            tokens = slice(first * self.group, last * self.group)
-            codes = unpack(self.value_codes[:, :, tokens], self.bits).to(keys.dtype)
-            dequantized = torch.addcmul(self.value_min[:, :, tokens], codes, self.value_scale[:, :, tokens])
-            values[:, :, :taken] = dequantized.view(batch, heads, -1, dim)[:, :, cut]
+        if whole:
+            self._dequantize(first, last, keys[:, :, :whole], values[:, :, :whole])
         if end > quantized:
-            residual = slice(max(start, quantized) - quantized, end - quantized)
-            keys[:, :, taken:] = self.residual_keys[:, :, residual]
-            values[:, :, taken:] = self.residual_values[:, :, residual]
-        return keys, values
+            residual = max(start, quantized)
+            keys[:, :, residual - begin : end - begin] = self.residual_keys[:, :, residual - quantized : end - quantized]
+            values[:, :, residual - begin : end - begin] = self.residual_values[:, :, residual - quantized : end - quantized]
+        return keys[:, :, start - begin : end - begin], values[:, :, start - begin : end - begin]
+
+    def _dequantize(self, first: int, last: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Groups [first, last) into keys and values (B, H, n, D): codes written as floats, then scaled in place
+        (separate multiply and add: faster than one addcmul when the scale broadcasts along the last dimension)."""
+        batch, heads, n, dim = keys.shape
+        keys = unpack_into(self.key_codes[:, :, first:last], self.bits, keys.view(batch, heads, -1, self.group, dim), 3)
+        keys.mul_(self.key_scale[:, :, first:last]).add_(self.key_min[:, :, first:last])
+        tokens = slice(first * self.group, last * self.group)
+        unpack_into(self.value_codes[:, :, first:last], self.bits, values.view(batch, heads, -1, self.group, dim), 3)
+        values = values.view(batch, heads, n, dim // self.group, self.group)
+        values.mul_(self.value_scale[:, :, tokens]).add_(self.value_min[:, :, tokens])
 
     def _held(self) -> list[torch.Tensor]:
         tokens = self.groups * self.group
         return [self.key_codes[:, :, : self.groups], self.key_scale[:, :, : self.groups],
-                self.key_min[:, :, : self.groups], self.value_codes[:, :, :tokens], self.value_scale[:, :, :tokens],
+                self.key_min[:, :, : self.groups], self.value_codes[:, :, : self.groups], self.value_scale[:, :, :tokens],
                 self.value_min[:, :, :tokens], self.residual_keys, self.residual_values]
 
     def nbytes(self) -> int:
