@@ -55,7 +55,7 @@ def test_dynamic_threshold_below_minus_one_never_refreshes(llama):
     result = generate(llama, random_prompt(60), method="refreshkv", budget=8, threshold=-1.0, qc_stride=2,
                       max_new_tokens=NEW, eos_token_id=[])
     assert result.cache.full_step_fraction() == 0.0
-    assert result.cache.stats.full_steps == [0.0] * 3
+    assert result.cache.stats.per_layer() == [0.0] * 3
 
 
 def test_dynamic_threshold_one_refreshes_at_every_qc_step(llama):
@@ -64,7 +64,7 @@ def test_dynamic_threshold_one_refreshes_at_every_qc_step(llama):
                       max_new_tokens=NEW, eos_token_id=[])
     steps = result.cache.step
     assert steps == NEW - 1
-    assert result.cache.stats.full_steps == [float(steps // qc)] * 3
+    assert result.cache.stats.per_layer() == [float(steps // qc)] * 3
 
 
 def test_fixed_stride_full_step_fraction(llama):
@@ -130,12 +130,16 @@ def test_batch_equals_rows(llama, method, params):
         mask[i, 40 - len(row):] = 1
     batched = generate(llama, ids, mask, method=method, max_new_tokens=NEW, return_logits=True, eos_token_id=[],
                        **params)
+    full_per_layer = []
     for i, row in enumerate(rows):
         alone = generate(llama, row[None], method=method, max_new_tokens=NEW, return_logits=True, eos_token_id=[],
                          **params)
         assert batched.tokens[i] == alone.tokens[0]
         for x, y in zip(batched.logits, alone.logits):
             torch.testing.assert_close(x[i], y[0], atol=1e-4, rtol=0)
+        full_per_layer.append(alone.cache.stats.per_layer())
+    # rows on different schedules record the share of rows that attended fully (a tensor, read here)
+    assert batched.cache.stats.per_layer() == pytest.approx([sum(c) / 2 for c in zip(*full_per_layer)])
 
 
 def test_model_generate_accepts_the_cache(llama):
@@ -302,3 +306,19 @@ def test_gather_tokens_equals_gather_on_store_slices_and_any_layout():
         rows = index[: view.shape[0]]
         expected = view.gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, 8))
         assert torch.equal(gather_tokens(view, rows), expected)
+
+
+def test_checking_for_the_end_every_n_steps_returns_the_same_tokens(llama):
+    ids = torch.cat([random_prompt(30, seed=5), random_prompt(30, seed=6)])
+    free = generate(llama, ids, method="recycled", budget=8, stride=3, max_new_tokens=NEW, eos_token_id=[])
+    eos = next(t for t in free.tokens[0] if t in free.tokens[1])  # a token both rows produce
+    ends = [row.index(eos) for row in free.tokens]  # the step at which each row ends
+    every_step = generate(llama, ids, method="recycled", budget=8, stride=3, max_new_tokens=NEW, eos_token_id=eos)
+    every_7 = generate(llama, ids, method="recycled", budget=8, stride=3, max_new_tokens=NEW, eos_token_id=eos,
+                       eos_check_every=7)
+    assert every_step.tokens == every_7.tokens == [row[: end + 1] for row, end in zip(free.tokens, ends)]
+    assert every_step.decode_steps == max(ends)  # no forward after the step at which the last row ends
+    assert every_7.decode_steps == min(-(-(max(ends) + 1) // 7) * 7 - 1, NEW - 1)  # the next multiple of 7 steps
+    assert len(every_7.step_s) == every_7.decode_steps
+    with pytest.raises(ValueError, match="eos_check_every must be an integer >= 1, got 0"):
+        generate(llama, ids, method="full", max_new_tokens=4, eos_check_every=0)

@@ -133,7 +133,7 @@ def run_round(model, ids, methods: dict[str, dict], names: list[str], new_tokens
 
 def run_from(method: str, ids, new_tokens: int, result, peak_bytes: int | None) -> Run:
     stats = result.stats()
-    full_steps, partial_steps = split_steps(result.step_s, result.cache.stats.full_layers_per_step,
+    full_steps, partial_steps = split_steps(result.step_s, result.cache.stats.per_step(),
                                             result.cache.num_layers)
     return Run(
         method=method,

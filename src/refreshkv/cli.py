@@ -178,6 +178,8 @@ def generate(
     temperature: Annotated[float, typer.Option(min=1e-6)] = 1.0,
     top_p: Annotated[Optional[float], typer.Option(min=0.0, max=1.0)] = None,
     seed: Annotated[Optional[int], typer.Option()] = None,
+    eos_check_every: Annotated[Optional[int], typer.Option(
+        min=1, help="Check every N steps whether the generation has ended (default: 1 on the CPU, 8 on a GPU).")] = None,
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
@@ -194,7 +196,7 @@ def generate(
     torch_dtype = check_runtime(dtype, device)
     lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
     ids = encode(tokenizer, text, chat)
-    sampling = dict(do_sample=sample, temperature=temperature, top_p=top_p, seed=seed)
+    sampling = dict(do_sample=sample, temperature=temperature, top_p=top_p, seed=seed, eos_check_every=eos_check_every)
     methods = [(method, params)] + ([(compare, {})] if compare is not None else [])
     show(run_generations(lm, tokenizer, ids, methods, max_new_tokens, **sampling), as_json)
 

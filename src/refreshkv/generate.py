@@ -59,16 +59,48 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _next_token(logits, sampling: Sampling, generator) -> torch.Tensor:
-    if not sampling.do_sample:
+def default_eos_check_every(device: torch.device) -> int:
+    """Every step on the CPU, where reading a tensor costs nothing; elsewhere every 8 steps (a guess: it makes the
+    host wait for the device once per 8 steps, and costs at most 7 steps after the last row ends; not measured, no
+    GPU was available to this project)."""
+    return 1 if device.type == "cpu" else 8
+
+
+class StepTimer:
+    """Wall time of each decode forward without making the host wait for the device at each step: CUDA events,
+    read once at the end; the host clock on the CPU, where a forward has finished when it returns."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Seconds between marks 0 and 1, 2 and 3, ..."""
+        starts, ends = self.marks[0::2], self.marks[1::2]
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [start.elapsed_time(end) / 1000 for start, end in zip(starts, ends)]
+        return [end - start for start, end in zip(starts, ends)]
+
+
+def _next_token(logits, settings: DecodeSettings, generator) -> torch.Tensor:
+    if not settings.do_sample:
         return logits.argmax(dim=-1)
-    logits = logits.float() / sampling.temperature
-    if sampling.top_k is not None:
-        kth = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+    logits = logits.float() / settings.temperature
+    if settings.top_k is not None:
+        kth = logits.topk(min(settings.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p is not None:
+    if settings.top_p is not None:
         ordered, order = logits.sort(dim=-1, descending=True)
-        drop = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1) > sampling.top_p  # keep the token that crosses top_p
+        drop = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1) > settings.top_p  # keep the token that crosses top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
@@ -85,12 +117,15 @@ def check_length(model, prompt_length: int, max_new_tokens: int) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sampling:
+class DecodeSettings:
+    """How each step picks its token, and how often the loop checks whether every row has ended."""
+
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    eos_check_every: int = 1
 
 
 @torch.inference_mode()
@@ -110,18 +145,22 @@ def generate(
     return_logits: bool = False,
     progress: bool = False,
     forced_tokens: torch.Tensor | None = None,
+    eos_check_every: int | None = None,
     **method_params,
 ) -> GenerationOutput:
     """Generate with a KV method, e.g. `generate(model, ids, method="refreshkv", budget=1024)`.
 
     With `forced_tokens` (B, N) the loop feeds those tokens instead of its own choices (teacher forcing, for
     perplexity): N steps, no end-of-sequence stop; the method manages its caches exactly as in generation.
+    `eos_check_every` N: stop when every row has ended, checked every N steps (reading the check makes the host
+    wait for the device; default `default_eos_check_every`). The tokens returned do not depend on N: a row's
+    tokens after its end-of-sequence token are dropped; only the steps decoded (and their statistics) do.
     """
     policy = method if isinstance(method, Policy) else make_policy(method, **method_params)
     return generate_many(
         model, input_ids, attention_mask, methods=[policy], max_new_tokens=max_new_tokens, do_sample=do_sample,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
-        return_logits=return_logits, progress=progress, forced_tokens=forced_tokens,
+        return_logits=return_logits, progress=progress, forced_tokens=forced_tokens, eos_check_every=eos_check_every,
     )[0]
 
 
@@ -142,6 +181,7 @@ def generate_many(
     return_logits: bool = False,
     progress: bool = False,
     forced_tokens: torch.Tensor | None = None,
+    eos_check_every: int | None = None,
 ) -> list[GenerationOutput]:
     """`generate` under several methods for the price of one prefill, e.g.
     `generate_many(model, ids, methods=["full", "snapkv", make_policy("refreshkv", qc_stride=5)])`.
@@ -160,6 +200,10 @@ def generate_many(
         max_new_tokens, eos_token_id = forced_tokens.shape[1], []
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if eos_check_every is None:
+        eos_check_every = default_eos_check_every(input_ids.device)
+    if not isinstance(eos_check_every, int) or isinstance(eos_check_every, bool) or eos_check_every < 1:
+        raise ValueError(f"eos_check_every must be an integer >= 1, got {eos_check_every!r}")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if not bool(attention_mask.any(dim=-1).all()):
@@ -168,7 +212,7 @@ def generate_many(
     if eos_token_id is None:
         eos_token_id = model.generation_config.eos_token_id
     eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=input_ids.device).flatten()
-    sampling = Sampling(do_sample, temperature, top_k, top_p, seed)
+    settings = DecodeSettings(do_sample, temperature, top_k, top_p, seed, eos_check_every)
 
     caches = [PolicyCache(policy, model, max_new_tokens) for policy in policies]
     shared = [cache for cache in caches if cache.policy.shares_prefill]
@@ -178,7 +222,7 @@ def generate_many(
     for group in groups:
         logits, prefill_s = prefill(model, input_ids, attention_mask, group[0] if len(group) == 1 else SharedPrefill(group))
         for cache in group:
-            out = decode(model, cache, logits, attention_mask, max_new_tokens, sampling, eos, forced_tokens,
+            out = decode(model, cache, logits, attention_mask, max_new_tokens, settings, eos, forced_tokens,
                          return_logits, progress)
             out.prefill_s, out.prefill_shared_by = prefill_s, len(group)
             outputs[id(cache)] = out
@@ -203,16 +247,17 @@ def prefill(model, input_ids, attention_mask, cache) -> tuple[torch.Tensor, floa
 
 
 def decode(
-    model, cache: PolicyCache, logits, attention_mask, max_new_tokens, sampling: Sampling, eos, forced_tokens,
+    model, cache: PolicyCache, logits, attention_mask, max_new_tokens, settings: DecodeSettings, eos, forced_tokens,
     return_logits: bool, progress: bool,
 ) -> GenerationOutput:
     """The decode loop from the prompt's last logits: one token per step through `cache` until EOS or the limit."""
     device = logits.device
-    generator = None if sampling.seed is None else torch.Generator(device).manual_seed(sampling.seed)
+    generator = None if settings.seed is None else torch.Generator(device).manual_seed(settings.seed)
     batch = logits.shape[0]
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     position = attention_mask.long().sum(-1, keepdim=True) - 1
-    steps, chosen, all_logits, step_s = [], [], [], []
+    steps, chosen, all_logits = [], [], []
+    timer = StepTimer(device)
     bar = tqdm(total=max_new_tokens, desc=f"{cache.policy.name}: decode", unit="tok", disable=not progress, leave=False)
     start = time.perf_counter()
     for step in range(max_new_tokens):
@@ -220,19 +265,19 @@ def decode(
         if return_logits:
             all_logits.append(logits.float().cpu())
         if forced_tokens is None:
-            token = _next_token(logits, sampling, generator)
+            token = _next_token(logits, settings, generator)
         else:
             token = forced_tokens[:, step]
         chosen.append(token)
         steps.append(finished.clone())
         finished |= torch.isin(token, eos)
-        if step == max_new_tokens - 1 or bool(finished.all()):
+        if step == max_new_tokens - 1 or (step + 1) % settings.eos_check_every == 0 and bool(finished.all()):
             break
         position = position + 1
-        step_start = time.perf_counter()
+        timer.mark()
         logits = model(token[:, None], position_ids=position, past_key_values=cache, use_cache=True).logits[:, -1]
-        synchronize(device)
-        step_s.append(time.perf_counter() - step_start)
+        timer.mark()
+    synchronize(device)
     decode_s = time.perf_counter() - start
     bar.close()
 
@@ -246,6 +291,6 @@ def decode(
         decode_s=decode_s,
         decode_steps=cache.step,
         cache=cache,
-        step_s=step_s,
+        step_s=timer.seconds(),
         logits=all_logits if return_logits else None,
     )

@@ -168,8 +168,9 @@ class PolicyLayer(CacheLayerMixin):
         self.policy.crop(self, -tokens_to_remove)
         self.seen += tokens_to_remove
 
-    def record(self, full_fraction: float, attended_bytes: int) -> None:
-        """Statistics of one decode step of this layer: share of rows that attended fully, bytes of K/V read."""
+    def record(self, full_fraction: float | torch.Tensor, attended_bytes: int) -> None:
+        """Statistics of one decode step of this layer: share of rows that attended fully (a 0-d tensor when rows
+        decided on the device: recording never waits for the device), bytes of K/V read."""
         stats = self.cache.stats
         stats.full_steps[self.layer_idx] += full_fraction
         while len(stats.full_layers_per_step) < self.cache.step:
@@ -189,10 +190,19 @@ def layer_windows(text_config) -> list[int | None]:
 
 
 class DecodeStats:
+    """Full-attention counts of a generation. Entries may be 0-d device tensors (see `PolicyLayer.record`); the
+    readers below turn them into numbers, which waits for the device once."""
+
     def __init__(self, num_layers: int):
-        self.full_steps = [0.0] * num_layers  # per layer: decode steps that attended fully
-        self.full_layers_per_step: list[float] = []  # per decode step: layers that attended fully
+        self.full_steps: list[float | torch.Tensor] = [0.0] * num_layers  # per layer: steps that attended fully
+        self.full_layers_per_step: list[float | torch.Tensor] = []  # per decode step: layers that attended fully
         self.attended_bytes = 0
+
+    def per_layer(self) -> list[float]:
+        return [float(value) for value in self.full_steps]
+
+    def per_step(self) -> list[float]:
+        return [float(value) for value in self.full_layers_per_step]
 
 
 class PolicyCache(Cache):
@@ -310,7 +320,7 @@ class PolicyCache(Cache):
         return [layer.state.nbytes() if layer.state is not None else 0 for layer in self.layers]
 
     def full_step_fraction(self) -> float:
-        return sum(self.stats.full_steps) / (self.num_layers * self.step) if self.step else 0.0
+        return sum(self.stats.per_layer()) / (self.num_layers * self.step) if self.step else 0.0
 
     def attended_bytes_mean(self) -> float:
         return self.stats.attended_bytes / self.step if self.step else 0.0

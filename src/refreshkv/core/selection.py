@@ -43,14 +43,19 @@ class SelectionState(LayerState):
     def kept(self, pads: torch.Tensor | None) -> torch.Tensor:
         return self.store.kept(pads)
 
-    def load(self, keys, values, index: torch.Tensor, scores: torch.Tensor) -> None:
-        """Hold the tokens at `index` (B, Hkv, k; -1 = none) of keys/values with their scores; empty the rest."""
+    def load(self, keys, values, index: torch.Tensor, scores: torch.Tensor, ragged: bool = True) -> None:
+        """Hold the tokens at `index` (B, Hkv, k; -1 = none) of keys/values with their scores; empty the rest.
+        `ragged=False`: the caller knows no index is -1 (a top-k), so the host need not read the index."""
         kept = index.shape[-1]
-        self.store.load(keys, values, index.clamp(min=0), index)
-        self.scores[..., :kept] = scores.float().masked_fill(index < 0, float("-inf"))
+        if not ragged:
+            self.store.load(keys, values, index, index)
+            self.scores[..., :kept] = scores.float()
+        else:
+            self.store.load(keys, values, index.clamp(min=0), index)
+            self.scores[..., :kept] = scores.float().masked_fill(index < 0, float("-inf"))
         self.scores[..., kept:] = float("-inf")
         # With ragged heads (some index -1), mask until every slot has been written once.
-        self.filled = kept if bool((index >= 0).all()) else 0
+        self.filled = kept if not ragged or bool((index >= 0).all()) else 0
         self.empty = self.store.slots - kept
 
     def put(self, eviction_scores: torch.Tensor, key, value, position: int, score: float) -> None:

@@ -196,7 +196,7 @@ def cache_fields(cache) -> dict:
     return {
         "decode_steps": cache.step,
         "full_step_fraction": round(cache.full_step_fraction(), 4),
-        "full_steps_per_layer": [round(v, 4) for v in cache.stats.full_steps],
+        "full_steps_per_layer": [round(v, 4) for v in cache.stats.per_layer()],
         "kv_bytes_full": sum(per_layer),
         "kv_bytes_per_layer": per_layer,
         "kv_bytes_attended_mean": round(cache.attended_bytes_mean()),

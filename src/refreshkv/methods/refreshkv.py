@@ -162,11 +162,15 @@ class RefreshKV(BudgetPolicy):
         # Rows of the batch disagree: compute both and keep each row's own result.
         partial_out = self._partial_step(layer, query, key, value, scaling)
         full_out = self._full_step(layer, query, scaling, rows=need)
-        layer.record(need.float().mean().item(), state.partial.nbytes() + state.full.attended_bytes())
+        layer.record(need.float().mean(), state.partial.nbytes() + state.full.attended_bytes())
         return torch.where(need.view(-1, 1, 1, 1), full_out, partial_out)
 
     def _needs_full(self, layer, query: torch.Tensor):
-        """True / False for the whole batch, or a (B,) bool tensor when rows disagree."""
+        """True / False for the whole batch, or a (B,) bool tensor when rows disagree.
+
+        The dynamic schedule reads its decision on the host at QC steps only (one read per layer per QC step: on a
+        GPU the host waits for the device there), so that a step computes only the path it takes; the fixed
+        stride and the steps between QC steps never read the device."""
         state: RefreshState = layer.state
         step = layer.cache.step
         if self.stride is not None:
@@ -206,10 +210,10 @@ class RefreshKV(BudgetPolicy):
         index = top_k(scores, min(partial.store.slots - 1, scores.shape[-1]))
         keys, values = full_kv
         if rows is None:
-            partial.load(keys, values, index, scores.gather(-1, index))
+            partial.load(keys, values, index, scores.gather(-1, index), ragged=False)
             return
         refreshed = SelectionState.empty_like(keys, partial.store.slots)
-        refreshed.load(keys, values, index, scores.gather(-1, index))
+        refreshed.load(keys, values, index, scores.gather(-1, index), ragged=False)
         for name in ("keys", "values", "positions"):
             getattr(partial.store, name)[rows] = getattr(refreshed.store, name)[rows]
         partial.scores[rows] = refreshed.scores[rows]
