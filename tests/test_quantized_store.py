@@ -154,3 +154,11 @@ def test_group_size_must_divide_the_head_dimension():
     ids = torch.randint(3, 128, (1, 20))
     with pytest.raises(PolicyError, match="group_size 12 must divide the head dimension 16; choose from: 8, 16"):
         generate(model, ids, method=make_policy("refreshkv", full_cache="int4", group_size=12), max_new_tokens=2)
+
+
+def test_bytes_by_device_add_up_to_the_bytes_held():
+    model = tiny_model()
+    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(1))
+    for method, params in [("refreshkv", {"full_cache": "int4", "group_size": 8}), ("snapkv", {"window": 4})]:
+        stats = generate(model, ids, method=method, budget=16, max_new_tokens=5, **params).stats()
+        assert stats["kv_bytes_by_device"] == {"cpu": stats["kv_bytes_full"]}

@@ -49,6 +49,7 @@ class GenerationOutput:
             "full_step_fraction": round(self.cache.full_step_fraction(), 4),
             "kv_bytes_full": sum(per_layer),
             "kv_bytes_per_layer": per_layer,
+            "kv_bytes_by_device": self.cache.nbytes_by_device(),
             "kv_bytes_attended_mean": round(self.cache.attended_bytes_mean()),
             "budget": self.cache.budget,
         }

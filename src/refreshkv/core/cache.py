@@ -23,6 +23,7 @@ import threading
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .kvstore import add_counts
 from .policy import Policy, PolicyError
 from .rope import inverse_frequencies
 from .sliding_window import SlidingWindow
@@ -318,6 +319,10 @@ class PolicyCache(Cache):
 
     def nbytes_per_layer(self) -> list[int]:
         return [layer.state.nbytes() if layer.state is not None else 0 for layer in self.layers]
+
+    def nbytes_by_device(self) -> dict[str, int]:
+        """Bytes held per device, all layers (C_f offloaded to the host counts under "cpu")."""
+        return add_counts(*(layer.state.nbytes_by_device() for layer in self.layers if layer.state is not None))
 
     def full_step_fraction(self) -> float:
         return sum(self.stats.per_layer()) / (self.num_layers * self.step) if self.step else 0.0

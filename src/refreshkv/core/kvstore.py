@@ -20,6 +20,15 @@ def _bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def add_counts(*counts: dict[str, int]) -> dict[str, int]:
+    """Per-key sums of several {key: count} dictionaries."""
+    total: dict[str, int] = {}
+    for count in counts:
+        for key, value in count.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
 def every_position(length: int, like: torch.Tensor, pads: torch.Tensor | None) -> torch.Tensor:
     """(B, H, length) positions 0..length-1 of a store that keeps every token, -1 at left padding."""
     positions = torch.arange(length, device=like.device).expand(*like.shape[:2], -1)
@@ -54,6 +63,10 @@ class LayerState:
     def kept(self, pads: torch.Tensor | None) -> torch.Tensor:
         """(B, Hkv, n) positions of the real tokens held per KV head; -1 for an empty slot or left padding."""
         raise NotImplementedError
+
+    def nbytes_by_device(self) -> dict[str, int]:
+        """`nbytes` per device ("cpu", "cuda:0"): one device, unless a state holds parts on several (offloading)."""
+        return {str(self.kept(None).device): self.nbytes()}
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows `index` (B',) of the batch, in that order (beam search reorders and repeats rows)."""

@@ -40,7 +40,7 @@ from ..core.attention_math import (
     top_k,
 )
 from ..core.full_cache import DEFAULT_GROUP_SIZE, check_full_cache, check_group_size, make_full_store
-from ..core.kvstore import FullStore, LayerState
+from ..core.kvstore import FullStore, LayerState, add_counts
 from ..core.rope import unrotate
 from ..core.policy import (
     BudgetPolicy,
@@ -77,6 +77,9 @@ class RefreshState(LayerState):
 
     def nbytes(self) -> int:
         return self.full.nbytes() + self.partial.nbytes()
+
+    def nbytes_by_device(self) -> dict[str, int]:
+        return add_counts(self.full.nbytes_by_device(), self.partial.nbytes_by_device())
 
     def kept(self, pads: torch.Tensor | None) -> torch.Tensor:
         return self.full.kept(pads)
