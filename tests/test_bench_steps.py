@@ -4,6 +4,7 @@ from conftest import random_prompt
 
 import refreshkv
 from refreshkv.bench import Run, split_steps, step_kinds
+from refreshkv.bench_report import plot_bench
 
 
 def test_the_cache_counts_the_layers_that_attended_fully_at_each_step(llama):
@@ -25,3 +26,14 @@ def test_steps_are_split_by_how_many_layers_attended_fully():
     assert kinds["full_steps"] == 3 and abs(kinds["full_step_ms"] - 320) < 1e-9
     assert kinds["partial_steps"] == 4 and abs(kinds["partial_step_ms"] - 115) < 1e-9
     assert abs(kinds["partial_step_p90_ms"] - 120) < 1e-9
+    assert kinds["full_step_times_ms"] == [300.0, 320.0, 340.0] and kinds["partial_step_times_ms"] == [100.0, 110.0, 120.0, 130.0]
+
+
+def test_bench_plot_writes_the_step_histograms_beside_it(tmp_path):
+    row = {"method": "recycled", "length": 100, "decode_ms_per_token": 120.0, "floor_ms": 20.0,
+           "full_step_times_ms": [300.0, 320.0], "partial_step_times_ms": [100.0, 110.0, 120.0]}
+    result = {"rows": [row, {**row, "method": "full", "full_step_times_ms": [150.0, 160.0, 170.0, 180.0, 190.0],
+                             "partial_step_times_ms": []}],
+              "machine": {"device": "cpu (test)", "threads": 1, "dtype": "float32"}}
+    plot_bench(result, tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").stat().st_size > 0 and (tmp_path / "bench-steps.png").stat().st_size > 0

@@ -202,11 +202,13 @@ def summarize(runs: list[Run], weights: int, bandwidth: float) -> dict:
 
 
 def step_kinds(runs: list[Run]) -> dict:
-    """Full and partial steps of all rounds: count, median and 90th percentile (ms), the steps' histogram in brief."""
+    """Full and partial steps of all rounds: count, median, 90th percentile and every step's time (ms), from which
+    `bench --plot` draws the two histograms."""
     summary = {}
     for kind in ("full", "partial"):
         times = sorted(t for r in runs for t in getattr(r, f"{kind}_steps_s"))
         summary[f"{kind}_steps"] = len(times)
+        summary[f"{kind}_step_times_ms"] = [round(1000 * t, 3) for t in times]
         summary[f"{kind}_step_ms"] = 1000 * statistics.median(times) if times else None
         summary[f"{kind}_step_p90_ms"] = 1000 * times[int(0.9 * (len(times) - 1))] if times else None
     return summary

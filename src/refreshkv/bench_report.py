@@ -108,3 +108,28 @@ def plot_bench(result: dict, path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+    plot_step_histograms(result, path.with_name(f"{path.stem}-steps{path.suffix}"))
+
+
+def plot_step_histograms(result: dict, path: Path) -> None:
+    """One panel per method and length: histograms of its partial and full steps' times (the mean hides a few slow
+    refreshes among fast partial steps)."""
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    figure, axes = plt.subplots(len(rows), 1, figsize=(7, 1.6 * len(rows) + 0.8), sharex=True, squeeze=False)
+    times = [t for row in rows for kind in ("partial", "full") for t in row.get(f"{kind}_step_times_ms", [])]
+    bins = 40 if not times else [min(times) + i * (max(times) - min(times) + 1e-9) / 40 for i in range(41)]
+    for axis, row in zip(axes[:, 0], rows):
+        for kind, color in (("partial", "tab:blue"), ("full", "tab:red")):
+            steps = row.get(f"{kind}_step_times_ms", [])
+            if steps:
+                axis.hist(steps, bins=bins, color=color, alpha=0.6, label=f"{kind} steps ({len(steps)})")
+        axis.set_ylabel("steps")
+        axis.set_title(f"{row['method']}, {row['length']} tokens", fontsize=9, loc="left")
+        axis.legend(fontsize=7, loc="upper right")
+    machine = result["machine"]
+    axes[-1, 0].set_xlabel(f"decode step ms ({machine['device']}, {machine['threads']} threads, {machine['dtype']})")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -274,7 +274,9 @@ def bench(
     device: DeviceOpt = "cpu",
     threads: Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results here as JSON.")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="Write a PNG of decode time per token vs length.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(
+        help="Write a PNG of decode time per token vs length, and beside it NAME-steps.png: histograms of each "
+        "method's partial and full step times.")] = None,
     share_prefill: Annotated[bool, typer.Option(
         help="Prefill once per round for all methods (--no-share-prefill: each alone, which also measures each "
         "method's peak memory).")] = True,
