@@ -16,15 +16,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from refreshkv.eval import stats
+from refreshkv.eval.distributed import sweep_files
 from refreshkv.eval.report import load_results
 
 DENSE = "dense"
-
-
-def results_files(path: Path) -> list[Path]:
-    """The file itself, or the per-rank files of a data-parallel sweep (NAME.rank0.jsonl, ...)."""
-    ranks = sorted(path.parent.glob(f"{path.stem}.rank*{path.suffix}"))
-    return [path] if path.is_file() else ranks
 
 
 def interval(estimate: stats.Estimate) -> str:
@@ -37,7 +32,7 @@ def interval(estimate: stats.Estimate) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path)
-    paths = results_files(parser.parse_args().results)
+    paths = sweep_files(parser.parse_args().results)
     if not paths:
         sys.exit("error: no results file (or NAME.rankN.jsonl files) at that path")
     rows = load_results(paths)

@@ -1,6 +1,7 @@
 """refreshkv.txt Table 5 from two `refreshkv sweep benchmarks/table5.yaml` results files: before -> after training.
 
     python benchmarks/analysis/table5.py docs/training/table5-before.jsonl docs/training/table5-after.jsonl
+    python benchmarks/analysis/table5.py docs/training/table5-before.jsonl      (the before column alone)
 
 Test PPL per method is exp(mean loss) over every scored token of every window (the last S tokens of each window),
 as a corpus perplexity; the change is relative ((after - before) / before). Only windows present in both files are
@@ -14,14 +15,16 @@ import json
 import math
 from pathlib import Path
 
+from refreshkv.eval.distributed import sweep_files
+from refreshkv.eval.report import load_results
+
 
 def read_rows(path: Path) -> dict[tuple, dict]:
-    rows = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            rows[(row["method"], json.dumps(row["params"], sort_keys=True), row["id"])] = row
-    return rows
+    """Rows of the file and of its data-parallel rank files (NAME.rankN.jsonl), by (method, parameters, example)."""
+    paths = sweep_files(path)
+    if not paths:
+        raise SystemExit(f"error: no results at {path} (nor {path.stem}.rankN{path.suffix} beside it)")
+    return {(row["method"], json.dumps(row["params"], sort_keys=True), row["id"]): row for row in load_results(paths)}
 
 
 def perplexities(rows: dict[tuple, dict], keys: set[tuple]) -> dict[tuple, float]:
@@ -34,14 +37,22 @@ def perplexities(rows: dict[tuple, dict], keys: set[tuple]) -> dict[tuple, float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("before", type=Path)
-    parser.add_argument("after", type=Path)
+    parser.add_argument("after", type=Path, nargs="?")
     args = parser.parse_args()
-    before, after = read_rows(args.before), read_rows(args.after)
+    before = read_rows(args.before)
+    after = read_rows(args.after) if args.after else before
     shared = set(before) & set(after)
     if not shared:
         raise SystemExit("error: the two files share no (method, parameters, example) rows")
     ppl_before, ppl_after = perplexities(before, shared), perplexities(after, shared)
     windows = len({key[2] for key in shared})
+    if not args.after:
+        print(f"| method | stride | test PPL ({windows} windows) | vs full |")
+        print("|---|---|---|---|")
+        full = next(value for (method, _), value in ppl_before.items() if method == "full")
+        for (method, params), value in ppl_before.items():
+            print(f"| {method} | {json.loads(params).get('stride', '-')} | {value:.3f} | {value / full:.3f} |")
+        return
     print(f"| method | stride | test PPL before -> after ({windows} windows) | change |")
     print("|---|---|---|---|")
     for (method, params), value in ppl_before.items():
