@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .core.cache import PolicyCache
-from .core.policy import Policy, make_policy
+from .core.policy import Policy, check_positive, make_policy
 from .core.shared_prefill import SharedPrefill
 
 
@@ -203,8 +203,7 @@ def generate_many(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if eos_check_every is None:
         eos_check_every = default_eos_check_every(input_ids.device)
-    if not isinstance(eos_check_every, int) or isinstance(eos_check_every, bool) or eos_check_every < 1:
-        raise ValueError(f"eos_check_every must be an integer >= 1, got {eos_check_every!r}")
+    check_positive("eos_check_every", eos_check_every)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if not bool(attention_mask.any(dim=-1).all()):

@@ -19,11 +19,11 @@ Beam search (`reorder_cache`, `batch_repeat_interleave`, `batch_select_indices`)
 from __future__ import annotations
 
 import threading
+from collections import Counter
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .kvstore import add_counts
 from .policy import Policy, PolicyError
 from .rope import inverse_frequencies
 from .sliding_window import SlidingWindow
@@ -322,7 +322,11 @@ class PolicyCache(Cache):
 
     def nbytes_by_device(self) -> dict[str, int]:
         """Bytes held per device, all layers (C_f offloaded to the host counts under "cpu")."""
-        return add_counts(*(layer.state.nbytes_by_device() for layer in self.layers if layer.state is not None))
+        total = Counter()
+        for layer in self.layers:
+            if layer.state is not None:
+                total.update(layer.state.nbytes_by_device())
+        return dict(total)
 
     def full_step_fraction(self) -> float:
         return sum(self.stats.per_layer()) / (self.num_layers * self.step) if self.step else 0.0

@@ -20,15 +20,6 @@ def _bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def add_counts(*counts: dict[str, int]) -> dict[str, int]:
-    """Per-key sums of several {key: count} dictionaries."""
-    total: dict[str, int] = {}
-    for count in counts:
-        for key, value in count.items():
-            total[key] = total.get(key, 0) + value
-    return total
-
-
 def every_position(length: int, like: torch.Tensor, pads: torch.Tensor | None) -> torch.Tensor:
     """(B, H, length) positions 0..length-1 of a store that keeps every token, -1 at left padding."""
     positions = torch.arange(length, device=like.device).expand(*like.shape[:2], -1)

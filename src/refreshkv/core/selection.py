@@ -47,12 +47,11 @@ class SelectionState(LayerState):
         """Hold the tokens at `index` (B, Hkv, k; -1 = none) of keys/values with their scores; empty the rest.
         `ragged=False`: the caller knows no index is -1 (a top-k), so the host need not read the index."""
         kept = index.shape[-1]
-        if not ragged:
-            self.store.load(keys, values, index, index)
-            self.scores[..., :kept] = scores.float()
-        else:
-            self.store.load(keys, values, index.clamp(min=0), index)
-            self.scores[..., :kept] = scores.float().masked_fill(index < 0, float("-inf"))
+        scores = scores.float()
+        if ragged:
+            scores = scores.masked_fill(index < 0, float("-inf"))
+        self.store.load(keys, values, index.clamp(min=0) if ragged else index, index)
+        self.scores[..., :kept] = scores
         self.scores[..., kept:] = float("-inf")
         # With ragged heads (some index -1), mask until every slot has been written once.
         self.filled = kept if not ragged or bool((index >= 0).all()) else 0

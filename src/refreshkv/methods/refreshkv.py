@@ -27,6 +27,7 @@ Choices where the papers are silent:
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ from ..core.attention_math import (
     top_k,
 )
 from ..core.full_cache import DEFAULT_GROUP_SIZE, check_full_cache, check_group_size, make_full_store
-from ..core.kvstore import FullStore, LayerState, add_counts
+from ..core.kvstore import FullStore, LayerState
 from ..core.rope import unrotate
 from ..core.policy import (
     BudgetPolicy,
@@ -79,7 +80,9 @@ class RefreshState(LayerState):
         return self.full.nbytes() + self.partial.nbytes()
 
     def nbytes_by_device(self) -> dict[str, int]:
-        return add_counts(self.full.nbytes_by_device(), self.partial.nbytes_by_device())
+        total = Counter(self.full.nbytes_by_device())
+        total.update(self.partial.nbytes_by_device())
+        return dict(total)
 
     def kept(self, pads: torch.Tensor | None) -> torch.Tensor:
         return self.full.kept(pads)
