@@ -10,10 +10,10 @@ from refreshkv.bench_report import plot_bench
 def test_the_cache_counts_the_layers_that_attended_fully_at_each_step(llama):
     out = refreshkv.generate(llama, random_prompt(40), method=refreshkv.make_policy("recycled", stride=3, budget=8),
                              max_new_tokens=8, eos_token_id=[])
-    assert out.cache.stats.per_step() == [0.0, 0.0, 3.0, 0.0, 0.0, 3.0, 0.0]  # steps 3 and 6 are full
+    assert out.cache.stats.per_step(out.cache.step) == [0.0, 0.0, 3.0, 0.0, 0.0, 3.0, 0.0]  # steps 3 and 6 are full
     full = refreshkv.generate(llama, random_prompt(40), method="full", max_new_tokens=4, eos_token_id=[])
-    assert full.cache.stats.per_step() == [3.0, 3.0, 3.0]
-    assert len(out.step_s) == len(out.cache.stats.per_step())
+    assert full.cache.stats.per_step(full.cache.step) == [3.0, 3.0, 3.0]
+    assert len(out.step_s) == len(out.cache.stats.per_step(out.cache.step))
 
 
 def test_steps_are_split_by_how_many_layers_attended_fully():

@@ -13,6 +13,7 @@ measured once by copying a large tensor: a step cannot be faster than reading wh
 from __future__ import annotations
 
 import dataclasses
+import platform
 import statistics
 import time
 from pathlib import Path
@@ -44,6 +45,19 @@ def memory_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * source.numel() * source.element_size() / best
+
+
+def cpu_facts() -> dict:
+    """The CPU's model name and its bf16 instructions ("none": bfloat16 is emulated there, slower than float32)."""
+    name = platform.processor() or "unknown"
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    checks = (("avx512_bf16", "_is_avx512_bf16_supported"), ("amx", "_is_amx_tile_supported"))
+    bf16 = [label for label, check in checks if getattr(torch.cpu, check, lambda: False)()]
+    return {"cpu": name, "cpu_bf16": ", ".join(bf16) or "none"}
 
 
 def weight_bytes(model) -> int:
@@ -99,6 +113,7 @@ class Run:
     peak_bytes: int | None
     full_steps_s: list[float] = dataclasses.field(default_factory=list)  # steps where most layers attended fully
     partial_steps_s: list[float] = dataclasses.field(default_factory=list)  # steps where no layer did
+    tokens: list[int] = dataclasses.field(default_factory=list)  # greedy tokens (compare eager with --compile runs)
 
 
 def split_steps(step_s: list[float], full_layers: list[float], num_layers: int) -> tuple[list[float], list[float]]:
@@ -113,7 +128,7 @@ def split_steps(step_s: list[float], full_layers: list[float], num_layers: int) 
 
 
 def run_round(model, ids, methods: dict[str, dict], names: list[str], new_tokens, peak: PeakMemory,
-              share_prefill: bool) -> list[Run]:
+              share_prefill: bool, compile: bool = False) -> list[Run]:
     """One run of each of `names`, in that order. Shared: one prefill for all (its time in every Run, peak memory
     unattributable); otherwise each method prefills alone and its peak memory is its own."""
     runs = {}
@@ -121,19 +136,20 @@ def run_round(model, ids, methods: dict[str, dict], names: list[str], new_tokens
         runs[REFERENCE] = run_transformers_once(model, ids, new_tokens, peak)
     policies = {name: make_policy(method_of(name), **methods[name]) for name in names if name != REFERENCE}
     if share_prefill:
-        outs = generate_many(model, ids, methods=list(policies.values()), max_new_tokens=new_tokens, eos_token_id=[])
+        outs = generate_many(model, ids, methods=list(policies.values()), max_new_tokens=new_tokens, eos_token_id=[],
+                             compile=compile)
         runs.update((name, run_from(name, ids, new_tokens, out, None)) for name, out in zip(policies, outs))
     else:
         for name, policy in policies.items():
             peak.reset()
-            out = generate(model, ids, method=policy, max_new_tokens=new_tokens, eos_token_id=[])
+            out = generate(model, ids, method=policy, max_new_tokens=new_tokens, eos_token_id=[], compile=compile)
             runs[name] = run_from(name, ids, new_tokens, out, peak.peak_bytes())
     return [runs[name] for name in names]
 
 
 def run_from(method: str, ids, new_tokens: int, result, peak_bytes: int | None) -> Run:
     stats = result.stats()
-    full_steps, partial_steps = split_steps(result.step_s, result.cache.stats.per_step(),
+    full_steps, partial_steps = split_steps(result.step_s, result.cache.stats.per_step(result.cache.step),
                                             result.cache.num_layers)
     return Run(
         method=method,
@@ -148,6 +164,7 @@ def run_from(method: str, ids, new_tokens: int, result, peak_bytes: int | None) 
         peak_bytes=peak_bytes,
         full_steps_s=full_steps,
         partial_steps_s=partial_steps,
+        tokens=result.tokens[0],
     )
 
 
@@ -198,6 +215,7 @@ def summarize(runs: list[Run], weights: int, bandwidth: float) -> dict:
         "peak_process_bytes": max(peaks) if peaks else None,
         "floor_ms": 1000 * floor,
         "measured_over_floor": median_token / floor,
+        "tokens": runs[0].tokens,
     }
 
 
@@ -222,11 +240,12 @@ def check_methods(methods: dict[str, dict]) -> None:
 
 
 def run_bench(model, tokenizer, methods: dict[str, dict], lengths: list[int], new_tokens: int, rounds: int,
-              progress=None, share_prefill: bool = True) -> dict:
+              progress=None, share_prefill: bool = True, compile: bool = False) -> dict:
     """Interleaved benchmark; `methods` maps a method name to its parameters. Returns rows + machine facts.
 
     With `share_prefill` each round prefills the prompt once for every method (`generate_many`), so the prefill is
-    timed once; peak memory is then not measured per method (all caches exist together).
+    timed once; peak memory is then not measured per method (all caches exist together). With `compile` decode
+    steps run compiled (`transformers` stays eager), after one untimed round per length that compiles the graphs.
     """
     check_methods(methods)
     for length in lengths:
@@ -242,10 +261,12 @@ def run_bench(model, tokenizer, methods: dict[str, dict], lengths: list[int], ne
     for length in lengths:
         ids = bench_prompt(tokenizer, length - new_tokens).to(device)  # decoding ends at `length` tokens
         runs: dict[str, list[Run]] = {name: [] for name in names}
+        if compile:
+            run_round(model, ids, methods, names, new_tokens, peak, share_prefill, compile)
         for round_index in range(rounds):
             shift = round_index % len(names)
             order = names[shift:] + names[:shift]
-            for run in run_round(model, ids, methods, order, new_tokens, peak, share_prefill):
+            for run in run_round(model, ids, methods, order, new_tokens, peak, share_prefill, compile):
                 runs[run.method].append(run)
             if progress is not None:
                 progress(len(order))
@@ -268,6 +289,8 @@ def run_bench(model, tokenizer, methods: dict[str, dict], lengths: list[int], ne
             "memory_bandwidth_gb_s": bandwidth / 1e9,
             "weight_bytes": weights,
             "torch": torch.__version__,
+            "compile": compile,
+            **cpu_facts(),
         },
         "new_tokens": new_tokens,
         "rounds": rounds,

@@ -49,8 +49,10 @@ def _cell(value, fmt: str) -> str:
 
 def bench_tables(result: dict) -> list[Table]:
     machine = result["machine"]
+    cpu = f"{machine['cpu']} (bf16 instructions: {machine['cpu_bf16']}), " if "cpu" in machine else ""
     caption = (
-        f"{machine['device']}, {machine['threads']} threads, {machine['dtype']}, "
+        f"{machine['device']}, {cpu}{machine['threads']} threads, {machine['dtype']}, "
+        f"{'compiled' if machine.get('compile') else 'eager'}, "
         f"bandwidth {machine['memory_bandwidth_gb_s']:.1f} GB/s, weights {machine['weight_bytes'] / 2**20:.0f} MB, "
         f"{result['new_tokens']} new tokens, median of {result['rounds']} interleaved rounds"
     )

@@ -19,6 +19,7 @@ from .train.commands import register as register_train_commands
 from .options import (
     AggOpt,
     BudgetOpt,
+    CompileOpt,
     DeviceOpt,
     DtypeOpt,
     KernelOpt,
@@ -182,6 +183,7 @@ def generate(
         min=1, help="Check every N steps whether the generation has ended (default: 1 on the CPU, 8 on a GPU).")] = None,
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
+    compile: CompileOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ):
     """Generate from a prompt with a KV method and report its speed and KV memory."""
@@ -193,10 +195,11 @@ def generate(
     if compare is not None:
         make_policy(compare)
     text = read_prompt(prompt, prompt_file)
-    torch_dtype = check_runtime(dtype, device)
+    torch_dtype = check_runtime(dtype, device, compile)
     lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
     ids = encode(tokenizer, text, chat)
-    sampling = dict(do_sample=sample, temperature=temperature, top_p=top_p, seed=seed, eos_check_every=eos_check_every)
+    sampling = dict(do_sample=sample, temperature=temperature, top_p=top_p, seed=seed, eos_check_every=eos_check_every,
+                    compile=compile)
     methods = [(method, params)] + ([(compare, {})] if compare is not None else [])
     show(run_generations(lm, tokenizer, ids, methods, max_new_tokens, **sampling), as_json)
 
@@ -280,6 +283,7 @@ def bench(
     share_prefill: Annotated[bool, typer.Option(
         help="Prefill once per round for all methods (--no-share-prefill: each alone, which also measures each "
         "method's peak memory).")] = True,
+    compile: CompileOpt = False,
 ):
     """Decode speed, memory and distance to the bandwidth floor of methods, interleaved in one run."""
     import torch
@@ -291,7 +295,7 @@ def bench(
 
     chosen = bench_methods(methods, budget, param)
     length_list = parse_lengths(lengths)
-    torch_dtype = check_runtime(dtype, device)
+    torch_dtype = check_runtime(dtype, device, compile)
     if plot is not None:
         check_plotting()
     if threads is not None:
@@ -299,7 +303,7 @@ def bench(
     lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
     with tqdm(total=rounds * len(chosen) * len(length_list), desc="bench runs", unit="run") as bar:
         result = run_bench(lm, tokenizer, chosen, length_list, new_tokens, rounds, progress=bar.update,
-                           share_prefill=share_prefill)
+                           share_prefill=share_prefill, compile=compile)
     for table in bench_tables(result):
         out.print(table)
     if json_out is not None:

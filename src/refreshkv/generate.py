@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from .compiled import check_compile_works, compiled_forward
 from .core.cache import PolicyCache
 from .core.policy import Policy, check_positive, make_policy
 from .core.shared_prefill import SharedPrefill
@@ -127,6 +128,7 @@ class DecodeSettings:
     top_p: float | None = None
     seed: int | None = None
     eos_check_every: int = 1
+    compile: bool = False
 
 
 @torch.inference_mode()
@@ -147,6 +149,7 @@ def generate(
     progress: bool = False,
     forced_tokens: torch.Tensor | None = None,
     eos_check_every: int | None = None,
+    compile: bool = False,
     **method_params,
 ) -> GenerationOutput:
     """Generate with a KV method, e.g. `generate(model, ids, method="refreshkv", budget=1024)`.
@@ -156,12 +159,15 @@ def generate(
     `eos_check_every` N: stop when every row has ended, checked every N steps (reading the check makes the host
     wait for the device; default `default_eos_check_every`). The tokens returned do not depend on N: a row's
     tokens after its end-of-sequence token are dropped; only the steps decoded (and their statistics) do.
+    `compile=True`: decode steps run the model's forward under torch.compile (compiled.py); greedy tokens equal the
+    eager ones, the first steps (and a schedule's first full step) pay for compilation.
     """
     policy = method if isinstance(method, Policy) else make_policy(method, **method_params)
     return generate_many(
         model, input_ids, attention_mask, methods=[policy], max_new_tokens=max_new_tokens, do_sample=do_sample,
         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
         return_logits=return_logits, progress=progress, forced_tokens=forced_tokens, eos_check_every=eos_check_every,
+        compile=compile,
     )[0]
 
 
@@ -183,6 +189,7 @@ def generate_many(
     progress: bool = False,
     forced_tokens: torch.Tensor | None = None,
     eos_check_every: int | None = None,
+    compile: bool = False,
 ) -> list[GenerationOutput]:
     """`generate` under several methods for the price of one prefill, e.g.
     `generate_many(model, ids, methods=["full", "snapkv", make_policy("refreshkv", qc_stride=5)])`.
@@ -212,7 +219,9 @@ def generate_many(
     if eos_token_id is None:
         eos_token_id = model.generation_config.eos_token_id
     eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=input_ids.device).flatten()
-    settings = DecodeSettings(do_sample, temperature, top_k, top_p, seed, eos_check_every)
+    settings = DecodeSettings(do_sample, temperature, top_k, top_p, seed, eos_check_every, compile)
+    if compile:
+        check_compile_works()
 
     caches = [PolicyCache(policy, model, max_new_tokens) for policy in policies]
     shared = [cache for cache in caches if cache.policy.shares_prefill]
@@ -258,6 +267,7 @@ def decode(
     position = attention_mask.long().sum(-1, keepdim=True) - 1
     steps, chosen, all_logits = [], [], []
     timer = StepTimer(device)
+    forward = compiled_forward(model) if settings.compile else model
     bar = tqdm(total=max_new_tokens, desc=f"{cache.policy.name}: decode", unit="tok", disable=not progress, leave=False)
     start = time.perf_counter()
     for step in range(max_new_tokens):
@@ -275,7 +285,7 @@ def decode(
             break
         position = position + 1
         timer.mark()
-        logits = model(token[:, None], position_ids=position, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = forward(token[:, None], position_ids=position, past_key_values=cache, use_cache=True).logits[:, -1]
         timer.mark()
     synchronize(device)
     decode_s = time.perf_counter() - start

@@ -22,6 +22,8 @@ AggOpt = Annotated[Optional[str], typer.Option(help="GQA aggregation of scores: 
 ParamOpt = Annotated[list[str], typer.Option("--param", help="Any other method parameter, NAME=VALUE (repeatable).")]
 DtypeOpt = Annotated[str, typer.Option(help="float32 or bfloat16.")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu or cuda.")]
+CompileOpt = Annotated[bool, typer.Option(
+    help="Run decode steps under torch.compile (opt-in: the first steps pay for compilation; see compiled.py).")]
 
 
 def parse_value(raw: str):
@@ -72,9 +74,11 @@ def method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, wi
     return {**given, **extra}
 
 
-def check_runtime(dtype: str, device: str):
-    """The torch dtype for `dtype`, after checking that `device` exists here."""
+def check_runtime(dtype: str, device: str, compile: bool = False):
+    """The torch dtype for `dtype`, after checking that `device` exists here (and that torch.compile works, if asked)."""
     import torch
+
+    from .compiled import check_compile_works
 
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype '{dtype}'; choose from: {', '.join(DTYPES)}")
@@ -82,4 +86,6 @@ def check_runtime(dtype: str, device: str):
         raise ValueError(f"unknown device '{device}'; choose from: cpu, cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but no CUDA GPU is available")
+    if compile:
+        check_compile_works()
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]

@@ -171,13 +171,8 @@ class PolicyLayer(CacheLayerMixin):
 
     def record(self, full_fraction: float | torch.Tensor, attended_bytes: int) -> None:
         """Statistics of one decode step of this layer: share of rows that attended fully (a 0-d tensor when rows
-        decided on the device: recording never waits for the device), bytes of K/V read."""
-        stats = self.cache.stats
-        stats.full_steps[self.layer_idx] += full_fraction
-        while len(stats.full_layers_per_step) < self.cache.step:
-            stats.full_layers_per_step.append(0.0)
-        stats.full_layers_per_step[self.cache.step - 1] += full_fraction
-        stats.attended_bytes += attended_bytes
+        decided on the device), bytes of K/V read. Kept in device tensors: recording never waits for the device."""
+        self.cache.stats.add(self.layer_idx, self.cache.step, full_fraction, attended_bytes)
         self.recorded = True
 
 
@@ -191,19 +186,34 @@ def layer_windows(text_config) -> list[int | None]:
 
 
 class DecodeStats:
-    """Full-attention counts of a generation. Entries may be 0-d device tensors (see `PolicyLayer.record`); the
-    readers below turn them into numbers, which waits for the device once."""
+    """Full-attention counts of a generation, accumulated in tensors on the cache's device (so that a compiled step
+    holds no Python state that changes from step to step); the readers below wait for the device once. Each layer
+    writes only its own tensors: thirty in-place updates of one shared tensor per step made the compiler's
+    analysis of the step grow exponentially with the number of layers (minutes at 8 layers)."""
 
-    def __init__(self, num_layers: int):
-        self.full_steps: list[float | torch.Tensor] = [0.0] * num_layers  # per layer: steps that attended fully
-        self.full_layers_per_step: list[float | torch.Tensor] = []  # per decode step: layers that attended fully
-        self.attended_bytes = 0
+    def __init__(self, num_layers: int, device=None, steps: int = 0):
+        # per layer and decode step: share of rows that attended fully
+        self.full = [torch.zeros(max(steps, 1), device=device) for _ in range(num_layers)]
+        # per layer: bytes of K/V read, summed over steps
+        self.attended = [torch.zeros((), dtype=torch.long, device=device) for _ in range(num_layers)]
+
+    def add(self, layer_idx: int, step: int, full_fraction, attended_bytes: int) -> None:
+        full = self.full[layer_idx]
+        if step > full.shape[0]:  # more steps than announced: double
+            full = self.full[layer_idx] = torch.cat([full, torch.zeros_like(full)])
+        full[step - 1] += full_fraction
+        self.attended[layer_idx] += attended_bytes
 
     def per_layer(self) -> list[float]:
-        return [float(value) for value in self.full_steps]
+        """Steps that attended fully, per layer."""
+        return torch.stack(self.full).sum(1).tolist()
 
-    def per_step(self) -> list[float]:
-        return [float(value) for value in self.full_layers_per_step]
+    def per_step(self, steps: int) -> list[float]:
+        """Layers that attended fully, per decode step."""
+        return torch.stack([full[:steps] for full in self.full]).sum(0).tolist()
+
+    def attended_bytes(self) -> int:
+        return int(sum(self.attended))
 
 
 class PolicyCache(Cache):
@@ -268,6 +278,7 @@ class PolicyCache(Cache):
                 self.prompt_length = length - int(pads.min())
                 shortest = length - int(pads.max())
         self.policy.check_prompt(shortest)
+        self.stats = DecodeStats(self.num_layers, key.device, self.expected_new_tokens())
         total = length + self.expected_new_tokens()
         self.windowed = [window is not None and total > window for window in self.layer_windows]
         budget_for = getattr(self.policy, "budget_for", None)
@@ -332,4 +343,4 @@ class PolicyCache(Cache):
         return sum(self.stats.per_layer()) / (self.num_layers * self.step) if self.step else 0.0
 
     def attended_bytes_mean(self) -> float:
-        return self.stats.attended_bytes / self.step if self.step else 0.0
+        return self.stats.attended_bytes() / self.step if self.step else 0.0

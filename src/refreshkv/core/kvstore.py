@@ -142,7 +142,7 @@ class SlotStore(LayerState):
         index = slot.unsqueeze(-1)
         self.keys.scatter_(2, index.unsqueeze(-1).expand_as(keys), keys)
         self.values.scatter_(2, index.unsqueeze(-1).expand_as(values), values)
-        self.positions.scatter_(2, index, position)
+        self.positions.scatter_(2, index, torch.full_like(index, position))  # a tensor: torch.compile takes it
 
     def valid(self, pads: torch.Tensor | None) -> torch.Tensor:
         """(B, H, slots) bool: the slot holds a real token (not empty, not left padding)."""

@@ -61,7 +61,9 @@ class SelectionState(LayerState):
         """Write one token into each head's lowest-scored slot (an empty one while there is room)."""
         slot = eviction_scores.argmin(dim=-1)
         self.store.put(slot, key, value, position)
-        self.scores.scatter_(-1, slot.unsqueeze(-1), score)
+        # The score as a tensor: under torch.compile a score computed from the step count is symbolic, which
+        # inductor cannot fill a scatter with.
+        self.scores.scatter_(-1, slot.unsqueeze(-1), torch.full_like(slot, score, dtype=self.scores.dtype).unsqueeze(-1))
         self.filled = min(self.filled + 1, self.store.slots)
         self.empty = max(self.empty - 1, 0)
 

@@ -172,19 +172,24 @@ class RefreshKV(BudgetPolicy):
         return torch.where(need.view(-1, 1, 1, 1), full_out, partial_out)
 
     def _needs_full(self, layer, query: torch.Tensor):
-        """True / False for the whole batch, or a (B,) bool tensor when rows disagree.
+        """True / False for the whole batch, or a (B,) bool tensor when rows may disagree.
 
-        The dynamic schedule reads its decision on the host at QC steps only (one read per layer per QC step: on a
-        GPU the host waits for the device there), so that a step computes only the path it takes; the fixed
-        stride and the steps between QC steps never read the device."""
+        The schedule's step test is a host integer test (never a device read; under torch.compile it selects one
+        of two compiled graphs). The dynamic schedule's decision at QC steps is read on the host once per layer (on
+        a GPU the host waits for the device there), so that a step computes only the path it takes. Under
+        torch.compile it is not read: a QC step computes both paths and each row keeps its own (cost: a partial
+        step more every `qc_stride` steps), which keeps the step one graph without a host sync."""
         state: RefreshState = layer.state
         step = layer.cache.step
-        if self.stride is not None:
-            return step % self.stride == 0
-        if step % (self.qc_stride or DEFAULT_QC_STRIDE) != 0:
+        stride = self.stride or self.qc_stride or DEFAULT_QC_STRIDE
+        if step % stride != 0:  # a branch, not a value: under torch.compile a guard, so `need` is a plain bool
             return False
+        if self.stride is not None:
+            return True
         threshold = default_threshold(layer.cache.model_type) if self.threshold is None else self.threshold
         need = F.cosine_similarity(self.compared_query(layer, query), state.anchor.float(), dim=-1) < threshold
+        if torch.compiler.is_compiling():
+            return need
         count = int(need.sum())
         return True if count == need.numel() else False if count == 0 else need
 
@@ -220,9 +225,9 @@ class RefreshKV(BudgetPolicy):
             return
         refreshed = SelectionState.empty_like(keys, partial.store.slots)
         refreshed.load(keys, values, index, scores.gather(-1, index), ragged=False)
-        for name in ("keys", "values", "positions"):
-            getattr(partial.store, name)[rows] = getattr(refreshed.store, name)[rows]
-        partial.scores[rows] = refreshed.scores[rows]
+        for target, source in ((partial.store.keys, refreshed.store.keys), (partial.store.values, refreshed.store.values),
+                               (partial.store.positions, refreshed.store.positions), (partial.scores, refreshed.scores)):
+            target.copy_(torch.where(rows.view(-1, *[1] * (target.ndim - 1)), source, target))
         partial.filled = min(partial.filled, refreshed.filled)
 
 

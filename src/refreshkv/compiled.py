@@ -1,0 +1,49 @@
+"""The opt-in compiled decode step: `generate(..., compile=True)`, `refreshkv generate/bench --compile`.
+
+The model's forward is compiled whole (`torch.compile(fullgraph=True)`) and used for decode steps; the prompt
+runs eagerly (its length changes with every prompt, and it runs once). The graphs are kept by dynamo per code object,
+so every generation of a process reuses those whose guards still hold (new ones appear with new methods or prompt
+lengths). What lets a step compile whole, for every
+built-in method (tests/test_compiled.py):
+- the per-step integers (decode step, tokens seen, store lengths) are plain Python ints that dynamo makes symbolic
+  after the second step (one recompile), so the full cache's growing length is a dynamic shape, not a recompile;
+- a schedule's test on the step count (`recycled`'s stride, `refreshkv`'s QC steps) is a branch, which dynamo turns
+  into a guard: each side is its own graph, picked on the host without reading the device;
+- statistics are accumulated in device tensors (core/cache.py `DecodeStats`), scalars written into tensors are
+  tensors, and `refreshkv`'s per-row decision at QC steps is applied with `torch.where` instead of read on the host.
+Each new graph (the first steps, the first full step of a schedule) costs a compilation of seconds to minutes; it
+pays only over long generations or many of them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_works: list[str] = []  # why compiling failed on this machine ("" = it works), checked once per process
+RECOMPILE_LIMIT = 64  # graphs per compiled forward: a sweep meets new guards with new prompt lengths and methods
+
+
+class CompileUnavailable(ValueError):
+    """torch.compile cannot run here; the message is one line saying why and how to run without it."""
+
+
+def check_compile_works() -> None:
+    """Compile a tiny function once per process; raise CompileUnavailable (one line) if the compiler fails (no C++
+    compiler, an unsupported platform or Python version)."""
+    if not _works:
+        try:
+            torch.compile(lambda x: (x * 2).sum(), fullgraph=True)(torch.ones(4))
+            _works.append("")
+        except Exception as error:  # any failure of the toolchain: report it in one line
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            _works.append(f"{type(error).__name__}: {reason}"[:200])
+    if _works[0]:
+        raise CompileUnavailable(f"torch.compile does not work on this machine ({_works[0]}); run without --compile "
+                                 "(compile=False, the default)")
+
+
+def compiled_forward(model):
+    """The model's forward compiled whole, for decode steps."""
+    check_compile_works()
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(model.forward, fullgraph=True)
