@@ -3,16 +3,16 @@
 The model's forward is compiled whole (`torch.compile(fullgraph=True)`) and used for decode steps; the prompt
 runs eagerly (its length changes with every prompt, and it runs once). The graphs are kept by dynamo per code object,
 so every generation of a process reuses those whose guards still hold (new ones appear with new methods or prompt
-lengths). What lets a step compile whole, for every
-built-in method (tests/test_compiled.py):
+lengths). What lets a step compile whole, for every built-in method (six in tests/test_compiled.py; the other five
+were probed the same way):
 - the per-step integers (decode step, tokens seen, store lengths) are plain Python ints that dynamo makes symbolic
   after the second step (one recompile), so the full cache's growing length is a dynamic shape, not a recompile;
 - a schedule's test on the step count (`recycled`'s stride, `refreshkv`'s QC steps) is a branch, which dynamo turns
   into a guard: each side is its own graph, picked on the host without reading the device;
 - statistics are accumulated in device tensors (core/cache.py `DecodeStats`), scalars written into tensors are
   tensors, and `refreshkv`'s per-row decision at QC steps is applied with `torch.where` instead of read on the host.
-Each new graph (the first steps, the first full step of a schedule) costs a compilation of seconds to minutes; it
-pays only over long generations or many of them.
+Each new graph (the first steps, the first full step of a schedule) costs a compilation: on the embedded model with 2
+CPU threads about 1 minute for `full` and 4-6 for `recycled`/`refreshkv`, for a step 5-7% faster (docs/benchmark.md).
 """
 
 from __future__ import annotations
