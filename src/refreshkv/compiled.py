@@ -3,8 +3,8 @@
 The model's forward is compiled whole (`torch.compile(fullgraph=True)`) and used for decode steps; the prompt
 runs eagerly (its length changes with every prompt, and it runs once). The graphs are kept by dynamo per code object,
 so every generation of a process reuses those whose guards still hold (new ones appear with new methods or prompt
-lengths). What lets a step compile whole, for every built-in method (six in tests/test_compiled.py; the other five
-were probed the same way):
+lengths). What lets a step compile whole, for every registered method (tests/test_method_contract.py
+compiles each with fullgraph and compares it with eager):
 - the per-step integers (decode step, tokens seen, store lengths) are plain Python ints that dynamo makes symbolic
   after the second step (one recompile), so the full cache's growing length is a dynamic shape, not a recompile;
 - a schedule's test on the step count (`recycled`'s stride, `refreshkv`'s QC steps) is a branch, which dynamo turns
