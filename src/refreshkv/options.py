@@ -22,6 +22,8 @@ AggOpt = Annotated[Optional[str], typer.Option(help="GQA aggregation of scores: 
 ParamOpt = Annotated[list[str], typer.Option("--param", help="Any other method parameter, NAME=VALUE (repeatable).")]
 DtypeOpt = Annotated[str, typer.Option(help="float32 or bfloat16.")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu or cuda.")]
+WeightLayoutOpt = Annotated[str, typer.Option(
+    help="stored (as the checkpoint lies) or fastest (each weight shape's layout timed on this machine; see weight_layout.py).")]
 CompileOpt = Annotated[bool, typer.Option(
     help="Run decode steps under torch.compile (opt-in: the first steps pay for compilation; see compiled.py).")]
 
@@ -74,11 +76,13 @@ def method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, wi
     return {**given, **extra}
 
 
-def check_runtime(dtype: str, device: str, compile: bool = False):
-    """The torch dtype for `dtype`, after checking that `device` exists here (and that torch.compile works, if asked)."""
+def check_runtime(dtype: str, device: str, compile: bool = False, weight_layout: str = "stored"):
+    """The torch dtype for `dtype`, after checking that `device` exists here, the weight layout is known (and that
+    torch.compile works, if asked)."""
     import torch
 
     from .compiled import check_compile_works
+    from .weight_layout import check_weight_layout
 
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype '{dtype}'; choose from: {', '.join(DTYPES)}")
@@ -86,6 +90,7 @@ def check_runtime(dtype: str, device: str, compile: bool = False):
         raise ValueError(f"unknown device '{device}'; choose from: cpu, cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but no CUDA GPU is available")
+    check_weight_layout(weight_layout)
     if compile:
         check_compile_works()
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]

@@ -1,0 +1,93 @@
+"""Weight layout (weight_layout.py) and one profiled decode step (profile_step.py)."""
+
+import json
+
+import pytest
+import torch
+from conftest import random_prompt, tiny_model
+from test_bad_input import WordTokenizer, assert_one_line_error, cli, no_model, tiny_loader  # noqa: F401  (fixtures)
+
+from refreshkv import generate, make_policy, weight_layout
+from refreshkv.profile_step import profile_step
+
+
+def lies_transposed(weight: torch.Tensor) -> bool:
+    return weight.stride() == (1, weight.shape[0])
+
+
+def fake_timing(monkeypatch, transposed_share: dict[int, float]):
+    """Time a group as 1.0 in the stored layout and as `transposed_share[out_features]` transposed."""
+
+    def seconds(weights, repeats=3):
+        share = transposed_share.get(weights[0].shape[0], 1.0)
+        return share if lies_transposed(weights[0]) else 1.0
+
+    monkeypatch.setattr(weight_layout, "product_seconds", seconds)
+
+
+def test_fastest_layout_moves_the_shapes_measured_faster_and_keeps_the_values(monkeypatch):
+    model = tiny_model("llama", layers=2, tie_word_embeddings=True)
+    before = {name: weight.clone() for name, weight in model.named_parameters()}
+    ids = random_prompt(30)
+    stored = generate(model, ids, method="full", max_new_tokens=8, eos_token_id=[], return_logits=True)
+    # 128 rows: the tied output projection and the MLP's up/gate (intermediate 128); 64 rows: q, o, down
+    fake_timing(monkeypatch, {128: 0.5, 64: 0.95})  # 0.95: within the margin, so a near tie keeps the layout
+    chosen = weight_layout.set_weight_layout(model, "fastest")
+    assert chosen == {"64x64": "stored", "32x64": "stored", "128x64": "transposed", "64x128": "stored"}
+    assert lies_transposed(model.model.layers[0].mlp.up_proj.weight)
+    assert not lies_transposed(model.model.layers[0].self_attn.q_proj.weight)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and lies_transposed(model.lm_head.weight)
+    for name, weight in model.named_parameters():
+        assert torch.equal(weight, before[name])
+    moved = generate(model, ids, method="full", max_new_tokens=8, eos_token_id=[], return_logits=True)
+    assert moved.tokens == stored.tokens
+    for a, b in zip(moved.logits, stored.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_stored_layout_leaves_the_model_alone(monkeypatch):
+    model = tiny_model("llama", layers=1)
+    fake_timing(monkeypatch, {128: 0.1, 64: 0.1, 32: 0.1})
+    assert weight_layout.set_weight_layout(model, "stored") == {}
+    assert not any(lies_transposed(w) for w in model.parameters() if w.ndim == 2)
+
+
+def test_the_real_timing_runs_on_tiny_weights():
+    seconds = weight_layout.product_seconds([torch.randn(8, 4), torch.randn(8, 4)], repeats=2)
+    assert 0 < seconds < 1
+
+
+def test_bad_weight_layout_is_one_line_before_loading(no_model, monkeypatch, capsys):
+    code, _, err = cli(monkeypatch, capsys, "generate", "--prompt", "hello", "--weight-layout", "fast")
+    assert_one_line_error(code, err, "unknown weight layout 'fast'; choose from: stored, fastest")
+
+
+def test_profile_step_records_the_asked_step():
+    model = tiny_model("llama", layers=2)
+    ids = random_prompt(30)
+    full_step = profile_step(model, ids, make_policy("recycled", stride=4, budget=8), step=8, top=5)
+    partial_step = profile_step(model, ids, make_policy("recycled", stride=4, budget=8), step=7, top=5)
+    assert (full_step["full_layers"], partial_step["full_layers"]) == (2, 0)
+    assert full_step["context"] == 38 and len(full_step["operators"]) == 5
+    times = [op["self_cpu_ms"] for op in full_step["operators"]]
+    assert times == sorted(times, reverse=True) and times[0] > 0
+    assert {op["name"] for op in full_step["operators"]} & {"aten::mm", "aten::bmm", "aten::matmul"}
+
+
+def test_profile_cli_prints_json(tiny_loader, monkeypatch, capsys):
+    code, out, err = cli(monkeypatch, capsys, "profile", "--method", "refreshkv", "--param", "budget=16",
+                         "--length", "60", "--step", "10", "--top", "3", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["method"] == "refreshkv" and result["context"] == 60 and len(result["operators"]) == 3
+    assert result["machine"]["weight_layout"] == "stored"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--length", "20", "--step", "10"], "--length 20 leaves fewer than 16 prompt tokens before step 10"),
+    (["--param", "stride=0"], "stride must be an integer >= 1"),
+    (["--weight-layout", "rows"], "unknown weight layout 'rows'"),
+])
+def test_profile_bad_input_is_one_line_before_loading(args, message, no_model, monkeypatch, capsys):
+    code, _, err = cli(monkeypatch, capsys, "profile", "--method", "recycled", *args)
+    assert_one_line_error(code, err, message)
