@@ -172,6 +172,10 @@ def test_pool_and_aggregation_on_hand_made_scores():
     assert aggregate_group(group, "max").flatten().tolist() == pytest.approx([0.4, 0.5, 0.3])
     assert aggregate_group(group, "mean").flatten().tolist() == pytest.approx([0.25, 0.3, 0.25])
     assert aggregate_group(group, "first").flatten().tolist() == pytest.approx([0.1, 0.5, 0.2])
+    # Pooled per query head, then aggregated; max and first commute with pooling (so they are aggregated first),
+    # mean does not (aggregated first it would give 0.3 everywhere)
+    for how, expected in (("max", [0.5, 0.5, 0.5]), ("first", [0.5, 0.5, 0.5]), ("mean", [0.45, 0.45, 0.4])):
+        assert selection_scores(group.unsqueeze(3), 3, how).flatten().tolist() == pytest.approx(expected)
     # Two queries in the window (B=1, Hkv=1, G=1, w=2, n=10): averaged, pooled, then top-4 with ties to the earlier.
     window = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0],
                            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0]]).view(1, 1, 1, 2, 10)
@@ -302,10 +306,13 @@ def test_gather_tokens_equals_gather_on_store_slices_and_any_layout():
     index = torch.randint(0, 45, (2, 3, 7), generator=torch.Generator().manual_seed(0))
     views = [buffer[:, :, :50], buffer[:, :, 5:55], buffer[1:, :, :50], torch.randn(2, 50, 3, 8).transpose(1, 2),
              torch.randn(1, 3, 50, 8).expand(2, -1, -1, -1)]
-    for view in views:
-        rows = index[: view.shape[0]]
-        expected = view.gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, 8))
-        assert torch.equal(gather_tokens(view, rows), expected)
+    expected = [view.gather(2, index[: view.shape[0]].unsqueeze(-1).expand(-1, -1, -1, 8)) for view in views]
+    for view, wanted in zip(views, expected):
+        assert torch.equal(gather_tokens(index[: view.shape[0]], view)[0], wanted)
+    # several tensors in one call share a flat index only where they lie alike
+    together = gather_tokens(index, views[0], views[1], views[3], views[4])
+    for got, wanted in zip(together, [expected[0], expected[1], expected[3], expected[4]]):
+        assert torch.equal(got, wanted)
 
 
 def test_checking_for_the_end_every_n_steps_returns_the_same_tokens(llama):

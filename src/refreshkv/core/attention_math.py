@@ -145,13 +145,18 @@ def selection_scores(probs: torch.Tensor, kernel: int, how: str) -> torch.Tensor
     """Token importance per KV head from window probabilities (B, Hkv, G, w, n).
 
     Order (a choice the papers leave open): average over the observation window per query head, max-pool over
-    positions per query head, then aggregate across the group. For `max` aggregation pooling and aggregation commute.
+    positions per query head, then aggregate across the group. `max` and `first` aggregation commute with
+    max-pooling exactly, so for them the group is aggregated first (G times fewer rows to pool).
     """
-    return aggregate_group(pool(probs.mean(dim=3), kernel), how)
+    window_mean = probs.mean(dim=3)
+    if how in ("max", "first"):
+        return pool(aggregate_group(window_mean, how), kernel)
+    return aggregate_group(pool(window_mean, kernel), how)
 
 
-def ranked(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices (..., k) of the k highest scores (non-negative, or -inf for excluded), highest first.
+def ranked(scores: torch.Tensor, k: int, sorted: bool = True) -> torch.Tensor:
+    """Indices (..., k) of the k highest scores (non-negative, or -inf for excluded), highest first (in no
+    particular order with `sorted=False`).
 
     Ties, which max-pooling makes common, go to the earlier position, so the choice does not depend on left padding,
     on how many are taken or on the sort kernel. One integer top-k does it: a non-negative float's bits order like
@@ -159,11 +164,11 @@ def ranked(scores: torch.Tensor, k: int) -> torch.Tensor:
     sort).
     """
     length = scores.shape[-1]
-    bits = (scores.float() + 0.0).contiguous().view(torch.int32).long()  # + 0.0 turns -0.0 into 0.0
+    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0 turns -0.0 into 0.0 (and makes it contiguous)
     tie_break = torch.arange(length - 1, -1, -1, device=scores.device)
-    return (bits * length + tie_break).topk(k, dim=-1).indices
+    return tie_break.add(bits, alpha=length).topk(k, dim=-1, sorted=sorted).indices
 
 
 def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     """`ranked`'s k indices in position order (what a store keeps)."""
-    return ranked(scores, k).sort(dim=-1).values
+    return ranked(scores, k, sorted=False).sort(dim=-1).values

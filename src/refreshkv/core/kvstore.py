@@ -26,21 +26,27 @@ def every_position(length: int, like: torch.Tensor, pads: torch.Tensor | None) -
     return positions if pads is None else positions.masked_fill(positions < pads.view(-1, 1, 1), -1)
 
 
-def gather_tokens(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """tensor (B, H, n, D) at per-head token indices (B, H, k): (B, H, k, D).
+def gather_tokens(index: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor (B, H, n, D) at per-head token indices (B, H, k): (B, H, k, D) each.
 
-    One index_select of whole rows over a flat (rows, D) view of the storage the tensor lies in, which also covers a
+    One index_select of whole rows over a flat (rows, D) view of the storage a tensor lies in, which also covers a
     store's filled prefix without copying it: each token is one contiguous copy, 3-5x faster on CPU than `gather`
-    with an index expanded over D (a refresh gathers K keys and values per layer).
+    with an index expanded over D (a refresh gathers K keys and values per layer). Tensors that lie alike (a
+    store's keys and values) share one flat index.
     """
-    batch, heads, length, dim = tensor.shape
-    if tensor.stride(3) != 1 or tensor.stride(2) != dim or tensor.stride(1) % dim or tensor.stride(0) % dim:
-        tensor = tensor.contiguous()
-    per_batch, per_head = tensor.stride(0) // dim, tensor.stride(1) // dim  # in rows of D
-    flat = tensor.as_strided(((batch - 1) * per_batch + (heads - 1) * per_head + length, dim), (dim, 1))
-    offsets = torch.arange(batch, device=index.device).view(-1, 1, 1) * per_batch
-    offsets = offsets + torch.arange(heads, device=index.device).view(1, -1, 1) * per_head
-    return flat.index_select(0, (index + offsets).reshape(-1)).view(batch, heads, index.shape[-1], dim)
+    batch, heads, length, dim = tensors[0].shape
+    gathered, rows = [], {}
+    for tensor in tensors:
+        if tensor.stride(3) != 1 or tensor.stride(2) != dim or tensor.stride(1) % dim or tensor.stride(0) % dim:
+            tensor = tensor.contiguous()
+        per_batch, per_head = tensor.stride(0) // dim, tensor.stride(1) // dim  # in rows of D
+        if (per_batch, per_head) not in rows:
+            grid = torch.arange(batch * heads, device=index.device).view(batch, heads, 1)
+            offsets = grid // heads * per_batch + grid % heads * per_head
+            rows[per_batch, per_head] = (index + offsets).reshape(-1)
+        flat = tensor.as_strided(((batch - 1) * per_batch + (heads - 1) * per_head + length, dim), (dim, 1))
+        gathered.append(flat.index_select(0, rows[per_batch, per_head]).view(batch, heads, index.shape[-1], dim))
+    return gathered
 
 
 class LayerState:
@@ -125,8 +131,7 @@ class SlotStore(LayerState):
     def load(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, positions: torch.Tensor) -> None:
         """Fill the first index.shape[-1] slots with keys/values gathered at `index` (B, H, n); empty the rest."""
         n = index.shape[-1]
-        self.keys[:, :, :n] = gather_tokens(keys, index)
-        self.values[:, :, :n] = gather_tokens(values, index)
+        self.keys[:, :, :n], self.values[:, :, :n] = gather_tokens(index, keys, values)
         self.positions[:, :, :n] = positions
         self.positions[:, :, n:] = -1
 

@@ -84,8 +84,8 @@ class StreamingLLMPlusPlus(BudgetPolicy):
         sink_pos = pads.view(-1, 1) + torch.arange(sinks, device=device)  # (B, s)
         sink_valid = sink_pos < length
         index = sink_pos.clamp(max=head_k.shape[2] - 1).view(-1, 1, sinks).expand(-1, head_k.shape[1], -1)
-        keys = torch.cat([gather_tokens(head_k, index), recent_k], dim=2)
-        values = torch.cat([gather_tokens(head_v, index), recent_v], dim=2)
+        sink_k, sink_v = gather_tokens(index, head_k, head_v)
+        keys, values = torch.cat([sink_k, recent_k], dim=2), torch.cat([sink_v, recent_v], dim=2)
         recent_valid = torch.arange(start, length, device=device) >= (pads.view(-1, 1) + sinks)  # no pads, no sinks
         valid = torch.cat([sink_valid, recent_valid], dim=1)
         return keys, values, valid.view(valid.shape[0], 1, 1, -1)

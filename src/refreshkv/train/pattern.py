@@ -73,8 +73,9 @@ class PartialPattern:
         prefix = self.prefix_length
         prefix_out = prompt_attention(query[:, :, :prefix], key[:, :, :prefix], value[:, :, :prefix], None, scaling)
         index, visible = self.selection(query, key, scaling)
-        keys = torch.cat([gather_tokens(key, index), key[:, :, prefix:]], dim=2)  # (B, Hkv, K + S, D)
-        values = torch.cat([gather_tokens(value, index), value[:, :, prefix:]], dim=2)
+        kept_keys, kept_values = gather_tokens(index, key, value)
+        keys = torch.cat([kept_keys, key[:, :, prefix:]], dim=2)  # (B, Hkv, K + S, D)
+        values = torch.cat([kept_values, value[:, :, prefix:]], dim=2)
         kv_heads, group = key.shape[1], query.shape[1] // key.shape[1]
         mask = visible.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(visible.shape[0], kv_heads, -1, keys.shape[2])
         suffix = F.scaled_dot_product_attention(
