@@ -65,10 +65,10 @@ def test_bad_weight_layout_is_one_line_before_loading(no_model, monkeypatch, cap
 def test_profile_step_records_the_asked_step():
     model = tiny_model("llama", layers=2)
     ids = random_prompt(30)
-    full_step = profile_step(model, ids, make_policy("recycled", stride=4, budget=8), step=8, top=5)
-    partial_step = profile_step(model, ids, make_policy("recycled", stride=4, budget=8), step=7, top=5)
+    full_step = profile_step(model, ids, make_policy("recycled", stride=4, budget=8), step=8, top=5, rounds=2)
+    partial_step = profile_step(model, ids, make_policy("recycled", stride=4, budget=8), step=7, top=5, rounds=1)
     assert (full_step["full_layers"], partial_step["full_layers"]) == (2, 0)
-    assert full_step["context"] == 38 and len(full_step["operators"]) == 5
+    assert full_step["context"] == 38 and full_step["rounds"] == 2 and len(full_step["operators"]) == 5
     times = [op["self_cpu_ms"] for op in full_step["operators"]]
     assert times == sorted(times, reverse=True) and times[0] > 0
     assert {op["name"] for op in full_step["operators"]} & {"aten::mm", "aten::bmm", "aten::matmul"}

@@ -329,6 +329,7 @@ def profile(
     step: Annotated[int, typer.Option(min=1, help="Decode step to profile, counted from 1 after the prompt (with "
                                       "stride 10, step 20 is a full step).")] = 20,
     top: Annotated[int, typer.Option(min=1, help="Operators to list, by self CPU time.")] = 10,
+    rounds: Annotated[int, typer.Option(min=1, help="Fresh generations profiled; each operator's median is shown.")] = 3,
     param: Annotated[list[str], typer.Option("--param", help="Method parameter NAME=VALUE, e.g. budget=512 (repeatable).")] = [],
     model: ModelOpt = None,
     dtype: DtypeOpt = "float32",
@@ -356,7 +357,7 @@ def profile(
     lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
     check_length(lm, length - step, step)
     layout = set_weight_layout(lm, weight_layout)
-    result = profile_step(lm, bench_prompt(tokenizer, length - step).to(lm.device), policy, step, top)
+    result = profile_step(lm, bench_prompt(tokenizer, length - step).to(lm.device), policy, step, top, rounds)
     result["machine"] = {"device": device, "threads": torch.get_num_threads(), "dtype": dtype,
                          "weight_layout": layout or weight_layout, **cpu_facts()}
     if as_json:
@@ -369,8 +370,8 @@ def profile(
         title=f"{method}: decode step {step} at {result['context']} tokens ({result['full_layers']:g} of "
               f"{lm.config.num_hidden_layers} layers attended fully)",
         caption=f"{machine['device']}, {machine['cpu']}, {machine['threads']} threads, {dtype}, "
-                f"{layout_note(machine['weight_layout'])}; self CPU {result['self_cpu_ms']:.1f} ms, "
-                f"wall {result['wall_ms']:.1f} ms under the profiler",
+                f"{layout_note(machine['weight_layout'])}; medians of {rounds} rounds: self CPU "
+                f"{result['self_cpu_ms']:.1f} ms, wall {result['wall_ms']:.1f} ms under the profiler",
     )
     for column in ("operator", "self CPU ms", "share", "calls"):
         table.add_column(column, justify="left" if column == "operator" else "right", no_wrap=column == "operator")

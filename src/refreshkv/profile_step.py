@@ -2,11 +2,13 @@
 
 The generation decodes `step` - 1 steps as `generate` does (steps count from 1 after the prompt, as the methods'
 schedules do: with `stride` 10, step 20 is a full step), then the profiler records step `step` alone, through the
-same cache. The step's wall time is taken inside the profiler, so it includes the profiler's own cost per operator.
+same cache; this is repeated in a few fresh generations and each operator's median kept. The step's wall time is
+taken inside the profiler, so it includes the profiler's own cost per operator.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -17,32 +19,42 @@ from .generate import generate, synchronize
 
 
 @torch.inference_mode()
-def profile_step(model, ids: torch.Tensor, policy: Policy, step: int, top: int = 10) -> dict:
-    """Profile decode step `step` of `policy` after the prompt `ids` (one row): the `top` operators by self time."""
-    if step < 1:
-        raise ValueError(f"step must be >= 1, got {step}")
+def profile_once(model, ids: torch.Tensor, policy: Policy, step: int) -> tuple[dict[str, tuple[float, int]], float, float]:
+    """Self CPU ms and calls per operator of decode step `step`, its wall ms, and its count of full-attention layers."""
     warm = generate(model, ids, method=policy, max_new_tokens=step, eos_token_id=[])
     token = torch.tensor([warm.tokens[0][-1:]], device=ids.device)  # chosen at step - 1, not yet decoded
     position = torch.tensor([[ids.shape[1] - 1 + step]], device=ids.device)
-    device = ids.device
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.device.type == "cuda" else [])
     with profile(activities=activities) as profiler:
         start = time.perf_counter()
         model(token, position_ids=position, past_key_values=warm.cache, use_cache=True)
-        synchronize(device)
+        synchronize(ids.device)
         wall = time.perf_counter() - start
-    events = sorted(profiler.key_averages(), key=lambda event: event.self_cpu_time_total, reverse=True)
-    total = sum(event.self_cpu_time_total for event in events)
+    operators = {event.key: (event.self_cpu_time_total / 1000, event.count) for event in profiler.key_averages()}
+    return operators, 1000 * wall, warm.cache.stats.per_step(step)[step - 1]
+
+
+def profile_step(model, ids: torch.Tensor, policy: Policy, step: int, top: int = 10, rounds: int = 3) -> dict:
+    """Profile decode step `step` of `policy` after the prompt `ids` (one row), in `rounds` fresh generations: the
+    `top` operators by median self time over rounds (one step's profile varies by 10-20% between runs)."""
+    if step < 1 or rounds < 1:
+        raise ValueError(f"step and rounds must be >= 1, got {step} and {rounds}")
+    runs = [profile_once(model, ids, policy, step) for _ in range(rounds)]
+    names = {name for operators, _, _ in runs for name in operators}
+    median_ms = {name: statistics.median(ops.get(name, (0.0, 0))[0] for ops, _, _ in runs) for name in names}
+    ranked = sorted(names, key=median_ms.get, reverse=True)
+    total = sum(median_ms.values())
     return {
         "method": policy.name,
         "step": step,
         "context": ids.shape[1] + step,
-        "full_layers": warm.cache.stats.per_step(step)[step - 1],  # layers that attended fully at this step
-        "wall_ms": 1000 * wall,
-        "self_cpu_ms": total / 1000,
+        "rounds": rounds,
+        "full_layers": runs[0][2],  # layers that attended fully at this step
+        "wall_ms": statistics.median(wall for _, wall, _ in runs),
+        "self_cpu_ms": total,
         "operators": [
-            {"name": event.key, "self_cpu_ms": event.self_cpu_time_total / 1000, "calls": event.count,
-             "share": event.self_cpu_time_total / total}
-            for event in events[:top]
+            {"name": name, "self_cpu_ms": median_ms[name], "calls": runs[0][0].get(name, (0.0, 0))[1],
+             "share": median_ms[name] / total}
+            for name in ranked[:top]
         ],
     }
