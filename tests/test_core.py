@@ -247,6 +247,11 @@ def test_top_k_breaks_ties_toward_earlier_positions():
     assert top_k(scores, 3).tolist() == [[[0, 1, 4]]]
     assert top_k(scores, 6).tolist() == [[[0, 1, 3, 4, 5, 6]]]  # -0.0 ties with 0.0; -inf comes last
     assert top_k(scores, 7).tolist() == [[[0, 1, 2, 3, 4, 5, 6]]]
+    strided = torch.zeros(1, 1, 14)
+    strided[..., ::2] = scores
+    transposed = torch.cat([scores, scores]).transpose(0, 2)  # (7, 1, 2): positions along dim 0
+    assert top_k(strided[..., ::2], 3).tolist() == [[[0, 1, 4]]]
+    assert top_k(transposed.transpose(0, 2), 3).tolist() == [[[0, 1, 4]], [[0, 1, 4]]]
 
 
 def test_methods_from_other_packages_are_registered_through_entry_points(monkeypatch):

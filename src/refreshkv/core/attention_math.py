@@ -164,7 +164,7 @@ def ranked(scores: torch.Tensor, k: int, sorted: bool = True) -> torch.Tensor:
     sort).
     """
     length = scores.shape[-1]
-    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0 turns -0.0 into 0.0 (and makes it contiguous)
+    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0 turns -0.0 into 0.0
     tie_break = torch.arange(length - 1, -1, -1, device=scores.device)
     return tie_break.add(bits, alpha=length).topk(k, dim=-1, sorted=sorted).indices
 
