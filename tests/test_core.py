@@ -334,3 +334,22 @@ def test_checking_for_the_end_every_n_steps_returns_the_same_tokens(llama):
     assert len(every_7.step_s) == every_7.decode_steps
     with pytest.raises(ValueError, match="eos_check_every must be an integer >= 1, got 0"):
         generate(llama, ids, method="full", max_new_tokens=4, eos_check_every=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_store_put_writes_the_token_bit_for_bit_into_the_chosen_slots_only(dtype):
+    from refreshkv.core.kvstore import SlotStore
+
+    store = SlotStore(torch.zeros(2, 3, 5, 4, dtype=dtype), 6)
+    keys = torch.randn(2, 1, 3, 4).to(dtype).transpose(1, 2)  # (B, H, 1, D) not contiguous, as attention gives it
+    values = torch.randn(2, 3, 1, 4).to(dtype)
+    slot = torch.tensor([[0, 5, 2], [3, 3, 1]])
+    store.put(slot, keys, values, position=7)
+    for row in range(2):
+        for head in range(3):
+            chosen = slot[row, head].item()
+            others = [i for i in range(6) if i != chosen]
+            assert torch.equal(store.keys[row, head, chosen], keys[row, head, 0])
+            assert torch.equal(store.values[row, head, chosen], values[row, head, 0])
+            assert store.positions[row, head, chosen] == 7 and (store.positions[row, head, others] == -1).all()
+            assert not store.keys[row, head, others].any() and not store.values[row, head, others].any()
