@@ -148,7 +148,7 @@ def selection_scores(probs: torch.Tensor, kernel: int, how: str) -> torch.Tensor
     positions per query head, then aggregate across the group. `max` and `first` aggregation commute with
     max-pooling exactly, so for them the group is aggregated first (G times fewer rows to pool).
     """
-    window_mean = probs.mean(dim=3)
+    window_mean = probs[:, :, :, 0] if probs.shape[3] == 1 else probs.mean(dim=3)  # a decode step's one query: a view
     if how in ("max", "first"):
         return pool(aggregate_group(window_mean, how), kernel)
     return aggregate_group(pool(window_mean, kernel), how)
