@@ -1,6 +1,6 @@
 """bench tells full steps from partial steps (issue 13: what a refresh costs against a step of full attention)."""
 
-from conftest import random_prompt
+from conftest import random_prompt, tiny_model
 
 import refreshkv
 from refreshkv.bench import Run, split_steps, step_kinds
@@ -37,3 +37,28 @@ def test_bench_plot_writes_the_step_histograms_beside_it(tmp_path):
               "machine": {"device": "cpu (test)", "threads": 1, "dtype": "float32"}}
     plot_bench(result, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").stat().st_size > 0 and (tmp_path / "bench-steps.png").stat().st_size > 0
+
+
+def test_every_round_runs_every_length_and_method_in_changing_orders(monkeypatch):
+    """Lengths are interleaved like methods, so that a method at one length compares with `full` at another."""
+    from test_bad_input import WordTokenizer
+
+    from refreshkv import bench
+
+    calls = []
+    real_round = bench.run_round
+
+    def recording(model, ids, methods, names, *args, **kwargs):
+        calls.append((ids.shape[1], list(names)))
+        return real_round(model, ids, methods, names, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_round", recording)
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda device: 1e10)
+    model = tiny_model("llama", layers=1)
+    methods = {"full": {}, "streamingllm": {"budget": 8}}
+    result = bench.run_bench(model, WordTokenizer(), methods, [40, 60], new_tokens=4, rounds=3)
+    assert calls == [(36, ["full", "streamingllm"]), (56, ["full", "streamingllm"]),
+                     (56, ["streamingllm", "full"]), (36, ["streamingllm", "full"]),
+                     (36, ["full", "streamingllm"]), (56, ["full", "streamingllm"])]
+    assert [(row["length"], row["method"], row["rounds"]) for row in result["rows"]] == [
+        (40, "full", 3), (40, "streamingllm", 3), (60, "full", 3), (60, "streamingllm", 3)]

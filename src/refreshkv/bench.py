@@ -1,7 +1,7 @@
 """Decode speed and memory of methods, measured in one run so that machine drift cancels.
 
-A length is the context size at the end of decoding (prompt = length - new tokens). For each length, every round
-runs every method once on the same prompt (the method order rotates from round to round), by default after one
+A length is the context size at the end of decoding (prompt = length - new tokens). Every round runs every length
+and, at each, every method once on the same prompt (the orders change from round to round), by default after one
 shared prefill (`generate_many`); a method's figures are medians over rounds. Per-step decode times are kept, so the median step (a partial
 step for methods that attend fully only now and then) is reported next to the mean.
 
@@ -243,9 +243,12 @@ def run_bench(model, tokenizer, methods: dict[str, dict], lengths: list[int], ne
               progress=None, share_prefill: bool = True, compile: bool = False) -> dict:
     """Interleaved benchmark; `methods` maps a method name to its parameters. Returns rows + machine facts.
 
-    With `share_prefill` each round prefills the prompt once for every method (`generate_many`), so the prefill is
-    timed once; peak memory is then not measured per method (all caches exist together). With `compile` decode
-    steps run compiled (`transformers` stays eager), after one untimed round per length that compiles the graphs.
+    Every round runs every length (in turn forwards and backwards) and, at each length, every method (in an order
+    that rotates from round to round), so that a drift of the machine hits all of them alike and figures at
+    different lengths compare too (e.g. a method at 8K against `full` at 1K). With `share_prefill` each round
+    prefills the prompt once for every method (`generate_many`), so the prefill is timed once; peak memory is then
+    not measured per method (all caches exist together). With `compile` decode steps run compiled (`transformers`
+    stays eager), after one untimed round that compiles the graphs for each length.
     """
     check_methods(methods)
     for length in lengths:
@@ -257,20 +260,22 @@ def run_bench(model, tokenizer, methods: dict[str, dict], lengths: list[int], ne
     weights = weight_bytes(model)
     peak = PeakMemory(device)
     names = list(methods)
-    rows = []
-    for length in lengths:
-        ids = bench_prompt(tokenizer, length - new_tokens).to(device)  # decoding ends at `length` tokens
-        runs: dict[str, list[Run]] = {name: [] for name in names}
-        if compile:
-            run_round(model, ids, methods, names, new_tokens, peak, share_prefill, compile)
-        for round_index in range(rounds):
-            shift = round_index % len(names)
-            order = names[shift:] + names[:shift]
-            for run in run_round(model, ids, methods, order, new_tokens, peak, share_prefill, compile):
-                runs[run.method].append(run)
+    prompts = {length: bench_prompt(tokenizer, length - new_tokens).to(device) for length in lengths}  # ends at length
+    if compile:
+        for length in lengths:
+            run_round(model, prompts[length], methods, names, new_tokens, peak, share_prefill, compile)
+    runs: dict[tuple[int, str], list[Run]] = {(length, name): [] for length in lengths for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        order = names[shift:] + names[:shift]
+        for length in lengths if round_index % 2 == 0 else lengths[::-1]:
+            for run in run_round(model, prompts[length], methods, order, new_tokens, peak, share_prefill, compile):
+                runs[length, run.method].append(run)
             if progress is not None:
                 progress(len(order))
-        summaries = [summarize(runs[name], weights, bandwidth) for name in names]
+    rows = []
+    for length in lengths:
+        summaries = [summarize(runs[length, name], weights, bandwidth) for name in names]
         full = next((s for s in summaries if s["method"] == "full"), None)
         for summary in summaries:
             if full is not None:
