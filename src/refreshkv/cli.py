@@ -29,6 +29,7 @@ from .options import (
     QcOpt,
     RatioOpt,
     StrideOpt,
+    ThreadsOpt,
     ThresholdOpt,
     WeightLayoutOpt,
     WindowOpt,
@@ -279,7 +280,7 @@ def bench(
     model: ModelOpt = None,
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
-    threads: Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads.")] = None,
+    threads: ThreadsOpt = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results here as JSON.")] = None,
     plot: Annotated[Optional[Path], typer.Option(
         help="Write a PNG of decode time per token vs length, and beside it NAME-steps.png: histograms of each "
@@ -334,7 +335,7 @@ def profile(
     model: ModelOpt = None,
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
-    threads: Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads.")] = None,
+    threads: ThreadsOpt = None,
     weight_layout: WeightLayoutOpt = "stored",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ):

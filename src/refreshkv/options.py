@@ -22,6 +22,7 @@ AggOpt = Annotated[Optional[str], typer.Option(help="GQA aggregation of scores: 
 ParamOpt = Annotated[list[str], typer.Option("--param", help="Any other method parameter, NAME=VALUE (repeatable).")]
 DtypeOpt = Annotated[str, typer.Option(help="float32 or bfloat16.")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu or cuda.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads.")]
 WeightLayoutOpt = Annotated[str, typer.Option(
     help="stored (as the checkpoint lies) or fastest (each weight shape's layout timed on this machine; see weight_layout.py).")]
 CompileOpt = Annotated[bool, typer.Option(
