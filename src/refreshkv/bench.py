@@ -48,7 +48,8 @@ def memory_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 
 
 
 def cpu_facts() -> dict:
-    """The CPU's model name and its bf16 instructions ("none": bfloat16 is emulated there, slower than float32)."""
+    """The CPU's model name, its bf16 instructions ("none": bfloat16 is emulated there, slower than float32) and the
+    instruction set PyTorch's own kernels use (lower than the CPU's when ATEN_CPU_CAPABILITY restricts it)."""
     name = platform.processor() or "unknown"
     try:
         name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -57,7 +58,7 @@ def cpu_facts() -> dict:
         pass
     checks = (("avx512_bf16", "_is_avx512_bf16_supported"), ("amx", "_is_amx_tile_supported"))
     bf16 = [label for label, check in checks if getattr(torch.cpu, check, lambda: False)()]
-    return {"cpu": name, "cpu_bf16": ", ".join(bf16) or "none"}
+    return {"cpu": name, "cpu_bf16": ", ".join(bf16) or "none", "kernels": torch.backends.cpu.get_cpu_capability()}
 
 
 def weight_bytes(model) -> int:

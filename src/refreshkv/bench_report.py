@@ -58,6 +58,7 @@ def layout_note(layout: str | dict) -> str:
 def bench_tables(result: dict) -> list[Table]:
     machine = result["machine"]
     cpu = f"{machine['cpu']} (bf16 instructions: {machine['cpu_bf16']}), " if "cpu" in machine else ""
+    cpu += f"{machine['kernels']} kernels, " if "kernels" in machine else ""
     caption = (
         f"{machine['device']}, {cpu}{machine['threads']} threads, {machine['dtype']}, "
         f"{'compiled' if machine.get('compile') else 'eager'}, {layout_note(machine.get('weight_layout', 'stored'))}, "
