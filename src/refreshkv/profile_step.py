@@ -3,7 +3,9 @@
 The generation decodes `step` - 1 steps as `generate` does (steps count from 1 after the prompt, as the methods'
 schedules do: with `stride` 10, step 20 is a full step), then the profiler records step `step` alone, through the
 same cache; this is repeated in a few fresh generations and each operator's median kept. The step's wall time is
-taken inside the profiler, so it includes the profiler's own cost per operator.
+taken inside the profiler, so it includes the profiler's own cost per operator. Operators are ranked by their
+time on the CPU: on a GPU that is what the host spends issuing them, not the kernels' time (which the profiler also
+records; not reported here, as no GPU was available to test it).
 """
 
 from __future__ import annotations
