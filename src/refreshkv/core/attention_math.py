@@ -29,8 +29,13 @@ class SoftCapped:
 
 
 def logits_of(packed_query: torch.Tensor, keys: torch.Tensor, scaling) -> torch.Tensor:
-    """float32 logits (B, Hkv, rows, n) of packed queries against keys."""
-    products = torch.matmul(packed_query, keys.transpose(-1, -2)).float()
+    """float32 logits (B, Hkv, rows, n) of packed queries against keys.
+
+    Computed as keys times the transposed queries, then transposed (a view): the large operand stays as it lies.
+    Queries times transposed keys was 1.2x slower per refresh step in bfloat16 on the CPU (no difference in float32),
+    and under torch.compile the transposed keys were copied.
+    """
+    products = torch.matmul(keys, packed_query.transpose(-1, -2)).transpose(-1, -2).float()
     if isinstance(scaling, SoftCapped):
         return scaling.cap * torch.tanh(products * scaling.scale / scaling.cap)
     return products * scaling
