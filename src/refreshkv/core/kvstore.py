@@ -49,14 +49,14 @@ def gather_tokens(index: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Ten
     return gathered
 
 
+_SAME_WIDTH_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def as_bits(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bits as integers of the same width. Moving values this way is exact and, for scatter_ on the
     CPU, much cheaper in bfloat16: scatter_ of a bfloat16 tensor copies all of it (to float and back), 8x the time of
     the integer scatter into a 1K-slot store."""
     return tensor.view(_SAME_WIDTH_INTEGER[tensor.element_size()])
-
-
-_SAME_WIDTH_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class LayerState:
