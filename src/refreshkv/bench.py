@@ -61,6 +61,17 @@ def cpu_facts() -> dict:
     return {"cpu": name, "cpu_bf16": ", ".join(bf16) or "none", "kernels": torch.backends.cpu.get_cpu_capability()}
 
 
+def machine_facts(model) -> dict:
+    """Where a measurement of `model` ran: device, threads, dtype, torch version and the CPU (`cpu_facts`)."""
+    return {
+        "device": str(model.device),
+        "threads": torch.get_num_threads(),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        **cpu_facts(),
+    }
+
+
 def weight_bytes(model) -> int:
     """Bytes of the weights a decode step reads (tied embeddings counted once)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
@@ -289,14 +300,10 @@ def run_bench(model, tokenizer, methods: dict[str, dict], lengths: list[int], ne
     return {
         "rows": rows,
         "machine": {
-            "device": str(device),
-            "threads": torch.get_num_threads(),
-            "dtype": str(model.dtype).removeprefix("torch."),
+            **machine_facts(model),
             "memory_bandwidth_gb_s": bandwidth / 1e9,
             "weight_bytes": weights,
-            "torch": torch.__version__,
             "compile": compile,
-            **cpu_facts(),
         },
         "new_tokens": new_tokens,
         "rounds": rounds,

@@ -342,7 +342,7 @@ def profile(
     """Profile one decode step with torch.profiler: the operators it spends its time in."""
     import torch
 
-    from .bench import bench_prompt, cpu_facts
+    from .bench import bench_prompt, machine_facts
     from .core.policy import make_policy
     from .generate import check_length
     from .model import load_model
@@ -359,8 +359,7 @@ def profile(
     check_length(lm, length - step, step)
     layout = set_weight_layout(lm, weight_layout)
     result = profile_step(lm, bench_prompt(tokenizer, length - step).to(lm.device), policy, step, top, rounds)
-    result["machine"] = {"device": device, "threads": torch.get_num_threads(), "dtype": dtype,
-                         "weight_layout": layout or weight_layout, **cpu_facts()}
+    result["machine"] = {**machine_facts(lm), "weight_layout": layout or weight_layout}
     if as_json:
         print(json.dumps(result))
         return
