@@ -353,3 +353,26 @@ def test_slot_store_put_writes_the_token_bit_for_bit_into_the_chosen_slots_only(
             assert torch.equal(store.values[row, head, chosen], values[row, head, 0])
             assert store.positions[row, head, chosen] == 7 and (store.positions[row, head, others] == -1).all()
             assert not store.keys[row, head, others].any() and not store.values[row, head, others].any()
+
+
+@pytest.mark.parametrize("batch, length, masked", [(1, 1024, False), (2, 1500, True)])
+def test_one_query_over_many_keys_is_computed_explicitly_and_equals_sdpa(batch, length, masked, monkeypatch):
+    import torch.nn.functional as F
+
+    from refreshkv.core import attention_math
+
+    generator = torch.Generator().manual_seed(0)
+    query, keys, values = (torch.randn(batch, heads, n, 16, generator=generator)
+                           for heads, n in ((6, 1), (2, length), (2, length)))
+    valid = torch.rand(batch, 2, length, generator=generator) > 0.3 if masked else None
+    mask = None if valid is None else valid.view(batch, 2, 1, length).repeat_interleave(3, dim=1)
+    wanted = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("SDPA called")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", refused)
+    got = attention_math.decode_attention(query, keys, values, 16**-0.5, valid)
+    assert torch.allclose(got, wanted, atol=1e-6)
+    with pytest.raises(AssertionError, match="SDPA called"):  # fewer keys: SDPA, faster there
+        attention_math.decode_attention(query, keys[:, :, :1023], values[:, :, :1023], 16**-0.5)

@@ -18,6 +18,9 @@ import torch.nn.functional as F
 AGGREGATIONS = ("max", "mean", "first")
 # Finite, so that a pad query whose keys are all masked gets a uniform row instead of NaN.
 _MASKED = torch.finfo(torch.float32).min
+# One query token over at least this many keys on the CPU: two matrix products and a float32 softmax take 0.5-0.9x
+# the time of SDPA's flash kernel (2 threads, 1K-8K keys, bfloat16 and float32; SDPA is faster below 1K).
+EXPLICIT_DECODE_FROM = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +83,11 @@ def prompt_attention(query, key, value, mask, scaling) -> torch.Tensor:
 
 def decode_attention(query, keys, values, scaling, valid: torch.Tensor | None = None) -> torch.Tensor:
     """The q newest tokens' queries over a KV-head-sized cache that ends with them, without repeating keys per query
-    head; with q > 1 (assisted decoding's drafted tokens) each query sees the keys up to itself."""
+    head; with q > 1 (assisted decoding's drafted tokens) each query sees the keys up to itself.
+
+    One query over `EXPLICIT_DECODE_FROM` keys or more on the CPU is computed explicitly (logits, float32 softmax,
+    probabilities times values), faster there than SDPA; in bfloat16 the logits and probabilities are then rounded
+    to bfloat16 as in transformers' eager attention. On a GPU, SDPA (not measured here: no GPU was available)."""
     kv_heads, n, q_len = keys.shape[1], keys.shape[2], query.shape[2]
     mask = None if valid is None else valid.reshape(valid.shape[0], -1, 1, n)
     if q_len > 1:
@@ -88,7 +95,8 @@ def decode_attention(query, keys, values, scaling, valid: torch.Tensor | None = 
         rows = torch.arange(q_len, device=keys.device).repeat(query.shape[1] // kv_heads)
         causal = torch.arange(n, device=keys.device) <= (n - q_len + rows)[:, None]
         mask = causal if mask is None else mask & causal
-    if isinstance(scaling, SoftCapped):
+    explicit = q_len == 1 and n >= EXPLICIT_DECODE_FROM and keys.device.type == "cpu"
+    if isinstance(scaling, SoftCapped) or explicit:
         output = _explicit_attention(pack_queries(query, kv_heads), keys, values, scaling, mask)
     else:
         output = F.scaled_dot_product_attention(pack_queries(query, kv_heads), keys, values, attn_mask=mask, scale=scaling)
