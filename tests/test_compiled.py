@@ -7,6 +7,7 @@ from conftest import random_prompt, tiny_model
 from test_bad_input import assert_one_line_error, cli, no_model  # noqa: F401  (fixture)
 
 from refreshkv import compiled, generate
+from refreshkv.core import attention_math
 from refreshkv.core.cache import DecodeStats
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,20 @@ def test_compiled_dynamic_schedule_with_rows_that_disagree(two_layers):
     assert fused.tokens == eager.tokens
     assert fused.cache.stats.per_step(11) == eager.cache.stats.per_step(11)
     assert sum(eager.cache.stats.per_step(11)) > 0  # the steps compared include full steps
+
+
+def test_the_explicit_decode_attention_compiles_and_equals_eager_and_sdpa(two_layers, monkeypatch):
+    """One query over EXPLICIT_DECODE_FROM keys or more is attended explicitly (lowered here so that the tiny model's
+    cache crosses it mid-generation: a guard, then the other graph); compiled and eager agree with SDPA's tokens."""
+    ids = random_prompt(40, seed=2, batch=2)
+    settings = {"method": "full", "max_new_tokens": 12, "eos_token_id": [], "return_logits": True}
+    sdpa = generate(two_layers, ids, **settings)
+    monkeypatch.setattr(attention_math, "EXPLICIT_DECODE_FROM", 45)
+    eager = generate(two_layers, ids, **settings)
+    fused = generate(two_layers, ids, compile=True, **settings)
+    assert fused.tokens == eager.tokens == sdpa.tokens
+    assert max((a - b).abs().max().item() for a, b in zip(eager.logits, sdpa.logits)) > 0  # the explicit path ran
+    assert max((a - b).abs().max().item() for a, b in zip(eager.logits, sdpa.logits)) < 1e-4
 
 
 def test_stats_per_layer_and_step_grow_past_the_announced_steps():
