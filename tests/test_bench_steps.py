@@ -29,14 +29,21 @@ def test_steps_are_split_by_how_many_layers_attended_fully():
     assert kinds["full_step_times_ms"] == [300.0, 320.0, 340.0] and kinds["partial_step_times_ms"] == [100.0, 110.0, 120.0, 130.0]
 
 
-def test_bench_plot_writes_the_step_histograms_beside_it(tmp_path):
+def test_bench_plot_writes_the_step_histograms_beside_it(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
     row = {"method": "recycled", "length": 100, "decode_ms_per_token": 120.0, "floor_ms": 20.0,
            "full_step_times_ms": [300.0, 320.0], "partial_step_times_ms": [100.0, 110.0, 120.0]}
-    result = {"rows": [row, {**row, "method": "full", "full_step_times_ms": [150.0, 160.0, 170.0, 180.0, 190.0],
-                             "partial_step_times_ms": []}],
+    reference = {"method": "transformers", "length": 100, "decode_ms_per_token": 130.0, "floor_ms": 20.0}
+    result = {"rows": [reference, row, {**row, "method": "full", "full_step_times_ms": [150.0, 160.0, 170.0, 180.0],
+                                        "partial_step_times_ms": []}],
               "machine": {"device": "cpu (test)", "threads": 1, "dtype": "float32"}}
+    panels = []
+    subplots = plt.subplots
+    monkeypatch.setattr(plt, "subplots", lambda *args, **kwargs: panels.append(args) or subplots(*args, **kwargs))
     plot_bench(result, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").stat().st_size > 0 and (tmp_path / "bench-steps.png").stat().st_size > 0
+    assert panels[-1][0] == 2  # one panel per row with step times: none for the transformers reference
 
 
 def test_every_round_runs_every_length_and_method_in_changing_orders(monkeypatch):

@@ -124,10 +124,10 @@ def plot_bench(result: dict, path: Path) -> None:
 
 def plot_step_histograms(result: dict, path: Path) -> None:
     """One panel per method and length: histograms of its partial and full steps' times (the mean hides a few slow
-    refreshes among fast partial steps)."""
+    refreshes among fast partial steps). The `transformers` reference keeps no per-step kinds: no panel."""
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
+    rows = [row for row in result["rows"] if row.get("partial_step_times_ms") or row.get("full_step_times_ms")]
     figure, axes = plt.subplots(len(rows), 1, figsize=(7, 1.6 * len(rows) + 0.8), sharex=True, squeeze=False)
     times = [t for row in rows for kind in ("partial", "full") for t in row.get(f"{kind}_step_times_ms", [])]
     bins = 40 if not times else [min(times) + i * (max(times) - min(times) + 1e-9) / 40 for i in range(41)]
