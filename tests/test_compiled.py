@@ -6,7 +6,7 @@ import torch
 from conftest import random_prompt, tiny_model
 from test_bad_input import assert_one_line_error, cli, no_model  # noqa: F401  (fixture)
 
-from refreshkv import compiled, generate
+from refreshkv import compiled, generate, make_policy
 from refreshkv.core import attention_math
 from refreshkv.core.cache import DecodeStats
 
@@ -15,10 +15,12 @@ def two_layers():
     return tiny_model("llama", layers=2, seed=3)
 
 
-def test_compiled_dynamic_schedule_with_rows_that_disagree(two_layers):
-    """Under compile refreshkv's QC decision is applied per row with torch.where instead of read on the host (every
-    method's compiled step is checked in test_method_contract.py; this one reaches QC steps with a threshold that
-    sends some rows, not all, to full attention)."""
+@pytest.mark.parametrize("host_reads_free", [("cpu",), ()], ids=["qc-steps-eager", "qc-steps-compiled"])
+def test_compiled_dynamic_schedule_with_rows_that_disagree(two_layers, host_reads_free, monkeypatch):
+    """QC steps with a threshold that sends some rows, not all, to full attention: run eagerly on the CPU, or (as on
+    a GPU) compiled, the decision applied per row with torch.where instead of read on the host (every method's
+    compiled step is checked in test_method_contract.py)."""
+    monkeypatch.setattr(compiled, "HOST_READS_FREE", host_reads_free)
     ids = random_prompt(40, seed=2, batch=2)
     mask = torch.ones_like(ids)
     mask[1, :6] = 0
@@ -29,6 +31,25 @@ def test_compiled_dynamic_schedule_with_rows_that_disagree(two_layers):
     assert fused.tokens == eager.tokens
     assert fused.cache.stats.per_step(11) == eager.cache.stats.per_step(11)
     assert sum(eager.cache.stats.per_step(11)) > 0  # the steps compared include full steps
+
+
+def test_compiled_qc_steps_run_eagerly_on_the_cpu(two_layers, monkeypatch):
+    """Only the QC steps (3, 6, 9 with qc_stride 3) leave the compiled forward."""
+    import sys
+
+    generate_module = sys.modules["refreshkv.generate"]
+    steps = []
+
+    def counted(model):
+        forward = compiled.compiled_forward(model)
+        return lambda *args, **kwargs: steps.append(kwargs["past_key_values"].step + 1) or forward(*args, **kwargs)
+
+    monkeypatch.setattr(generate_module, "compiled_forward", counted)
+    generate(two_layers, random_prompt(40, seed=2), method="refreshkv", budget=8, qc_stride=3, max_new_tokens=12,
+             eos_token_id=[], compile=True)
+    assert steps == [1, 2, 4, 5, 7, 8, 10, 11]
+    assert [step for step in range(1, 12) if make_policy("refreshkv", qc_stride=3).decides_on_host(step)] == [3, 6, 9]
+    assert not any(make_policy("recycled", stride=3).decides_on_host(step) for step in range(1, 12))
 
 
 def test_the_explicit_decode_attention_compiles_and_equals_eager_and_sdpa(two_layers, monkeypatch):

@@ -11,6 +11,9 @@ compiles each with fullgraph and compares it with eager):
   into a guard: each side is its own graph, picked on the host without reading the device;
 - statistics are accumulated in device tensors (core/cache.py `DecodeStats`), scalars written into tensors are
   tensors, and `refreshkv`'s per-row decision at QC steps is applied with `torch.where` instead of read on the host.
+A step at which a method decides from device values (`Policy.decides_on_host`: `refreshkv`'s QC steps) runs eagerly
+where reading them costs nothing (`HOST_READS_FREE`: the CPU), so that it computes only the path each layer takes:
+compiled, a QC step computes the partial and the full path at every layer (2-3x `full`'s step on the CPU).
 Each new graph (the first steps, the first full step of a schedule) costs a compilation: on the embedded model with 2
 CPU threads about 1 minute for `full` and 4-6 for `recycled`/`refreshkv`, for a step 5-7% faster (docs/benchmark.md).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import torch
 
 _works: list[str] = []  # why compiling failed on this machine ("" = it works), checked once per process
+HOST_READS_FREE = ("cpu",)  # device types where the host reads a device value without waiting for queued work
 RECOMPILE_LIMIT = 64  # graphs per compiled forward: a sweep meets new guards with new prompt lengths and methods
 
 
@@ -47,3 +51,8 @@ def compiled_forward(model):
     check_compile_works()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(model.forward, fullgraph=True)
+
+
+def runs_eagerly(policy, step: int, device: torch.device) -> bool:
+    """Whether decode step `step` of a compiled generation runs eagerly (see the module doc)."""
+    return device.type in HOST_READS_FREE and policy.decides_on_host(step)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .compiled import check_compile_works, compiled_forward
+from .compiled import check_compile_works, compiled_forward, runs_eagerly
 from .core.cache import PolicyCache
 from .core.policy import Policy, check_positive, make_policy
 from .core.shared_prefill import SharedPrefill
@@ -285,7 +285,8 @@ def decode(
             break
         position = position + 1
         timer.mark()
-        logits = forward(token[:, None], position_ids=position, past_key_values=cache, use_cache=True).logits[:, -1]
+        run = model if settings.compile and runs_eagerly(cache.policy, cache.step + 1, device) else forward
+        logits = run(token[:, None], position_ids=position, past_key_values=cache, use_cache=True).logits[:, -1]
         timer.mark()
     synchronize(device)
     decode_s = time.perf_counter() - start

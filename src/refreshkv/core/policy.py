@@ -49,6 +49,11 @@ class Policy:
     def decode(self, layer: PolicyLayer, query, key, value, scaling: float) -> torch.Tensor:
         raise NotImplementedError
 
+    def decides_on_host(self, step: int) -> bool:
+        """Whether decode step `step` (counted from 1) takes a decision from device values (`refreshkv`'s QC steps).
+        Under `compile=True` on a CPU, where reading them costs nothing, such a step runs eagerly (compiled.py)."""
+        return False
+
     def check_prompt(self, shortest: int) -> None:
         """Refuse (PolicyError) a batch whose shortest real prompt has `shortest` tokens if the method cannot work
         on it (e.g. a window longer than the prompt); called once per generation, before any layer's prefill."""

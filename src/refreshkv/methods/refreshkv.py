@@ -171,18 +171,24 @@ class RefreshKV(BudgetPolicy):
         layer.record(need.float().mean(), state.partial.nbytes() + state.full.attended_bytes())
         return torch.where(need.view(-1, 1, 1, 1), full_out, partial_out)
 
+    def _scheduled(self, step: int) -> bool:
+        """A full step of the fixed schedule, or a QC step of the dynamic one."""
+        return step % (self.stride or self.qc_stride or DEFAULT_QC_STRIDE) == 0
+
+    def decides_on_host(self, step: int) -> bool:
+        return self.stride is None and self._scheduled(step)
+
     def _needs_full(self, layer, query: torch.Tensor):
         """True / False for the whole batch, or a (B,) bool tensor when rows may disagree.
 
         The schedule's step test is a host integer test (never a device read; under torch.compile it selects one
         of two compiled graphs). The dynamic schedule's decision at QC steps is read on the host once per layer (on
-        a GPU the host waits for the device there), so that a step computes only the path it takes. Under
-        torch.compile it is not read: a QC step computes both paths and each row keeps its own (cost: a partial
-        step more every `qc_stride` steps), which keeps the step one graph without a host sync."""
+        a GPU the host waits for the device there), so that a step computes only the path it takes. `compile=True`
+        runs QC steps eagerly on a CPU (`decides_on_host`). Compiled (on a GPU) the decision is not read: a QC step
+        computes both paths at every layer and each row keeps its own, which keeps the step one graph without a host
+        sync (on the CPU that made a QC step cost 2-3x `full`'s step; docs/benchmark.md)."""
         state: RefreshState = layer.state
-        step = layer.cache.step
-        stride = self.stride or self.qc_stride or DEFAULT_QC_STRIDE
-        if step % stride != 0:  # a branch, not a value: under torch.compile a guard, so `need` is a plain bool
+        if not self._scheduled(layer.cache.step):  # a branch, not a value: under torch.compile a guard
             return False
         if self.stride is not None:
             return True
