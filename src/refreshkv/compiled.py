@@ -15,7 +15,8 @@ A step at which a method decides from device values (`Policy.decides_on_host`: `
 where reading them costs nothing (`HOST_READS_FREE`: the CPU), so that it computes only the path each layer takes:
 compiled, a QC step computes the partial and the full path at every layer (2-3x `full`'s step on the CPU).
 Each new graph (the first steps, the first full step of a schedule) costs a compilation: on the embedded model with 2
-CPU threads about 1 minute for `full` and 4-6 for `recycled`/`refreshkv`, for a step 5-7% faster (docs/benchmark.md).
+CPU threads about 1 minute for `full` and 4-6 for `recycled`, for a step 0-22% faster than eager depending on the
+dtype and the run (docs/benchmark.md).
 """
 
 from __future__ import annotations
