@@ -69,3 +69,11 @@ def test_every_round_runs_every_length_and_method_in_changing_orders(monkeypatch
                      (36, ["full", "streamingllm"]), (56, ["full", "streamingllm"])]
     assert [(row["length"], row["method"], row["rounds"]) for row in result["rows"]] == [
         (40, "full", 3), (40, "streamingllm", 3), (60, "full", 3), (60, "streamingllm", 3)]
+
+
+def test_the_markdown_table_names_each_column_once():
+    from refreshkv.bench_report import markdown_table
+
+    row = {"method": "full", "length": 100, "decode_ms_per_token": 120.0}
+    header = markdown_table({"rows": [row]}).splitlines()[0].strip("| ").split(" | ")
+    assert len(header) == len(set(header))

@@ -15,17 +15,17 @@ SPEED = (
     ("median step", "decode_ms_median_step", "{:.1f}"),
     ("tok/s", "tokens_per_s", "{:.2f}"),
     ("vs full", "speedup_vs_full", "{:.2f}x"),
-    ("full steps", "full_step_fraction", "{:.3f}"),
+    ("full share", "full_step_fraction", "{:.3f}"),  # of layer-steps
 )
 STEPS = (  # full steps (most layers attended fully: refreshes, fixed-stride steps) against partial steps
     ("method", "method", "{}"),
     ("full steps", "full_steps", "{}"),
     ("full step ms", "full_step_ms", "{:.1f}"),
-    ("p90", "full_step_p90_ms", "{:.1f}"),
+    ("full p90", "full_step_p90_ms", "{:.1f}"),
     ("vs full's step", "full_step_vs_full", "{:.2f}x"),
     ("partial steps", "partial_steps", "{}"),
     ("partial step ms", "partial_step_ms", "{:.1f}"),
-    ("p90", "partial_step_p90_ms", "{:.1f}"),
+    ("partial p90", "partial_step_p90_ms", "{:.1f}"),
 )
 MEMORY = (
     ("method", "method", "{}"),
