@@ -158,6 +158,22 @@ def show(results: list[dict], as_json: bool) -> None:
     out.print(stats_table(results))
 
 
+def load_checked(model, dtype: str, device: str, compile: bool = False, weight_layout: str = "stored",
+                 threads: int | None = None):
+    """(model, tokenizer, layout) for a command: the runtime options checked before anything loads, torch's CPU
+    threads set, the weights stored in `weight_layout` (`layout`: set_weight_layout's choices)."""
+    import torch
+
+    from .model import load_model
+    from .weight_layout import set_weight_layout
+
+    torch_dtype = check_runtime(dtype, device, compile, weight_layout)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
+    return lm, tokenizer, set_weight_layout(lm, weight_layout)
+
+
 @app.command()
 @user_errors
 def generate(
@@ -190,18 +206,14 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ):
     """Generate from a prompt with a KV method and report its speed and KV memory."""
-    from .model import load_model
     from .core.policy import make_policy
-    from .weight_layout import set_weight_layout
 
     params = method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param)
     make_policy(method, **params)  # validate before loading anything
     if compare is not None:
         make_policy(compare)
     text = read_prompt(prompt, prompt_file)
-    torch_dtype = check_runtime(dtype, device, compile, weight_layout)
-    lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
-    set_weight_layout(lm, weight_layout)
+    lm, tokenizer, _ = load_checked(model, dtype, device, compile, weight_layout)
     ids = encode(tokenizer, text, chat)
     sampling = dict(do_sample=sample, temperature=temperature, top_p=top_p, seed=seed, eos_check_every=eos_check_every,
                     compile=compile)
@@ -292,23 +304,16 @@ def bench(
     weight_layout: WeightLayoutOpt = "stored",
 ):
     """Decode speed, memory and distance to the bandwidth floor of methods, interleaved in one run."""
-    import torch
     from tqdm.auto import tqdm
 
     from .bench import run_bench
     from .bench_report import bench_tables, check_plotting, plot_bench
-    from .model import load_model
-    from .weight_layout import set_weight_layout
 
     chosen = bench_methods(methods, budget, param)
     length_list = parse_lengths(lengths)
-    torch_dtype = check_runtime(dtype, device, compile, weight_layout)
     if plot is not None:
         check_plotting()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
-    layout = set_weight_layout(lm, weight_layout)
+    lm, tokenizer, layout = load_checked(model, dtype, device, compile, weight_layout, threads)
     with tqdm(total=rounds * len(chosen) * len(length_list), desc="bench runs", unit="run") as bar:
         result = run_bench(lm, tokenizer, chosen, length_list, new_tokens, rounds, progress=bar.update,
                            share_prefill=share_prefill, compile=compile)
@@ -340,24 +345,16 @@ def profile(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ):
     """Profile one decode step with torch.profiler: the operators it spends its time in."""
-    import torch
-
     from .bench import bench_prompt, machine_facts
     from .core.policy import make_policy
     from .generate import check_length
-    from .model import load_model
     from .profile_step import profile_step
-    from .weight_layout import set_weight_layout
 
     policy = make_policy(method, **parse_pairs(param, "--param"))
     if length - step < 16:
         raise ValueError(f"--length {length} leaves fewer than 16 prompt tokens before step {step}")
-    torch_dtype = check_runtime(dtype, device, False, weight_layout)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
+    lm, tokenizer, layout = load_checked(model, dtype, device, weight_layout=weight_layout, threads=threads)
     check_length(lm, length - step, step)
-    layout = set_weight_layout(lm, weight_layout)
     result = profile_step(lm, bench_prompt(tokenizer, length - step).to(lm.device), policy, step, top, rounds)
     result["machine"] = {**machine_facts(lm), "weight_layout": layout or weight_layout}
     if as_json:
