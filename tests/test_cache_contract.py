@@ -5,6 +5,7 @@ import torch
 from conftest import random_prompt, tiny_model
 
 import refreshkv
+from refreshkv.core.cache_argument import with_cache
 from refreshkv import PolicyCache, PolicyError, make_policy
 
 NEW = 10
@@ -13,7 +14,7 @@ EVERYTHING = {"refreshkv": {"budget": 4096}, "recycled": {"budget": 4096}, "h2o"
 
 def hf_generate(model, ids, policy=None, **kwargs):
     cache = None if policy is None else PolicyCache(policy, model, max_new_tokens=NEW)
-    return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=NEW,
+    return model.generate(ids, attention_mask=torch.ones_like(ids), **with_cache(model, cache), max_new_tokens=NEW,
                           eos_token_id=None, pad_token_id=0, **kwargs)
 
 
@@ -39,7 +40,7 @@ def test_assisted_decoding_with_full(llama):
 def test_crop_is_refused_by_a_method_that_drops_tokens(llama):
     cache = PolicyCache(make_policy("snapkv", budget=4, window=2), llama, max_new_tokens=2)
     with torch.no_grad():
-        llama(random_prompt(20), past_key_values=cache)
+        llama(random_prompt(20), **with_cache(llama, cache))
     with pytest.raises(PolicyError, match="cannot crop") as error:
         cache.crop(-2)
     assert "\n" not in str(error.value)
@@ -49,18 +50,18 @@ def test_reset_gives_a_fresh_cache(llama):
     ids = random_prompt(30, seed=5)
     policy = make_policy("refreshkv", budget=6)
     cache = PolicyCache(policy, llama, max_new_tokens=NEW)
-    first = llama.generate(ids, past_key_values=cache, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    first = llama.generate(ids, **with_cache(llama, cache), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.step == 0
-    again = llama.generate(ids, past_key_values=cache, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    again = llama.generate(ids, **with_cache(llama, cache), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     assert torch.equal(first, again)
 
 
 def test_seq_length_and_mask_sizes_follow_the_tokens(llama):
     cache = PolicyCache(make_policy("streamingllm", budget=4), llama, max_new_tokens=3)
     with torch.no_grad():
-        llama(random_prompt(20), past_key_values=cache)
-        llama(torch.tensor([[5]]), past_key_values=cache, position_ids=torch.tensor([[20]]))
+        llama(random_prompt(20), **with_cache(llama, cache))
+        llama(torch.tensor([[5]]), **with_cache(llama, cache), position_ids=torch.tensor([[20]]))
     assert cache.get_seq_length() == 21
     assert cache.get_mask_sizes(1, 0) == (22, 0)
 
@@ -73,7 +74,7 @@ def test_a_model_without_the_package_attention_is_refused_or_switched():
     cache = PolicyCache(make_policy("refreshkv", budget=4), model)  # given the model, the cache switches it
     assert model.config._attn_implementation == "refreshkv"
     with torch.no_grad():
-        model(random_prompt(20), past_key_values=cache)
+        model(random_prompt(20), **with_cache(model, cache))
     assert all(n > 0 for n in cache.nbytes_per_layer())
 
 
@@ -83,7 +84,7 @@ def test_a_missed_handoff_is_an_error_not_a_wrong_answer(llama):
     try:
         with pytest.raises(RuntimeError, match="did not go through"):
             with torch.no_grad():
-                llama(random_prompt(10), past_key_values=cache)
+                llama(random_prompt(10), **with_cache(llama, cache))
     finally:
         llama.set_attn_implementation("refreshkv")
 

@@ -6,6 +6,7 @@ import torch
 from conftest import random_prompt, tiny_model
 from test_bad_input import assert_one_line_error, cli, no_model  # noqa: F401  (fixture)
 
+from refreshkv.core.cache_argument import cache_keyword
 from refreshkv import compiled, generate, make_policy
 from refreshkv.core import attention_math
 from refreshkv.core.cache import DecodeStats
@@ -42,7 +43,7 @@ def test_compiled_qc_steps_run_eagerly_on_the_cpu(two_layers, monkeypatch):
 
     def counted(model):
         forward = compiled.compiled_forward(model)
-        return lambda *args, **kwargs: steps.append(kwargs["past_key_values"].step + 1) or forward(*args, **kwargs)
+        return lambda *args, **kwargs: steps.append(kwargs[cache_keyword(model)].step + 1) or forward(*args, **kwargs)
 
     monkeypatch.setattr(generate_module, "compiled_forward", counted)
     generate(two_layers, random_prompt(40, seed=2), method="refreshkv", budget=8, qc_stride=3, max_new_tokens=12,

@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import random_prompt, tiny_model
 
+from refreshkv.core.cache_argument import with_cache
 from refreshkv import PolicyCache, PolicyError, generate, make_policy
 from refreshkv.core.attention_math import aggregate_group, pool, selection_scores, top_k
 
@@ -87,7 +88,7 @@ def test_partial_cache_after_prefill_is_pooled_top_k(llama, monkeypatch):
     monkeypatch.setattr(method, "attention_probs", spy)
     cache = PolicyCache(make_policy("refreshkv", budget=10), llama.config, max_new_tokens=1)
     with torch.no_grad():
-        llama(random_prompt(64), past_key_values=cache)
+        llama(random_prompt(64), **with_cache(llama, cache))
     query, keys = seen[0]  # layer 0: query (1, 4, 1, 16), keys (1, 2, 64, 16)
     assert query.shape == (1, 4, 1, 16)
     probs = (query @ keys.repeat_interleave(2, dim=1).transpose(-1, -2) * 16**-0.5).softmax(-1)
@@ -105,12 +106,12 @@ def test_partial_step_evicts_the_lowest_scored_recycled_token(llama):
     ids = random_prompt(64)
     cache = PolicyCache(make_policy("refreshkv", budget=10, threshold=-1.0), llama.config, max_new_tokens=4)
     with torch.no_grad():
-        logits = llama(ids, past_key_values=cache).logits[:, -1:]
+        logits = llama(ids, **with_cache(llama, cache)).logits[:, -1:]
         state = cache.layers[1].state
         before = {int(p): float(s) for p, s in zip(state.partial.store.positions[0, 0], state.partial.scores[0, 0]) if p >= 0}
         for step in range(2):
             token = logits.argmax(-1)
-            logits = llama(token, past_key_values=cache, position_ids=torch.tensor([[64 + step]])).logits
+            logits = llama(token, **with_cache(llama, cache), position_ids=torch.tensor([[64 + step]])).logits
     after = set(state.partial.store.positions[0, 0].tolist())
     lowest = min(before, key=before.get)
     # First step fills the free slot, second evicts the lowest-scored recycled token; both new tokens stay.
@@ -146,7 +147,7 @@ def test_model_generate_accepts_the_cache(llama):
     ids = random_prompt(50)
     ours = generate(llama, ids, method="refreshkv", budget=10, qc_stride=4, max_new_tokens=NEW, eos_token_id=[])
     cache = PolicyCache(make_policy("refreshkv", budget=10, qc_stride=4), llama.config, max_new_tokens=NEW)
-    theirs = llama.generate(ids, past_key_values=cache, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+    theirs = llama.generate(ids, **with_cache(llama, cache), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                             pad_token_id=0)
     assert theirs[0, 50:].tolist() == ours.tokens[0]
 
@@ -236,7 +237,7 @@ def test_stores_grow_when_more_tokens_come_than_announced(llama, method):
         params["window"] = 4
     full = generate(llama, ids, method="full", max_new_tokens=NEW, eos_token_id=[])
     cache = PolicyCache(make_policy(method, **params), llama.config, max_new_tokens=2)
-    tokens = llama.generate(ids, past_key_values=cache, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+    tokens = llama.generate(ids, **with_cache(llama, cache), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                             pad_token_id=0)
     assert tokens[0, 40:].tolist() == full.tokens[0]
     assert cache.layers[0].state.store.slots > 42

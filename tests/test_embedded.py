@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from refreshkv.core.cache_argument import with_cache
 from refreshkv import PolicyCache, generate, load_model, make_policy
 from refreshkv.bench import bench_prompt
 from refreshkv.budget_report import budget_report
@@ -96,7 +97,7 @@ def prefill_only(model, ids, method, **params):
     """Run the prompt through a method's cache (one forward) and return the cache."""
     cache = PolicyCache(make_policy(method, **params), model.config, max_new_tokens=1)
     with torch.inference_mode():
-        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
     return cache
 
 

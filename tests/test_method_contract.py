@@ -8,6 +8,7 @@ import torch
 from conftest import random_prompt, tiny_model
 
 import refreshkv
+from refreshkv.core.cache_argument import with_cache
 from refreshkv import METHODS, Policy, PolicyCache, make_policy
 
 NEW = 12
@@ -116,11 +117,11 @@ def test_runs_in_bfloat16(bf16_llama, name):
 
 def greedy_steps(model, ids, cache):
     """Greedy decoding one forward at a time, yielding each token, so two generations can be interleaved."""
-    logits = model(ids, past_key_values=cache).logits[:, -1]
+    logits = model(ids, **with_cache(model, cache)).logits[:, -1]
     for step in range(NEW):
         token = logits.argmax(-1)
         yield int(token)
-        logits = model(token[:, None], past_key_values=cache, position_ids=torch.tensor([[ids.shape[1] + step]]),
+        logits = model(token[:, None], **with_cache(model, cache), position_ids=torch.tensor([[ids.shape[1] + step]]),
                        ).logits[:, -1]
 
 

@@ -8,6 +8,7 @@ from conftest import random_prompt, tiny_model
 from test_method_contract import left_pad, max_diff, small_budget
 
 import refreshkv
+from refreshkv.core.cache_argument import with_cache
 from refreshkv import METHODS, PolicyCache, PolicyError, make_policy
 from refreshkv.budget_report import budget_report
 from refreshkv.core.shared_prefill import SharedPrefill
@@ -93,7 +94,7 @@ def test_a_method_with_its_own_prefill_runs_alone(llama):
 def test_shared_prefill_refuses_used_caches(llama):
     cache = PolicyCache(make_policy("full"), llama)
     refreshkv.generate(llama, random_prompt(12), method=make_policy("full"), max_new_tokens=2)  # another cache
-    llama(random_prompt(12), past_key_values=cache, use_cache=True)
+    llama(random_prompt(12), **with_cache(llama, cache), use_cache=True)
     with pytest.raises(PolicyError, match="empty caches"):
         SharedPrefill([cache, PolicyCache(make_policy("full"), llama)])
     assert torch.is_tensor(cache.layers[0].state.view()[0])

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from .core.cache_argument import with_cache
 from .demo import book_text
 from .generate import check_length, generate, generate_many, synchronize
 from .core.policy import make_policy
@@ -187,14 +188,14 @@ def run_transformers_once(model, ids, new_tokens, peak: PeakMemory) -> Run:
     device = ids.device
     with torch.inference_mode():
         start = time.perf_counter()
-        logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = model(ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1]
         synchronize(device)
         prefill_s = time.perf_counter() - start
         step_s = []
         for _ in range(new_tokens - 1):
             token = logits.argmax(dim=-1, keepdim=True)
             start = time.perf_counter()
-            logits = model(token, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(token, **with_cache(model, cache), use_cache=True).logits[:, -1]
             synchronize(device)
             step_s.append(time.perf_counter() - start)
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)

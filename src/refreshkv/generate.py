@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from .compiled import check_compile_works, compiled_forward, runs_eagerly
 from .core.cache import PolicyCache
+from .core.cache_argument import with_cache
 from .core.policy import Policy, check_positive, make_policy
 from .core.shared_prefill import SharedPrefill
 
@@ -247,7 +248,7 @@ def prefill(model, input_ids, attention_mask, cache) -> tuple[torch.Tensor, floa
         input_ids,
         attention_mask=attention_mask if padded else None,
         position_ids=positions,
-        past_key_values=cache,
+        **with_cache(model, cache),
         use_cache=True,
         logits_to_keep=1,
     ).logits[:, -1]
@@ -286,7 +287,7 @@ def decode(
         position = position + 1
         timer.mark()
         run = model if settings.compile and runs_eagerly(cache.policy, cache.step + 1, device) else forward
-        logits = run(token[:, None], position_ids=position, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = run(token[:, None], position_ids=position, **with_cache(model, cache), use_cache=True).logits[:, -1]
         timer.mark()
     synchronize(device)
     decode_s = time.perf_counter() - start

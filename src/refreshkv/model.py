@@ -172,13 +172,14 @@ def check_attention(model) -> None:
     registered attention function (a custom attention module) or whose sliding window differs from its config.
     One 2-token forward through a `full` cache finds both."""
     from .core.cache import PolicyCache, check_handoff_taken
+    from .core.cache_argument import with_cache
     from .core.policy import PolicyError, make_policy
 
     ids = torch.zeros(1, 2, dtype=torch.long, device=model.device)
     cache = PolicyCache(make_policy("full"), model)
     try:
         with torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, **with_cache(model, cache), use_cache=True)
         check_handoff_taken()
         skipped = [layer.layer_idx for layer in cache.layers if layer.state is None]
         if skipped:

@@ -16,6 +16,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from .core.cache_argument import with_cache
 from .core.policy import Policy
 from .generate import generate, synchronize
 
@@ -29,7 +30,7 @@ def profile_once(model, ids: torch.Tensor, policy: Policy, step: int) -> tuple[d
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.device.type == "cuda" else [])
     with profile(activities=activities) as profiler:
         start = time.perf_counter()
-        model(token, position_ids=position, past_key_values=warm.cache, use_cache=True)
+        model(token, position_ids=position, **with_cache(model, warm.cache), use_cache=True)
         synchronize(ids.device)
         wall = time.perf_counter() - start
     operators = {event.key: (event.self_cpu_time_total / 1000, event.count) for event in profiler.key_averages()}

@@ -60,7 +60,7 @@ class SharedPrefillLayer(CacheLayerMixin):
 
 
 class SharedPrefill(Cache):
-    """Pass as `past_key_values` to one forward over the prompt; afterwards decode with each of `caches`."""
+    """Pass as the cache (`with_cache`) to one forward over the prompt; afterwards decode with each of `caches`."""
 
     def __init__(self, caches: list[PolicyCache]):
         for cache in caches:

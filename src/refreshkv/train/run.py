@@ -39,6 +39,11 @@ from .data import cut_windows, split_documents, write_split
 from .pattern import PartialPattern
 from .progress import TrainProgress
 
+# The training argument that recomputes activations: `activation_checkpointing` since transformers 5.23, which
+# deprecates the older `gradient_checkpointing`.
+CHECKPOINTING = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+                 else "gradient_checkpointing")
+
 LOSS_ON = ("all", "suffix")
 SCHEDULES = ("linear", "cosine", "constant_with_warmup")
 IGNORE = -100  # labels the loss skips
@@ -209,8 +214,7 @@ def train(model, tokenizer, config: TrainConfig, out: str | Path, resume: bool =
         report_to=[],
         use_cpu=device == "cpu",
         bf16=config.dtype == "bfloat16" and device != "cpu",
-        activation_checkpointing=config.gradient_checkpointing,
-        activation_checkpointing_kwargs={"use_reentrant": False},
+        **{CHECKPOINTING: config.gradient_checkpointing, f"{CHECKPOINTING}_kwargs": {"use_reentrant": False}},
         remove_unused_columns=False,
         dataloader_num_workers=0,
     )

@@ -1,0 +1,28 @@
+"""The keyword under which a model's forward and `generate` take the cache.
+
+transformers 5.24 renamed the argument from `past_key_values` to `cache` (the old name warns and goes away in 5.40
+for forwards, 6.0 for `generate`). Every call that hands a cache to a model goes through `with_cache`, which reads
+the name from the model's own forward, so the package is silent on both sides of the rename.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+NEW_NAME, OLD_NAME = "cache", "past_key_values"
+
+
+@functools.cache
+def _keyword_of(model_class: type) -> str:
+    return NEW_NAME if NEW_NAME in inspect.signature(model_class.forward).parameters else OLD_NAME
+
+
+def cache_keyword(model) -> str:
+    """`cache` where the model's forward takes it, else `past_key_values`."""
+    return _keyword_of(type(model))
+
+
+def with_cache(model, cache) -> dict:
+    """Keyword arguments passing `cache` to `model(...)` or `model.generate(...)`."""
+    return {cache_keyword(model): cache}
