@@ -2,6 +2,7 @@
 
 from .core import attention  # noqa: F401  (registers the "refreshkv" attention implementation)
 from .core.cache import PolicyCache
+from .core.cache_argument import with_cache
 from .core.policy import METHODS, Policy, PolicyError, make_policy
 from .generate import GenerationOutput, generate, generate_many
 from .model import load_model
@@ -11,4 +12,4 @@ from .weight_layout import fastest_layout
 load_methods()
 
 __all__ = ["GenerationOutput", "METHODS", "Policy", "PolicyCache", "PolicyError", "fastest_layout", "generate", "generate_many",
-           "load_model", "make_policy"]
+           "load_model", "make_policy", "with_cache"]
