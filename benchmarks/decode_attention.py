@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from refreshkv.bench import cpu_facts
+from refreshkv.measure.bench import cpu_facts
 from refreshkv.core import attention_math
 
 LAYERS, QUERY_HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64

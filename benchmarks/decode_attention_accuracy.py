@@ -11,7 +11,7 @@ import argparse
 import torch
 
 from refreshkv import generate, load_model
-from refreshkv.bench import bench_prompt
+from refreshkv.measure.bench import bench_prompt
 from refreshkv.core import attention_math
 
 STEPS = 16

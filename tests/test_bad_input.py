@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from conftest import tiny_model
 
-import refreshkv.model
-from refreshkv.cli import main
+import refreshkv.runtime.loading
+from refreshkv.cli.app import main
 from refreshkv.eval.report import load_results, write_report
 from refreshkv.eval.runner import ResultsError, ResultsFile, check_task_options
 from refreshkv.eval.sweep import load_sweep
-from refreshkv.model import ModelError, load_model, resolve_model_dir
-from refreshkv.options import method_params, parse_value
+from refreshkv.runtime.loading import ModelError, load_model, resolve_model_dir
+from refreshkv.cli.options import method_params, parse_value
 
 TESTS = Path(__file__).parent
 
@@ -58,13 +58,13 @@ def no_model(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr(refreshkv.model, "load_model", refuse)
+    monkeypatch.setattr(refreshkv.runtime.loading, "load_model", refuse)
 
 
 @pytest.fixture
 def tiny_loader(monkeypatch):
     """`load_model` gives a tiny random model and a word tokenizer."""
-    monkeypatch.setattr(refreshkv.model, "load_model", lambda *a, **k: (tiny_model("llama", layers=2), WordTokenizer()))
+    monkeypatch.setattr(refreshkv.runtime.loading, "load_model", lambda *a, **k: (tiny_model("llama", layers=2), WordTokenizer()))
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ def fake_conversion(tmp_path, monkeypatch):
         target.mkdir()
         (target / "config.json").write_text(json.dumps({"source": str(gguf)}))
 
-    monkeypatch.setattr(refreshkv.model, "_convert_gguf", convert)
+    monkeypatch.setattr(refreshkv.runtime.loading, "_convert_gguf", convert)
     return converted
 
 
@@ -104,8 +104,8 @@ def test_a_different_gguf_with_the_same_name_and_size_gets_its_own_conversion(tm
         path.parent.mkdir()
         path.write_bytes(byte * 4096)
     hashed = []
-    real_digest = refreshkv.model.hashlib.file_digest
-    monkeypatch.setattr(refreshkv.model.hashlib, "file_digest", lambda f, name: hashed.append(f.name) or real_digest(f, name))
+    real_digest = refreshkv.runtime.loading.hashlib.file_digest
+    monkeypatch.setattr(refreshkv.runtime.loading.hashlib, "file_digest", lambda f, name: hashed.append(f.name) or real_digest(f, name))
 
     first_dir, second_dir = resolve_model_dir(first), resolve_model_dir(second)
     assert first_dir != second_dir and fake_conversion == [first, second]
@@ -166,7 +166,7 @@ def test_concurrent_first_loads_convert_once(tmp_path, monkeypatch):
         target.mkdir()
         (target / "config.json").write_text("{}")
 
-    monkeypatch.setattr(refreshkv.model, "_convert_gguf", slow_convert)
+    monkeypatch.setattr(refreshkv.runtime.loading, "_convert_gguf", slow_convert)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"x" * 100)
     results = []
@@ -254,12 +254,12 @@ def test_ctrl_c_ends_with_one_interrupted_line(tmp_path, doc):
     script = f"""
 import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
-import refreshkv.model
+import refreshkv.runtime.loading
 def slow(*args, **kwargs):
     print("loading", flush=True)
     time.sleep(60)
-refreshkv.model.load_model = slow
-from refreshkv.cli import main
+refreshkv.runtime.loading.load_model = slow
+from refreshkv.cli.app import main
 sys.argv = ["refreshkv"] + {[str(a) for a in ppl_eval_args(doc, out)]!r}
 main()
 """
@@ -372,7 +372,7 @@ def test_bench_checks_every_methods_parameters_before_loading(no_model, monkeypa
 
 
 def test_bench_runs_variants_of_a_method_with_their_own_parameters(no_model, monkeypatch, capsys):
-    from refreshkv.cli import bench_methods
+    from refreshkv.cli.app import bench_methods
 
     methods = bench_methods("full,refreshkv,refreshkv@int4", 64, ["refreshkv@int4:full_cache=int4"])
     assert methods == {"full": {}, "refreshkv": {"budget": 64}, "refreshkv@int4": {"budget": 64, "full_cache": "int4"}}
@@ -393,7 +393,7 @@ def test_demo_checks_its_budget_and_length_before_loading(no_model, monkeypatch,
 def test_the_demo_length_range_is_the_one_of_the_embedded_tokenizer():
     from transformers import AutoTokenizer
 
-    from refreshkv.demo import MAX_LENGTH, MIN_LENGTH, demo_prompt
+    from refreshkv.cli.demo import MAX_LENGTH, MIN_LENGTH, demo_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir())
     assert demo_prompt(tokenizer, MIN_LENGTH).shape[1] >= MIN_LENGTH - 1

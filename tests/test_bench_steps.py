@@ -3,8 +3,8 @@
 from conftest import random_prompt, tiny_model
 
 import refreshkv
-from refreshkv.bench import Run, split_steps, step_kinds
-from refreshkv.bench_report import plot_bench
+from refreshkv.measure.bench import Run, split_steps, step_kinds
+from refreshkv.measure.bench_report import plot_bench
 
 
 def test_the_cache_counts_the_layers_that_attended_fully_at_each_step(llama):
@@ -50,7 +50,7 @@ def test_every_round_runs_every_length_and_method_in_changing_orders(monkeypatch
     """Lengths are interleaved like methods, so that a method at one length compares with `full` at another."""
     from test_bad_input import WordTokenizer
 
-    from refreshkv import bench
+    from refreshkv.measure import bench
 
     calls = []
     real_round = bench.run_round
@@ -72,7 +72,7 @@ def test_every_round_runs_every_length_and_method_in_changing_orders(monkeypatch
 
 
 def test_the_markdown_table_names_each_column_once():
-    from refreshkv.bench_report import markdown_table
+    from refreshkv.measure.bench_report import markdown_table
 
     row = {"method": "full", "length": 100, "decode_ms_per_token": 120.0}
     header = markdown_table({"rows": [row]}).splitlines()[0].strip("| ").split(" | ")

@@ -9,7 +9,7 @@ import torch
 from conftest import random_prompt, tiny_model
 
 from refreshkv import PolicyError, generate, make_policy
-from refreshkv.budget_report import budget_report, budget_table
+from refreshkv.measure.budget_report import budget_report, budget_table
 from refreshkv.methods.dynamickv import allocate, apportion, layer_counts
 from refreshkv.methods.refreekv import kept_counts, position_ranking
 

@@ -7,7 +7,8 @@ from conftest import random_prompt, tiny_model
 from test_bad_input import assert_one_line_error, cli, no_model  # noqa: F401  (fixture)
 
 from refreshkv.core.cache_argument import cache_keyword
-from refreshkv import compiled, generate, make_policy
+from refreshkv import generate, make_policy
+from refreshkv.runtime import compiled
 from refreshkv.core import attention_math
 from refreshkv.core.cache import DecodeStats
 
@@ -38,7 +39,7 @@ def test_compiled_qc_steps_run_eagerly_on_the_cpu(two_layers, monkeypatch):
     """Only the QC steps (3, 6, 9 with qc_stride 3) leave the compiled forward."""
     import sys
 
-    generate_module = sys.modules["refreshkv.generate"]
+    generate_module = sys.modules["refreshkv.runtime.generate"]
     steps = []
 
     def counted(model):

@@ -9,9 +9,9 @@ import torch
 
 from refreshkv.core.cache_argument import with_cache
 from refreshkv import PolicyCache, generate, load_model, make_policy
-from refreshkv.bench import bench_prompt
-from refreshkv.budget_report import budget_report
-from refreshkv.demo import demo_prompt
+from refreshkv.measure.bench import bench_prompt
+from refreshkv.measure.budget_report import budget_report
+from refreshkv.cli.demo import demo_prompt
 
 pytestmark = pytest.mark.embedded
 

@@ -276,7 +276,7 @@ def test_ppl_rows_record_file_names_so_a_moved_checkout_resumes(tmp_path):
 
 
 def test_ppl_missing_file_is_a_one_line_error_on_the_command_line(tmp_path, monkeypatch):
-    from refreshkv.cli import app
+    from refreshkv.cli.app import app
 
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(

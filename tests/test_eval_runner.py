@@ -143,7 +143,7 @@ def test_tiny_sweep_writes_jsonl_and_report_with_plots(tmp_path, model):
 
 
 def _app():
-    from refreshkv.cli import app
+    from refreshkv.cli.app import app
 
     return app
 
@@ -375,7 +375,7 @@ def test_recovery_task_rows_and_plot(tmp_path, model):
 
 @pytest.mark.embedded
 def test_embedded_full_retrieves_the_needle_at_2k(tmp_path):
-    from refreshkv.model import load_model
+    from refreshkv.runtime.loading import load_model
 
     model, tokenizer = load_model()
     out = tmp_path / "niah.jsonl"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from refreshkv.eval import metrics
-from refreshkv.eval.data import MissingDataError, _package_files
+from refreshkv.eval.sources import MissingDataError, _package_files
 from refreshkv.eval.tasks import TASKS, get_task
 from refreshkv.eval.tasks.base import fit_to_length
 

@@ -84,7 +84,7 @@ def test_mistral_beyond_its_window_equals_transformers_with_full():
 def test_layer_budgets_are_shared_by_the_layers_that_run_the_method():
     """Gemma 3 (5 sliding layers, 1 global) with 40 prompt tokens: the global layer alone runs PyramidKV / DynamicKV,
     so it gets the whole budget of selected tokens, the per-layer budget SnapKV keeps (K = 8, window 4: 4 selected)."""
-    from refreshkv.budget_report import budget_report
+    from refreshkv.measure.budget_report import budget_report
 
     model = tiny_model("gemma3", seed=4)
     kept = {}

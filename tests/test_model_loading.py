@@ -7,7 +7,7 @@ from conftest import random_prompt, tiny_model
 from transformers import AutoTokenizer
 
 from refreshkv import generate, load_model
-from refreshkv.model import ModelError, resolve_model_dir
+from refreshkv.runtime.loading import ModelError, resolve_model_dir
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2", "gemma3"])
@@ -66,7 +66,7 @@ def test_unloadable_model_directories_are_one_line(tmp_path, contents, message):
 
 def test_a_custom_attention_module_is_refused_before_any_work():
     """A layer whose attention does not call transformers' attention interface would silently skip the method."""
-    from refreshkv.model import check_attention
+    from refreshkv.runtime.loading import check_attention
 
     model = tiny_model("llama")
     check_attention(model)  # a stock model passes

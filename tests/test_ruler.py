@@ -19,7 +19,7 @@ from long_context_eval.data.template import Templates  # noqa: E402
 from long_context_eval.eval.synthetic.constants import TASKS as METRICS  # noqa: E402
 from nltk.tokenize.punkt import PunktSentenceTokenizer  # noqa: E402
 
-from refreshkv.eval.data import (  # noqa: E402
+from refreshkv.eval.sources import (  # noqa: E402
     MissingDataError,
     ruler_json,
     ruler_module,

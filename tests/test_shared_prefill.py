@@ -10,7 +10,7 @@ from test_method_contract import left_pad, max_diff, small_budget
 import refreshkv
 from refreshkv.core.cache_argument import with_cache
 from refreshkv import METHODS, PolicyCache, PolicyError, make_policy
-from refreshkv.budget_report import budget_report
+from refreshkv.measure.budget_report import budget_report
 from refreshkv.core.shared_prefill import SharedPrefill
 from refreshkv.methods.full import Full
 

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from refreshkv.eval.distributed import Launch, LaunchError, current_launch, rank_file, sweep_files
 from refreshkv.eval.sweep import load_sweep, open_results, run_sweep
-from refreshkv.model import resolve_model_dir
+from refreshkv.runtime.loading import resolve_model_dir
 
 pytest.importorskip("long_context_eval")
 pytest.importorskip("wonderwords")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from refreshkv.documents import read_documents
-from refreshkv.train.data import cut_windows, split_documents
+from refreshkv.texts.documents import read_documents
+from refreshkv.train.windows import cut_windows, split_documents
 from refreshkv.train.run import TrainConfig, WindowDataset, train
 
 from conftest import tiny_model

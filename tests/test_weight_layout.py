@@ -7,8 +7,9 @@ import torch
 from conftest import random_prompt, tiny_model
 from test_bad_input import WordTokenizer, assert_one_line_error, cli, no_model, tiny_loader  # noqa: F401  (fixtures)
 
-from refreshkv import generate, make_policy, weight_layout
-from refreshkv.profile_step import profile_step
+from refreshkv import generate, make_policy
+from refreshkv.runtime import weight_layout
+from refreshkv.measure.profile_step import profile_step
 
 
 def lies_transposed(weight: torch.Tensor) -> bool:

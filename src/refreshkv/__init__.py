@@ -4,10 +4,10 @@ from .core import attention  # noqa: F401  (registers the "refreshkv" attention 
 from .core.cache import PolicyCache
 from .core.cache_argument import with_cache
 from .core.policy import METHODS, Policy, PolicyError, make_policy
-from .generate import GenerationOutput, generate, generate_many
-from .model import load_model
+from .runtime.generate import GenerationOutput, generate, generate_many
+from .runtime.loading import load_model
 from .methods import load_methods
-from .weight_layout import fastest_layout
+from .runtime.weight_layout import fastest_layout
 
 load_methods()
 

@@ -45,7 +45,7 @@ def _rouge_l_scorer():
     try:
         from rouge_score import rouge_scorer
     except ModuleNotFoundError:
-        from refreshkv.eval.data import EVAL_EXTRA, MissingDataError
+        from refreshkv.eval.sources import EVAL_EXTRA, MissingDataError
 
         raise MissingDataError(f"ROUGE-L needs the optional package rouge-score: {EVAL_EXTRA}") from None
     return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)

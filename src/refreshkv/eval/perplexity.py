@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.cache import PolicyCache
-from ..generate import generate_many
+from ..runtime.generate import generate_many
 from ..core.policy import Policy
 
 

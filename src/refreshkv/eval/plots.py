@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .report import Group, mean, method_summaries
+from .summary import Group, mean, method_summaries
 
 
 def check_matplotlib() -> None:

@@ -42,7 +42,7 @@ BOOK = "pride-and-prejudice-opening.txt"
 
 
 def default_paths() -> list[str]:
-    return [str(importlib.resources.files("refreshkv.data") / BOOK)]
+    return [str(importlib.resources.files("refreshkv.texts") / BOOK)]
 
 
 def resolve_k(length: int, budget: int | None, budget_ratio: float | None) -> int:

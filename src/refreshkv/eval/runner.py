@@ -27,8 +27,8 @@ import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ..budget_report import budget_report
-from ..generate import check_length, generate_many
+from ..measure.budget_report import budget_report
+from ..runtime.generate import check_length, generate_many
 from ..core.policy import make_policy
 from .perplexity import teacher_forced, teacher_forced_many
 from .distributed import Launch, my_share

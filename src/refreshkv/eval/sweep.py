@@ -29,7 +29,7 @@ import itertools
 import sys
 from pathlib import Path
 
-from ..options import DTYPES
+from ..runtime.prepare import DTYPES
 from ..core.policy import METHODS, make_policy
 from .distributed import Launch, rank_file, sweep_files
 from .recovery import RecoveryTask

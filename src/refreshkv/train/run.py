@@ -33,9 +33,9 @@ from transformers.utils import logging as hf_logging
 from ..core.attention import PATTERN_ARGUMENT, TRAINING_UNSUPPORTED
 from ..core.cache import layer_windows
 from ..core.policy import DEFAULT_BUDGET_RATIO
-from ..documents import read_documents
+from ..texts.documents import read_documents
 from ..eval.distributed import current_launch
-from .data import cut_windows, split_documents, write_split
+from .windows import cut_windows, split_documents, write_split
 from .pattern import PartialPattern
 from .progress import TrainProgress
 

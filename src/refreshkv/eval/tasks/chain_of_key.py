@@ -27,7 +27,7 @@ import random
 import re
 from collections.abc import Sequence
 
-from refreshkv.eval.data import english_words
+from refreshkv.eval.sources import english_words
 from refreshkv.eval.tasks.base import Example, example_id, fit_to_length
 
 PROMPT = (

@@ -23,8 +23,8 @@ import random
 
 import yaml
 
-from refreshkv.eval.data import data_dir as resolve_data_dir
-from refreshkv.eval.data import data_file
+from refreshkv.eval.sources import data_dir as resolve_data_dir
+from refreshkv.eval.sources import data_file
 from refreshkv.eval.metrics import longproc_tsv_f1
 from refreshkv.eval.tasks.base import Example, count_tokens, example_id
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from refreshkv.eval import metrics
-from refreshkv.eval.data import data_file
+from refreshkv.eval.sources import data_file
 from refreshkv.eval.tasks.base import Example, count_tokens, example_id, fit_to_length
 
 

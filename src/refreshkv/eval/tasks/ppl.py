@@ -30,8 +30,8 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from refreshkv.documents import read_documents
-from refreshkv.eval.data import data_file
+from refreshkv.texts.documents import read_documents
+from refreshkv.eval.sources import data_file
 from refreshkv.eval.tasks.base import Example, example_id
 
 

@@ -46,7 +46,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from refreshkv.eval.data import (
+from refreshkv.eval.sources import (
     EVAL_EXTRA,
     MissingDataError,
     ruler_json,

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from importlib import resources
+from ..texts import book_text
 
 QUESTION = "\n\nQuestion: what is the name of the young man who has taken Netherfield Park, and how much does he earn a year?"
 # The lengths demo_prompt accepts with the embedded tokenizer, for `refreshkv demo --length`: the chat template and
 # question take 57 tokens, at least 16 book tokens follow them, and the packaged text holds 6577.
 MIN_LENGTH, MAX_LENGTH = 73, 6634
-
-
-def book_text() -> str:
-    return resources.files("refreshkv.data").joinpath("pride-and-prejudice-opening.txt").read_text(encoding="utf-8")
 
 
 def demo_prompt(tokenizer, length: int):

@@ -14,8 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 from .demo import MAX_LENGTH as DEMO_MAX_LENGTH, MIN_LENGTH as DEMO_MIN_LENGTH
-from .eval.commands import register as register_eval_commands
-from .train.commands import register as register_train_commands
+from .eval_commands import register as register_eval_commands
+from .train_commands import register as register_train_commands
+from ..runtime.prepare import check_runtime, load_checked
 from .options import (
     AggOpt,
     BudgetOpt,
@@ -33,7 +34,6 @@ from .options import (
     ThresholdOpt,
     WeightLayoutOpt,
     WindowOpt,
-    check_runtime,
     method_params,
     parse_pairs,
 )
@@ -93,9 +93,9 @@ def encode(tokenizer, text: str, chat: bool):
 
 def run_generations(model, tokenizer, ids, methods: list[tuple[str, dict]], max_new_tokens: int, **sampling) -> list[dict]:
     """Each (method, parameters) on the same prompt, with one shared prefill (`generate_many`)."""
-    from .budget_report import budget_report
-    from .core.policy import make_policy
-    from .generate import generate_many
+    from ..measure.budget_report import budget_report
+    from ..core.policy import make_policy
+    from ..runtime.generate import generate_many
 
     policies = [make_policy(method, **params) for method, params in methods]
     outs = generate_many(model, ids.to(model.device), methods=policies, max_new_tokens=max_new_tokens, progress=True,
@@ -148,7 +148,7 @@ def show(results: list[dict], as_json: bool) -> None:
         payload = results[0] if len(results) == 1 else {"runs": results}
         print(json.dumps(payload))
         return
-    from .budget_report import budget_table
+    from ..measure.budget_report import budget_table
 
     for result in results:
         out.rule(f"[bold]{result['method']}[/bold]")
@@ -156,22 +156,6 @@ def show(results: list[dict], as_json: bool) -> None:
         if len(set(result["budget_per_layer"])) > 1:  # layer-adaptive methods: show what each layer kept
             out.print(budget_table(result, title=f"{result['method']}: kept prompt tokens"))
     out.print(stats_table(results))
-
-
-def load_checked(model, dtype: str, device: str, compile: bool = False, weight_layout: str = "stored",
-                 threads: int | None = None):
-    """(model, tokenizer, layout) for a command: the runtime options checked before anything loads, torch's CPU
-    threads set, the weights stored in `weight_layout` (`layout`: set_weight_layout's choices)."""
-    import torch
-
-    from .model import load_model
-    from .weight_layout import set_weight_layout
-
-    torch_dtype = check_runtime(dtype, device, compile, weight_layout)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
-    return lm, tokenizer, set_weight_layout(lm, weight_layout)
 
 
 @app.command()
@@ -206,14 +190,14 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ):
     """Generate from a prompt with a KV method and report its speed and KV memory."""
-    from .core.policy import make_policy
+    from ..core.policy import make_policy
 
     params = method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param)
     make_policy(method, **params)  # validate before loading anything
     if compare is not None:
         make_policy(compare)
     text = read_prompt(prompt, prompt_file)
-    lm, tokenizer, _ = load_checked(model, dtype, device, compile, weight_layout)
+    lm, tokenizer, _ = load_checked(model, check_runtime(dtype, device, compile, weight_layout))
     ids = encode(tokenizer, text, chat)
     sampling = dict(do_sample=sample, temperature=temperature, top_p=top_p, seed=seed, eos_check_every=eos_check_every,
                     compile=compile)
@@ -232,9 +216,9 @@ def demo(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ):
     """The main job on the embedded model: a long book prompt decoded with `full` and with `refreshkv`."""
-    from .core.policy import make_policy
+    from ..core.policy import make_policy
     from .demo import demo_prompt
-    from .model import load_model
+    from ..runtime.loading import load_model
 
     params = {} if budget is None else {"budget": budget}
     make_policy("refreshkv", **params)  # validate before loading anything (and before the `full` run)
@@ -245,8 +229,8 @@ def demo(
 
 def bench_methods(names: str, budget: int, param: list[str]) -> dict[str, dict]:
     """Method name -> parameters: `budget` for every method that has one, plus `--param METHOD:NAME=VALUE`."""
-    from .bench import REFERENCE, check_methods, method_of
-    from .core.policy import METHODS
+    from ..measure.bench import REFERENCE, check_methods, method_of
+    from ..core.policy import METHODS
 
     methods = {}
     for name in filter(None, (n.strip() for n in names.split(","))):
@@ -306,14 +290,14 @@ def bench(
     """Decode speed, memory and distance to the bandwidth floor of methods, interleaved in one run."""
     from tqdm.auto import tqdm
 
-    from .bench import run_bench
-    from .bench_report import bench_tables, check_plotting, plot_bench
+    from ..measure.bench import run_bench
+    from ..measure.bench_report import bench_tables, check_plotting, plot_bench
 
     chosen = bench_methods(methods, budget, param)
     length_list = parse_lengths(lengths)
     if plot is not None:
         check_plotting()
-    lm, tokenizer, layout = load_checked(model, dtype, device, compile, weight_layout, threads)
+    lm, tokenizer, layout = load_checked(model, check_runtime(dtype, device, compile, weight_layout, threads))
     with tqdm(total=rounds * len(chosen) * len(length_list), desc="bench runs", unit="run") as bar:
         result = run_bench(lm, tokenizer, chosen, length_list, new_tokens, rounds, progress=bar.update,
                            share_prefill=share_prefill, compile=compile)
@@ -345,22 +329,23 @@ def profile(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ):
     """Profile one decode step with torch.profiler: the operators it spends its time in."""
-    from .bench import bench_prompt, machine_facts
-    from .core.policy import make_policy
-    from .generate import check_length
-    from .profile_step import profile_step
+    from ..measure.bench import bench_prompt, machine_facts
+    from ..core.policy import make_policy
+    from ..runtime.generate import check_length
+    from ..measure.profile_step import profile_step
 
     policy = make_policy(method, **parse_pairs(param, "--param"))
     if length - step < 16:
         raise ValueError(f"--length {length} leaves fewer than 16 prompt tokens before step {step}")
-    lm, tokenizer, layout = load_checked(model, dtype, device, weight_layout=weight_layout, threads=threads)
+    lm, tokenizer, layout = load_checked(model, check_runtime(dtype, device, weight_layout=weight_layout,
+                                                                   threads=threads))
     check_length(lm, length - step, step)
     result = profile_step(lm, bench_prompt(tokenizer, length - step).to(lm.device), policy, step, top, rounds)
     result["machine"] = {**machine_facts(lm), "weight_layout": layout or weight_layout}
     if as_json:
         print(json.dumps(result))
         return
-    from .bench_report import layout_note
+    from ..measure.bench_report import layout_note
 
     machine = result["machine"]
     table = Table(
@@ -380,7 +365,7 @@ def profile(
 @app.command()
 def methods():
     """List the KV methods with their parameters and defaults."""
-    from .core.policy import METHODS
+    from ..core.policy import METHODS
 
     table = Table(title="KV methods")
     for column in ("method", "parameters (default)", "what it does"):

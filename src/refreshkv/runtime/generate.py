@@ -17,10 +17,10 @@ import torch
 from tqdm.auto import tqdm
 
 from .compiled import check_compile_works, compiled_forward, runs_eagerly
-from .core.cache import PolicyCache
-from .core.cache_argument import with_cache
-from .core.policy import Policy, check_positive, make_policy
-from .core.shared_prefill import SharedPrefill
+from ..core.cache import PolicyCache
+from ..core.cache_argument import with_cache
+from ..core.policy import Policy, check_positive, make_policy
+from ..core.shared_prefill import SharedPrefill
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""Command-line options shared by every command: method parameters, NAME=VALUE pairs, dtype and device."""
+"""Command-line options shared by every command: method parameters, NAME=VALUE pairs, dtype and device (checked by
+runtime/prepare.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,6 @@ import math
 from typing import Annotated, Optional
 
 import typer
-
-DTYPES = ("float32", "bfloat16")
 
 ModelOpt = Annotated[Optional[str], typer.Option(help="Local model directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")]
 MethodOpt = Annotated[str, typer.Option(help="KV method (see `refreshkv methods`).")]
@@ -75,23 +74,3 @@ def method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, wi
         name = both[0]
         raise ValueError(f"{name} is given both as --{name.replace('_', '-')} and as --param {name}; give it once")
     return {**given, **extra}
-
-
-def check_runtime(dtype: str, device: str, compile: bool = False, weight_layout: str = "stored"):
-    """The torch dtype for `dtype`, after checking that `device` exists here, the weight layout is known (and that
-    torch.compile works, if asked)."""
-    import torch
-
-    from .compiled import check_compile_works
-    from .weight_layout import check_weight_layout
-
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype '{dtype}'; choose from: {', '.join(DTYPES)}")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device '{device}'; choose from: cpu, cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but no CUDA GPU is available")
-    check_weight_layout(weight_layout)
-    if compile:
-        check_compile_works()
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]

@@ -7,7 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..options import DeviceOpt, DtypeOpt, ModelOpt
+from ..runtime.prepare import check_runtime, load_checked
+
+from .options import DeviceOpt, DtypeOpt, ModelOpt
 
 
 def register(app, user_errors) -> None:
@@ -47,14 +49,10 @@ def register(app, user_errors) -> None:
         resume: Annotated[bool, typer.Option(help="Continue the run in OUT from its newest complete checkpoint.")] = False,
     ):
         """Continued pre-training with RefreshKV's attention pattern (refreshkv.txt §6); docs/training.md."""
-        import torch
-
-        from ..documents import read_documents
+        from ..texts.documents import read_documents
         from ..eval.runner import model_identity
-        from ..model import load_model
-        from ..options import check_runtime
-        from .data import split_documents
-        from .run import TrainConfig, check_out_folder, train
+        from ..train.windows import split_documents
+        from ..train.run import TrainConfig, check_out_folder, train
 
         config = TrainConfig(
             data=[str(path.resolve()) for path in data], model=model_identity(model), prefix_length=prefix_length,
@@ -64,12 +62,10 @@ def register(app, user_errors) -> None:
             seed=seed, eval_every=eval_every, save_every=save_every, dev_windows=dev_windows,
             gradient_checkpointing=gradient_checkpointing, dtype=dtype,
         )
-        torch_dtype = check_runtime(dtype, device)
+        runtime = check_runtime(dtype, device, threads=threads)
         check_out_folder(out, config.record(), resume)  # before the model loads: a wrong folder fails at once
         split_documents(read_documents(config.data), seed)  # and so does data that cannot be split
-        if threads is not None:
-            torch.set_num_threads(threads)
-        lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
+        lm, tokenizer, _ = load_checked(model, runtime)
         limit = lm.config.max_position_embeddings
         if prefix_length + suffix_length > limit:
             raise ValueError(f"L + S = {prefix_length + suffix_length} exceeds the model's context of {limit} tokens")

@@ -16,9 +16,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from .core.cache_argument import with_cache
-from .core.policy import Policy
-from .generate import generate, synchronize
+from ..core.cache_argument import with_cache
+from ..core.policy import Policy
+from ..runtime.generate import generate, synchronize
 
 
 @torch.inference_mode()

@@ -19,7 +19,7 @@ import json
 import random
 from pathlib import Path
 
-from ..documents import Document
+from ..texts.documents import Document
 
 SPLITS = ("train", "dev", "test")
 

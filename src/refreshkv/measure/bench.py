@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from .core.cache_argument import with_cache
-from .demo import book_text
-from .generate import check_length, generate, generate_many, synchronize
-from .core.policy import make_policy
+from ..core.cache_argument import with_cache
+from ..texts import book_text
+from ..runtime.generate import check_length, generate, generate_many, synchronize
+from ..core.policy import make_policy
 
 REFERENCE = "transformers"  # not a method: stock transformers decoding, benchmarked for reference
 

@@ -5,12 +5,15 @@ See docs/evaluation.md for the JSONL schema, the sweep YAML schema and the resum
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from ..options import (
+from ..runtime.prepare import check_runtime, load_checked
+
+from .options import (
     AggOpt,
     BudgetOpt,
     DeviceOpt,
@@ -24,7 +27,6 @@ from ..options import (
     StrideOpt,
     ThresholdOpt,
     WindowOpt,
-    check_runtime,
     method_params,
     parse_pairs,
 )
@@ -62,8 +64,7 @@ def register(app, user_errors) -> None:
         device: DeviceOpt = "cpu",
     ):
         """Run one task x method configuration over examples into a resumable JSONL file."""
-        from ..model import load_model
-        from .runner import ResultsFile, RunConfig, model_identity, run_eval
+        from ..eval.runner import ResultsFile, RunConfig, model_identity, run_eval
 
         params = method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param)
         config = RunConfig(
@@ -72,9 +73,9 @@ def register(app, user_errors) -> None:
             model=model_identity(model), chat=chat, dtype=dtype,
         )
         config.validate()
-        torch_dtype = check_runtime(dtype, device)
+        runtime = check_runtime(dtype, device)
         with ResultsFile(out, run=config.key()) as results:  # refuses a foreign, busy or unwritable file first
-            lm, tokenizer = load_model(model, dtype=torch_dtype, device=device)
+            lm, tokenizer, _ = load_checked(model, runtime)
             counts = run_eval(lm, tokenizer, config, num_examples, results)
         console.print(
             f"{counts['ran']} example(s) run, {counts['done_before']} already in {out}; "
@@ -98,14 +99,13 @@ def register(app, user_errors) -> None:
         Data-parallel: `torchrun --nproc-per-node N -m refreshkv sweep FILE` (or `accelerate launch`); each rank
         runs every N-th example into OUT's rank file (<stem>.rank<r>.jsonl); `refreshkv report OUT` merges them.
         """
-        from ..model import load_model
-        from .distributed import agree, current_launch
-        from .runner import short_hash
-        from .sweep import load_sweep, open_results, run_sweep
+        from ..eval.distributed import agree, current_launch
+        from ..eval.runner import short_hash
+        from ..eval.sweep import load_sweep, open_results, run_sweep
 
         sweep = load_sweep(config, out, model)
         launch = current_launch()
-        torch_dtype = check_runtime(sweep.dtype, device)
+        runtime = check_runtime(sweep.dtype, device)
         for run_config in sweep.configs():
             run_config.validate()
         try:  # refuses a foreign, busy or unwritable file first
@@ -126,9 +126,9 @@ def register(app, user_errors) -> None:
         if isinstance(results, Exception):
             raise results
         if launch.is_distributed and device == "cuda":
-            device = f"cuda:{launch.local_rank}"
+            runtime = dataclasses.replace(runtime, device=f"cuda:{launch.local_rank}")
         with results:
-            lm, tokenizer = load_model(sweep.model, dtype=torch_dtype, device=device)
+            lm, tokenizer, _ = load_checked(sweep.model, runtime)
             counts = run_sweep(sweep, lm, tokenizer, results=results, share_prefill=share_prefill, launch=launch)
         console.print(
             f"{counts['ran']} row(s) run, {counts['done_before']} already in {results.path} "
@@ -145,8 +145,8 @@ def register(app, user_errors) -> None:
         plots: Annotated[bool, typer.Option(help="Write PNG plots (needs matplotlib).")] = True,
     ):
         """Tables (task x method, relative to full) and plots of evaluation results."""
-        from .distributed import sweep_files
-        from .report import rich_tables, write_report
+        from ..eval.distributed import sweep_files
+        from ..eval.report import rich_tables, write_report
 
         # a data-parallel sweep's rank files (<stem>.rank<r>.jsonl) come with its file
         paths = list(dict.fromkeys(found for path in results for found in (sweep_files(path) or [path])))

@@ -1,0 +1,2 @@
+"""Running a model with a KV method: loading (loading.py), the runtime options (prepare.py), the decode loop
+(generate.py), compiled decode steps (compiled.py) and the weight layout (weight_layout.py)."""
