@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from refreshkv.measure.bench import cpu_facts
 from refreshkv.core import attention_math
+from refreshkv.measure.bench import cpu_facts
 
 LAYERS, QUERY_HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 LENGTHS = (128, 512, 1024, 2048, 4096, 8192)
@@ -60,7 +60,9 @@ def main() -> None:
         for batch in (1, 2):
             for length in LENGTHS:
                 sdpa, explicit = compare(length, dtype, batch)
-                print(f"| {str(dtype)[6:]} | {batch} | {length} | {sdpa:.2f} | {explicit:.2f} | {explicit / sdpa:.2f} |")
+                print(
+                    f"| {str(dtype)[6:]} | {batch} | {length} | {sdpa:.2f} | {explicit:.2f} | {explicit / sdpa:.2f} |"
+                )
 
 
 if __name__ == "__main__":

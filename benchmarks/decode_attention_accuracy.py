@@ -11,8 +11,8 @@ import argparse
 import torch
 
 from refreshkv import generate, load_model
-from refreshkv.measure.bench import bench_prompt
 from refreshkv.core import attention_math
+from refreshkv.measure.bench import bench_prompt
 
 STEPS = 16
 

@@ -30,7 +30,7 @@ FAMILIES = {
     "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, {"head_dim": 16, "sliding_window": 16, "num_hidden_layers": 6}),
 }
 
-import refreshkv  # noqa: F401  (registers the attention function)
+import refreshkv  # noqa: E402, F401  (registers the attention function)
 
 
 def tiny_model(family: str = "llama", layers: int = 3, seed: int = 0, **overrides):

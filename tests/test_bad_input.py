@@ -15,11 +15,11 @@ from conftest import tiny_model
 
 import refreshkv.runtime.loading
 from refreshkv.cli.app import main
+from refreshkv.cli.options import method_params, parse_value
 from refreshkv.eval.report import load_results, write_report
 from refreshkv.eval.runner import ResultsError, ResultsFile, check_task_options
 from refreshkv.eval.sweep import load_sweep
 from refreshkv.runtime.loading import ModelError, load_model, resolve_model_dir
-from refreshkv.cli.options import method_params, parse_value
 
 TESTS = Path(__file__).parent
 
@@ -64,7 +64,9 @@ def no_model(monkeypatch):
 @pytest.fixture
 def tiny_loader(monkeypatch):
     """`load_model` gives a tiny random model and a word tokenizer."""
-    monkeypatch.setattr(refreshkv.runtime.loading, "load_model", lambda *a, **k: (tiny_model("llama", layers=2), WordTokenizer()))
+    monkeypatch.setattr(
+        refreshkv.runtime.loading, "load_model", lambda *a, **k: (tiny_model("llama", layers=2), WordTokenizer())
+    )
 
 
 @pytest.fixture
@@ -76,8 +78,21 @@ def doc(tmp_path):
 
 
 def ppl_eval_args(doc, out, *extra):
-    return ["eval", "--task", "ppl", "--task-option", f"paths={doc}", "--task-option", "target_tokens=4",
-            "--length", "40", "--no-chat", "--out", out, *extra]
+    return [
+        "eval",
+        "--task",
+        "ppl",
+        "--task-option",
+        f"paths={doc}",
+        "--task-option",
+        "target_tokens=4",
+        "--length",
+        "40",
+        "--no-chat",
+        "--out",
+        out,
+        *extra,
+    ]
 
 
 # ---- 1. the GGUF conversion cache is keyed by content ----------------------------------------------------------
@@ -105,7 +120,9 @@ def test_a_different_gguf_with_the_same_name_and_size_gets_its_own_conversion(tm
         path.write_bytes(byte * 4096)
     hashed = []
     real_digest = refreshkv.runtime.loading.hashlib.file_digest
-    monkeypatch.setattr(refreshkv.runtime.loading.hashlib, "file_digest", lambda f, name: hashed.append(f.name) or real_digest(f, name))
+    monkeypatch.setattr(
+        refreshkv.runtime.loading.hashlib, "file_digest", lambda f, name: hashed.append(f.name) or real_digest(f, name)
+    )
 
     first_dir, second_dir = resolve_model_dir(first), resolve_model_dir(second)
     assert first_dir != second_dir and fake_conversion == [first, second]
@@ -263,7 +280,9 @@ from refreshkv.cli.app import main
 sys.argv = ["refreshkv"] + {[str(a) for a in ppl_eval_args(doc, out)]!r}
 main()
 """
-    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     assert process.stdout.readline().strip() == "loading"
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=30)
@@ -304,7 +323,9 @@ def test_method_params_refuses_an_option_also_given_as_param():
 
 def test_text_in_a_sweep_where_a_number_is_expected(tmp_path):
     spec = tmp_path / "sweep.yaml"
-    spec.write_text("out: r.jsonl\nlengths: [100]\ntasks: [ppl]\nmethods: [{name: snapkv, params: {budget_ratio: abc}}]\n")
+    spec.write_text(
+        "out: r.jsonl\nlengths: [100]\ntasks: [ppl]\nmethods: [{name: snapkv, params: {budget_ratio: abc}}]\n"
+    )
     with pytest.raises(ValueError, match=f"^{spec}: .*budget_ratio") as error:
         load_sweep(spec)
     assert "\n" not in str(error.value)
@@ -312,8 +333,19 @@ def test_text_in_a_sweep_where_a_number_is_expected(tmp_path):
 
 @pytest.mark.parametrize("value", ["abc", "true", "1.5", "nan"])
 def test_task_options_must_have_the_type_the_task_expects(value, doc, no_model, tmp_path, monkeypatch, capsys):
-    code, _, err = cli(monkeypatch, capsys, "eval", "--task", "ppl", "--task-option", f"paths={doc}",
-                       "--task-option", f"target_tokens={value}", "--out", tmp_path / "r.jsonl")
+    code, _, err = cli(
+        monkeypatch,
+        capsys,
+        "eval",
+        "--task",
+        "ppl",
+        "--task-option",
+        f"paths={doc}",
+        "--task-option",
+        f"target_tokens={value}",
+        "--out",
+        tmp_path / "r.jsonl",
+    )
     assert_one_line_error(code, err, "task 'ppl': option target_tokens must be an integer, got")
     with pytest.raises(ValueError, match="option budget_ratio must be a number, got 'x'"):
         check_task_options("recovery", {"budget_ratio": "x"})
@@ -321,8 +353,17 @@ def test_task_options_must_have_the_type_the_task_expects(value, doc, no_model, 
 
 
 def report_rows(path: Path, **changes) -> Path:
-    base = {"run": "r", "task": "ppl", "method": "full", "params": {}, "length": 40, "seed": 0, "model": "m",
-            "decode_ms_per_token": 1.0, "kv_bytes_full": 1000}
+    base = {
+        "run": "r",
+        "task": "ppl",
+        "method": "full",
+        "params": {},
+        "length": 40,
+        "seed": 0,
+        "model": "m",
+        "decode_ms_per_token": 1.0,
+        "kv_bytes_full": 1000,
+    }
     rows = [{**base, "config": "c", "id": f"e{i}", "score": 2.0 + i} for i in range(2)]
     rows[1].update(changes)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -378,7 +419,9 @@ def test_bench_runs_variants_of_a_method_with_their_own_parameters(no_model, mon
     assert methods == {"full": {}, "refreshkv": {"budget": 64}, "refreshkv@int4": {"budget": 64, "full_cache": "int4"}}
     code, _, err = cli(monkeypatch, capsys, "bench", "--methods", "full,nope@int4")
     assert_one_line_error(code, err, "unknown method 'nope'", "METHOD@TAG")
-    code, _, err = cli(monkeypatch, capsys, "bench", "--methods", "refreshkv@q", "--param", "refreshkv@q:full_cache=int3")
+    code, _, err = cli(
+        monkeypatch, capsys, "bench", "--methods", "refreshkv@q", "--param", "refreshkv@q:full_cache=int3"
+    )
     assert_one_line_error(code, err, "unknown full_cache 'int3'")
 
 

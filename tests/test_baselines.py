@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import random_prompt, tiny_model
+from conftest import random_prompt
 from transformers import LlamaConfig
 
 import refreshkv
@@ -101,7 +101,9 @@ def test_streamingllm_budget_below_sinks(llama):
 
 
 def _layer(policy, length, max_new_tokens=8):
-    config = LlamaConfig(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, attn_implementation="refreshkv")
+    config = LlamaConfig(
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, attn_implementation="refreshkv"
+    )
     cache = PolicyCache(policy, config, max_new_tokens)
     layer = cache.layers[0]
     layer.seen = length

@@ -58,9 +58,7 @@ def test_refreekv_ratio_monotone_in_threshold_and_bottom_layers_whole(deep):
     ids = random_prompt(160)
     ratios = []
     for t in [0.0, 0.001, 0.01, 0.05, 0.1, 0.3, 0.6, 0.9]:
-        report = budget_report(
-            generate(deep, ids, method="refreekv", threshold=t, max_new_tokens=1).cache
-        )
+        report = budget_report(generate(deep, ids, method="refreekv", threshold=t, max_new_tokens=1).cache)
         assert report["budget_per_layer"][:2] == [
             160.0,
             160.0,
@@ -68,11 +66,7 @@ def test_refreekv_ratio_monotone_in_threshold_and_bottom_layers_whole(deep):
         ratios.append(report["budget_ratio"])
     assert all(b <= a for a, b in itertools.pairwise(ratios))
     assert ratios[0] == 1.0 and ratios[-1] < 0.6
-    report = budget_report(
-        generate(
-            deep, ids, method="refreekv", threshold=0.3, keep_layers=0, max_new_tokens=1
-        ).cache
-    )
+    report = budget_report(generate(deep, ids, method="refreekv", threshold=0.3, keep_layers=0, max_new_tokens=1).cache)
     assert report["budget_per_layer"][0] < 160
 
 
@@ -111,9 +105,7 @@ def test_kept_counts_on_hand_made_rows():
 
 
 def fake_layer(length, layer_idx=2, pads=None):
-    return SimpleNamespace(
-        layer_idx=layer_idx, cache=SimpleNamespace(prompt_length=length, pads=pads)
-    )
+    return SimpleNamespace(layer_idx=layer_idx, seen=length, pads=pads)  # the MethodLayer members refreekv reads
 
 
 def test_refreekv_select_on_hand_made_attention():
@@ -127,9 +119,7 @@ def test_refreekv_select_on_hand_made_attention():
     n = 50
     query, key = torch.zeros(1, 1, n, 4), torch.zeros(1, 1, n, 4)
     query[..., 0], key[0, 0, 10, 0] = 1.0, 10.0
-    index, _ = make_policy("refreekv", threshold=0.01).select(
-        fake_layer(n), query, key, 1.0, None
-    )
+    index, _ = make_policy("refreekv", threshold=0.01).select(fake_layer(n), query, key, 1.0, None)
     assert index[0, 0].tolist() == [0, 1, 2, 3] + list(range(10, 50))
     # bottom layers keep everything
     index, _ = policy.select(fake_layer(n, layer_idx=1), query, key, 1.0, None)
@@ -140,14 +130,10 @@ def test_refreekv_gqa_reductions():
     n = 60
     query, key = torch.zeros(1, 2, n, 4), torch.zeros(1, 1, n, 4)
     query[0, 1, :, 0] = 1.0
-    key[0, 0, 40, 0] = (
-        12.0  # query head 1 looks at position 40, query head 0 is uniform
-    )
+    key[0, 0, 40, 0] = 12.0  # query head 1 looks at position 40, query head 0 is uniform
     counts = {}
     for how in ("norm", "max"):
-        index, _ = make_policy("refreekv", threshold=0.05, aggregation=how).select(
-            fake_layer(n), query, key, 1.0, None
-        )
+        index, _ = make_policy("refreekv", threshold=0.05, aggregation=how).select(fake_layer(n), query, key, 1.0, None)
         counts[how] = int((index >= 0).sum())
     uniform = math.ceil(n * 0.95**2)  # head 0 alone
     focused = 4 + (n - 1 - 40) + 1  # head 1 alone: up to position 40 in the ranking
@@ -158,15 +144,11 @@ def test_refreekv_gqa_reductions():
 def test_refreekv_padded_batch_matches_single_rows(deep):
     rows = [random_prompt(120, seed=5)[0], random_prompt(80, seed=6)[0]]
     ids, mask = padded_batch(rows)
-    batch = generate(
-        deep, ids, mask, method="refreekv", threshold=0.1, max_new_tokens=5
-    )
+    batch = generate(deep, ids, mask, method="refreekv", threshold=0.1, max_new_tokens=5)
     report = budget_report(batch.cache)
     assert report["prompt_tokens"] == [120, 80]
     for i, row in enumerate(rows):
-        single = generate(
-            deep, row[None], method="refreekv", threshold=0.1, max_new_tokens=5
-        )
+        single = generate(deep, row[None], method="refreekv", threshold=0.1, max_new_tokens=5)
         assert batch.tokens[i] == single.tokens[0]
         single_report = budget_report(single.cache)
         assert single_report["budget_per_layer"][:2] == [len(row)] * 2
@@ -203,13 +185,9 @@ def test_refreekv_memory_and_exact_attention_over_kept_keys(deep):
     object.__setattr__(policy, "decode", spy_decode)
     out = generate(deep, ids, method=policy, max_new_tokens=4)
     per_layer = budget_report(out.cache)["budget_per_head"]
-    assert any(
-        len(set(heads)) > 1 for heads in per_layer
-    )  # ragged: heads of a layer keep different counts
+    assert any(len(set(heads)) > 1 for heads in per_layer)  # ragged: heads of a layer keep different counts
     for layer, heads in zip(out.cache.layers, per_layer):
-        assert (
-            layer.state.store.slots == max(heads) + 4
-        )  # padded only up to the largest head (+ decoded tokens)
+        assert layer.state.store.slots == max(heads) + 4  # padded only up to the largest head (+ decoded tokens)
     assert out.stats()["kv_bytes_full"] < 0.8 * full.stats()["kv_bytes_full"]
 
     query, output, keys, values, positions, new_key, scaling = captured["step"]
@@ -221,12 +199,8 @@ def test_refreekv_memory_and_exact_attention_over_kept_keys(deep):
         pos = positions[0, g][valid]
         prompt_part = pos < prompt_keys.shape[2]
         # the kept prompt keys are the layer's original keys at their positions
-        torch.testing.assert_close(
-            keys[0, g][valid][prompt_part], prompt_keys[0, g, pos[prompt_part]]
-        )
-        torch.testing.assert_close(
-            values[0, g][valid][prompt_part], prompt_values[0, g, pos[prompt_part]]
-        )
+        torch.testing.assert_close(keys[0, g][valid][prompt_part], prompt_keys[0, g, pos[prompt_part]])
+        torch.testing.assert_close(values[0, g][valid][prompt_part], prompt_values[0, g, pos[prompt_part]])
         decoded = pos == prompt_keys.shape[2]
         assert int(decoded.sum()) == 1  # the decoded token is in the cache
         torch.testing.assert_close(keys[0, g][valid][decoded][0], new_key[0, g, 0])
@@ -247,15 +221,11 @@ def test_refreekv_bad_input_and_short_prompts(llama):
         make_policy("refreekv", aggregation="mean")
     with pytest.raises(PolicyError) as error:
         generate(llama, random_prompt(3), method="refreekv", max_new_tokens=2)
-    assert "sink (4) is larger than the prompt (3 tokens)" in str(
-        error.value
-    ) and "\n" not in str(error.value)
+    assert "sink (4) is larger than the prompt (3 tokens)" in str(error.value) and "\n" not in str(error.value)
     with pytest.raises(PolicyError, match="rows"):
         generate(llama, random_prompt(8), method="refreekv", rows=9, max_new_tokens=2)
     # a prompt of sink tokens keeps everything; a padded row shorter than sink is refused like the row alone
-    out = generate(
-        llama, random_prompt(4), method="refreekv", threshold=0.9, max_new_tokens=2
-    )
+    out = generate(llama, random_prompt(4), method="refreekv", threshold=0.9, max_new_tokens=2)
     assert budget_report(out.cache)["budget_ratio"] == 1.0
     ids, mask = padded_batch([random_prompt(40)[0], random_prompt(3, seed=2)[0]])
     with pytest.raises(PolicyError, match="sink"):
@@ -270,9 +240,7 @@ def test_layer_counts_and_allocation_follow_eq_4_to_6():
         torch.tensor([[[0.9, 0.1, 0.0, 0.0]]]),
         torch.tensor([[[0.5, 0.4, 0.3, 0.2]]]),
     ]
-    assert layer_counts(scores, 2).tolist() == [
-        [1, 3]
-    ]  # top-4 of all entries: .9 | .5 .4 .3
+    assert layer_counts(scores, 2).tolist() == [[1, 3]]  # top-4 of all entries: .9 | .5 .4 .3
     scores[1][0, 0, 3] = float("-inf")  # a pad is never counted
     assert layer_counts(scores, 4).tolist() == [[4, 3]]
     # Eq. 5: Z = int(B^l t / max) = [100, 33]; Eq. 6: Z * 40 / 133 = [30.08, 9.92] -> [30, 10], sum 40
@@ -281,13 +249,9 @@ def test_layer_counts_and_allocation_follow_eq_4_to_6():
     # Z = [20, 6, 0, 13], Z' = Z * 40 / 39 = [20.5, 6.2, 0, 13.3]: layer 0 is capped at B^l = 20, the other 20 tokens
     # are shared 6 : 13 -> [6.3, 13.7] -> [6, 14]
     caps = torch.full((1, 4), 20)
-    assert allocate(torch.tensor([[6, 2, 0, 4]]), 20, 40, caps).tolist() == [
-        [20, 6, 0, 14]
-    ]
+    assert allocate(torch.tensor([[6, 2, 0, 4]]), 20, 40, caps).tolist() == [[20, 6, 0, 14]]
     # total above the capacity: every layer full; zero-weight layers share leftovers
-    assert apportion(
-        torch.tensor([[1.0, 0.0]]), torch.tensor([50]), torch.tensor([[10, 30]])
-    ).tolist() == [[10, 30]]
+    assert apportion(torch.tensor([[1.0, 0.0]]), torch.tensor([50]), torch.tensor([[10, 30]])).tolist() == [[10, 30]]
     assert apportion(
         torch.tensor([[1.0, 0.0, 0.0]]),
         torch.tensor([30]),
@@ -318,12 +282,8 @@ def test_dynamickv_budgets_sum_to_global_budget(deep, interval):
     for layer, b in zip(out.cache.layers, budgets):
         assert layer.state.store.slots == b + window + 4
         assert layer.state.attention is None
-    snap = generate(
-        deep, ids, method="snapkv", budget=budget, window=window, max_new_tokens=4
-    )
-    assert (
-        out.stats()["kv_bytes_full"] == snap.stats()["kv_bytes_full"]
-    )  # same total memory as snapkv at K
+    snap = generate(deep, ids, method="snapkv", budget=budget, window=window, max_new_tokens=4)
+    assert out.stats()["kv_bytes_full"] == snap.stats()["kv_bytes_full"]  # same total memory as snapkv at K
 
 
 def test_dynamickv_intermediate_update_shrinks_earlier_layers(deep):
@@ -345,11 +305,9 @@ def test_dynamickv_intermediate_update_shrinks_earlier_layers(deep):
         False,
         True,
     ]
-    for before, after, final in seen:
+    for before, after, _ in seen:
         assert all(a <= b for a, b in zip(after, before))  # a layer only ever shrinks
-        assert sum(after) == min(
-            sum(before), 16 * 5
-        )  # Eq. 6 normalises to the whole budget B = (wt - ws) L
+        assert sum(after) == min(sum(before), 16 * 5)  # Eq. 6 normalises to the whole budget B = (wt - ws) L
 
 
 def test_dynamickv_large_budget_equals_full(deep):
@@ -375,9 +333,7 @@ def test_dynamickv_large_budget_equals_full(deep):
         window=20,
         max_new_tokens=2,
     )
-    assert (
-        budget_report(short.cache)["budget_ratio"] == 1.0
-    )  # only the window: the whole prompt
+    assert budget_report(short.cache)["budget_ratio"] == 1.0  # only the window: the whole prompt
 
 
 def test_dynamickv_padded_batch_matches_single_rows(deep):
@@ -404,8 +360,8 @@ def test_dynamickv_padded_batch_matches_single_rows(deep):
             max_new_tokens=5,
         )
         assert batch.tokens[i] == single.tokens[0]
-        assert [int(l.state.budget[i]) for l in batch.cache.layers] == [
-            int(l.state.budget) for l in single.cache.layers
+        assert [int(layer.state.budget[i]) for layer in batch.cache.layers] == [
+            int(layer.state.budget) for layer in single.cache.layers
         ]
 
 
@@ -428,20 +384,10 @@ def test_dynamickv_bad_input(llama):
 def test_budget_report_for_other_methods(llama):
     ids = random_prompt(64)
     for method, params in (("full", {}), ("refreshkv", {"budget": 8})):
-        report = budget_report(
-            generate(llama, ids, method=method, max_new_tokens=3, **params).cache
-        )
-        assert (
-            report["budget_ratio"] == 1.0 and report["budget_per_layer"] == [64.0] * 3
-        )
-    report = budget_report(
-        generate(
-            llama, ids, method="snapkv", budget=16, window=8, max_new_tokens=3
-        ).cache
-    )
-    assert (
-        report["budget_per_layer"] == [16.0] * 3 and report["budget_ratio"] == 16 / 64
-    )
+        report = budget_report(generate(llama, ids, method=method, max_new_tokens=3, **params).cache)
+        assert report["budget_ratio"] == 1.0 and report["budget_per_layer"] == [64.0] * 3
+    report = budget_report(generate(llama, ids, method="snapkv", budget=16, window=8, max_new_tokens=3).cache)
+    assert report["budget_per_layer"] == [16.0] * 3 and report["budget_ratio"] == 16 / 64
     assert report["budget_per_head"] == [[16.0, 16.0]] * 3
     table = budget_table(report)
     assert table.row_count == 3

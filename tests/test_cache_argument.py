@@ -8,10 +8,10 @@ import torch
 from conftest import random_prompt, tiny_model
 
 from refreshkv import PolicyCache, generate, generate_many, make_policy
-from refreshkv.measure.bench import PeakMemory, run_transformers_once
 from refreshkv.core.cache_argument import NEW_NAME, OLD_NAME, cache_keyword
-from refreshkv.runtime.loading import check_attention
+from refreshkv.measure.bench import PeakMemory, run_transformers_once
 from refreshkv.measure.profile_step import profile_once
+from refreshkv.runtime.loading import check_attention
 
 
 def cache_warnings(caught) -> list[str]:

@@ -5,8 +5,8 @@ import torch
 from conftest import random_prompt, tiny_model
 
 import refreshkv
-from refreshkv.core.cache_argument import with_cache
 from refreshkv import PolicyCache, PolicyError, make_policy
+from refreshkv.core.cache_argument import with_cache
 
 NEW = 10
 EVERYTHING = {"refreshkv": {"budget": 4096}, "recycled": {"budget": 4096}, "h2o": {"budget": 4096}}
@@ -14,8 +14,15 @@ EVERYTHING = {"refreshkv": {"budget": 4096}, "recycled": {"budget": 4096}, "h2o"
 
 def hf_generate(model, ids, policy=None, **kwargs):
     cache = None if policy is None else PolicyCache(policy, model, max_new_tokens=NEW)
-    return model.generate(ids, attention_mask=torch.ones_like(ids), **with_cache(model, cache), max_new_tokens=NEW,
-                          eos_token_id=None, pad_token_id=0, **kwargs)
+    return model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        **with_cache(model, cache),
+        max_new_tokens=NEW,
+        eos_token_id=None,
+        pad_token_id=0,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("name", ["full", "refreshkv", "recycled", "h2o"])
@@ -92,7 +99,7 @@ def test_a_missed_handoff_is_an_error_not_a_wrong_answer(llama):
 def test_a_method_that_forgets_to_record_is_caught(llama):
     class Silent(type(make_policy("full"))):
         def decode(self, layer, query, key, value, scaling):
-            layer.record, record = (lambda *a: None), layer.record
+            layer.record = lambda *a: None  # an instance attribute over the method, deleted below
             try:
                 return super().decode(layer, query, key, value, scaling)
             finally:

@@ -1,4 +1,4 @@
-"""The compiled decode step (compiled.py): refreshkv's per-row decision under compile, the statistics it keeps in tensors,
+"""The compiled decode step (runtime/compiled.py): refreshkv's per-row decision under compile, the statistics it keeps in tensors,
 and one line where torch.compile fails. Every method's compiled step: test_method_contract.py."""
 
 import pytest
@@ -6,11 +6,12 @@ import torch
 from conftest import random_prompt, tiny_model
 from test_bad_input import assert_one_line_error, cli, no_model  # noqa: F401  (fixture)
 
-from refreshkv.core.cache_argument import cache_keyword
 from refreshkv import generate, make_policy
-from refreshkv.runtime import compiled
 from refreshkv.core import attention_math
 from refreshkv.core.cache import DecodeStats
+from refreshkv.core.cache_argument import cache_keyword
+from refreshkv.runtime import compiled
+
 
 @pytest.fixture(scope="module")
 def two_layers():
@@ -28,8 +29,9 @@ def test_compiled_dynamic_schedule_with_rows_that_disagree(two_layers, host_read
     mask[1, :6] = 0
     params = {"budget": 8, "qc_stride": 3, "threshold": 0.5}
     eager = generate(two_layers, ids, mask, method="refreshkv", max_new_tokens=12, eos_token_id=[], **params)
-    fused = generate(two_layers, ids, mask, method="refreshkv", max_new_tokens=12, eos_token_id=[], compile=True,
-                     **params)
+    fused = generate(
+        two_layers, ids, mask, method="refreshkv", max_new_tokens=12, eos_token_id=[], compile=True, **params
+    )
     assert fused.tokens == eager.tokens
     assert fused.cache.stats.per_step(11) == eager.cache.stats.per_step(11)
     assert sum(eager.cache.stats.per_step(11)) > 0  # the steps compared include full steps
@@ -47,8 +49,16 @@ def test_compiled_qc_steps_run_eagerly_on_the_cpu(two_layers, monkeypatch):
         return lambda *args, **kwargs: steps.append(kwargs[cache_keyword(model)].step + 1) or forward(*args, **kwargs)
 
     monkeypatch.setattr(generate_module, "compiled_forward", counted)
-    generate(two_layers, random_prompt(40, seed=2), method="refreshkv", budget=8, qc_stride=3, max_new_tokens=12,
-             eos_token_id=[], compile=True)
+    generate(
+        two_layers,
+        random_prompt(40, seed=2),
+        method="refreshkv",
+        budget=8,
+        qc_stride=3,
+        max_new_tokens=12,
+        eos_token_id=[],
+        compile=True,
+    )
     assert steps == [1, 2, 4, 5, 7, 8, 10, 11]
     assert [step for step in range(1, 12) if make_policy("refreshkv", qc_stride=3).decides_on_host(step)] == [3, 6, 9]
     assert not any(make_policy("recycled", stride=3).decides_on_host(step) for step in range(1, 12))
@@ -83,6 +93,7 @@ def broken_compiler(monkeypatch):
     def fail(*args, **kwargs):
         def run(*a, **k):
             raise RuntimeError("Compiler: g++ not found\nlong trace line 2")
+
         return run
 
     monkeypatch.setattr(compiled, "_works", [])
@@ -90,8 +101,11 @@ def broken_compiler(monkeypatch):
 
 
 def test_compile_without_a_working_compiler_is_one_line(broken_compiler, two_layers):
-    with pytest.raises(compiled.CompileUnavailable, match=r"^torch.compile does not work on this machine .*g\+\+ not found"
-                       r".*; run without --compile") as error:
+    with pytest.raises(
+        compiled.CompileUnavailable,
+        match=r"^torch.compile does not work on this machine .*g\+\+ not found"
+        r".*; run without --compile",
+    ) as error:
         generate(two_layers, random_prompt(20), method="full", max_new_tokens=2, compile=True)
     assert "\n" not in str(error.value)
 

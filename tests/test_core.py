@@ -4,9 +4,9 @@ import pytest
 import torch
 from conftest import random_prompt, tiny_model
 
-from refreshkv.core.cache_argument import with_cache
 from refreshkv import PolicyCache, PolicyError, generate, make_policy
 from refreshkv.core.attention_math import aggregate_group, pool, selection_scores, top_k
+from refreshkv.core.cache_argument import with_cache
 
 NEW = 24
 
@@ -40,7 +40,9 @@ def test_refreshkv_equals_full(family, params):
     model = tiny_model(family)
     ids = random_prompt(50)
     full = generate(model, ids, method="full", max_new_tokens=NEW, return_logits=True, eos_token_id=[])
-    refresh = generate(model, ids, method="refreshkv", max_new_tokens=NEW, return_logits=True, eos_token_id=[], **params)
+    refresh = generate(
+        model, ids, method="refreshkv", max_new_tokens=NEW, return_logits=True, eos_token_id=[], **params
+    )
     assert_same_generation(full, refresh)
 
 
@@ -53,24 +55,41 @@ def test_small_budget_changes_the_output_and_reads_less(llama):
 
 
 def test_dynamic_threshold_below_minus_one_never_refreshes(llama):
-    result = generate(llama, random_prompt(60), method="refreshkv", budget=8, threshold=-1.0, qc_stride=2,
-                      max_new_tokens=NEW, eos_token_id=[])
+    result = generate(
+        llama,
+        random_prompt(60),
+        method="refreshkv",
+        budget=8,
+        threshold=-1.0,
+        qc_stride=2,
+        max_new_tokens=NEW,
+        eos_token_id=[],
+    )
     assert result.cache.full_step_fraction() == 0.0
     assert result.cache.stats.per_layer() == [0.0] * 3
 
 
 def test_dynamic_threshold_one_refreshes_at_every_qc_step(llama):
     qc = 5
-    result = generate(llama, random_prompt(60), method="refreshkv", budget=8, threshold=1.0, qc_stride=qc,
-                      max_new_tokens=NEW, eos_token_id=[])
+    result = generate(
+        llama,
+        random_prompt(60),
+        method="refreshkv",
+        budget=8,
+        threshold=1.0,
+        qc_stride=qc,
+        max_new_tokens=NEW,
+        eos_token_id=[],
+    )
     steps = result.cache.step
     assert steps == NEW - 1
     assert result.cache.stats.per_layer() == [float(steps // qc)] * 3
 
 
 def test_fixed_stride_full_step_fraction(llama):
-    result = generate(llama, random_prompt(60), method="recycled", budget=8, stride=4, max_new_tokens=21,
-                      eos_token_id=[])
+    result = generate(
+        llama, random_prompt(60), method="recycled", budget=8, stride=4, max_new_tokens=21, eos_token_id=[]
+    )
     assert result.cache.full_step_fraction() == pytest.approx((20 // 4) / 20)
 
 
@@ -108,7 +127,9 @@ def test_partial_step_evicts_the_lowest_scored_recycled_token(llama):
     with torch.no_grad():
         logits = llama(ids, **with_cache(llama, cache)).logits[:, -1:]
         state = cache.layers[1].state
-        before = {int(p): float(s) for p, s in zip(state.partial.store.positions[0, 0], state.partial.scores[0, 0]) if p >= 0}
+        before = {
+            int(p): float(s) for p, s in zip(state.partial.store.positions[0, 0], state.partial.scores[0, 0]) if p >= 0
+        }
         for step in range(2):
             token = logits.argmax(-1)
             logits = llama(token, **with_cache(llama, cache), position_ids=torch.tensor([[64 + step]])).logits
@@ -127,14 +148,16 @@ def test_batch_equals_rows(llama, method, params):
     ids = torch.zeros(2, 40, dtype=torch.long)
     mask = torch.zeros(2, 40, dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, 40 - len(row):] = row
-        mask[i, 40 - len(row):] = 1
-    batched = generate(llama, ids, mask, method=method, max_new_tokens=NEW, return_logits=True, eos_token_id=[],
-                       **params)
+        ids[i, 40 - len(row) :] = row
+        mask[i, 40 - len(row) :] = 1
+    batched = generate(
+        llama, ids, mask, method=method, max_new_tokens=NEW, return_logits=True, eos_token_id=[], **params
+    )
     full_per_layer = []
     for i, row in enumerate(rows):
-        alone = generate(llama, row[None], method=method, max_new_tokens=NEW, return_logits=True, eos_token_id=[],
-                         **params)
+        alone = generate(
+            llama, row[None], method=method, max_new_tokens=NEW, return_logits=True, eos_token_id=[], **params
+        )
         assert batched.tokens[i] == alone.tokens[0]
         for x, y in zip(batched.logits, alone.logits):
             torch.testing.assert_close(x[i], y[0], atol=1e-4, rtol=0)
@@ -147,15 +170,30 @@ def test_model_generate_accepts_the_cache(llama):
     ids = random_prompt(50)
     ours = generate(llama, ids, method="refreshkv", budget=10, qc_stride=4, max_new_tokens=NEW, eos_token_id=[])
     cache = PolicyCache(make_policy("refreshkv", budget=10, qc_stride=4), llama.config, max_new_tokens=NEW)
-    theirs = llama.generate(ids, **with_cache(llama, cache), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)
+    theirs = llama.generate(
+        ids, **with_cache(llama, cache), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     assert theirs[0, 50:].tolist() == ours.tokens[0]
 
 
 def test_sampling_is_reproducible_with_a_seed(llama):
     ids = random_prompt(30)
-    runs = [generate(llama, ids, method="refreshkv", budget=8, do_sample=True, top_p=0.9, top_k=20, temperature=0.8,
-                     seed=7, max_new_tokens=12, eos_token_id=[]).tokens for _ in range(2)]
+    runs = [
+        generate(
+            llama,
+            ids,
+            method="refreshkv",
+            budget=8,
+            do_sample=True,
+            top_p=0.9,
+            top_k=20,
+            temperature=0.8,
+            seed=7,
+            max_new_tokens=12,
+            eos_token_id=[],
+        ).tokens
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
 
 
@@ -178,8 +216,9 @@ def test_pool_and_aggregation_on_hand_made_scores():
     for how, expected in (("max", [0.5, 0.5, 0.5]), ("first", [0.5, 0.5, 0.5]), ("mean", [0.45, 0.45, 0.4])):
         assert selection_scores(group.unsqueeze(3), 3, how).flatten().tolist() == pytest.approx(expected)
     # Two queries in the window (B=1, Hkv=1, G=1, w=2, n=10): averaged, pooled, then top-4 with ties to the earlier.
-    window = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0],
-                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0]]).view(1, 1, 1, 2, 10)
+    window = torch.tensor(
+        [[0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0]]
+    ).view(1, 1, 1, 2, 10)
     kept = top_k(selection_scores(window, kernel=3, how="max"), 4)
     assert kept.tolist() == [[[0, 1, 2, 7]]]
 
@@ -237,8 +276,9 @@ def test_stores_grow_when_more_tokens_come_than_announced(llama, method):
         params["window"] = 4
     full = generate(llama, ids, method="full", max_new_tokens=NEW, eos_token_id=[])
     cache = PolicyCache(make_policy(method, **params), llama.config, max_new_tokens=2)
-    tokens = llama.generate(ids, **with_cache(llama, cache), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)
+    tokens = llama.generate(
+        ids, **with_cache(llama, cache), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     assert tokens[0, 40:].tolist() == full.tokens[0]
     assert cache.layers[0].state.store.slots > 42
 
@@ -268,8 +308,11 @@ def test_methods_from_other_packages_are_registered_through_entry_points(monkeyp
 
     good = EntryPoint("plugin-method", "somewhere:Plugin", methods.ENTRY_POINT_GROUP)
     broken = EntryPoint("broken", "no_such_module_here:Nothing", methods.ENTRY_POINT_GROUP)
-    monkeypatch.setattr(good.__class__, "load", lambda self: Plugin if self.name == "plugin-method" else __import__(
-        "no_such_module_here"))
+    monkeypatch.setattr(
+        good.__class__,
+        "load",
+        lambda self: Plugin if self.name == "plugin-method" else __import__("no_such_module_here"),
+    )
     monkeypatch.setattr(methods, "entry_points", lambda group: [good, broken])
     try:
         with pytest.warns(UserWarning, match="method plugin 'broken'"):
@@ -310,8 +353,13 @@ def test_gather_tokens_equals_gather_on_store_slices_and_any_layout():
 
     buffer = torch.randn(2, 3, 60, 8)  # a store's preallocated buffer; views of its filled part are not contiguous
     index = torch.randint(0, 45, (2, 3, 7), generator=torch.Generator().manual_seed(0))
-    views = [buffer[:, :, :50], buffer[:, :, 5:55], buffer[1:, :, :50], torch.randn(2, 50, 3, 8).transpose(1, 2),
-             torch.randn(1, 3, 50, 8).expand(2, -1, -1, -1)]
+    views = [
+        buffer[:, :, :50],
+        buffer[:, :, 5:55],
+        buffer[1:, :, :50],
+        torch.randn(2, 50, 3, 8).transpose(1, 2),
+        torch.randn(1, 3, 50, 8).expand(2, -1, -1, -1),
+    ]
     expected = [view.gather(2, index[: view.shape[0]].unsqueeze(-1).expand(-1, -1, -1, 8)) for view in views]
     for view, wanted in zip(views, expected):
         assert torch.equal(gather_tokens(index[: view.shape[0]], view)[0], wanted)
@@ -327,8 +375,9 @@ def test_checking_for_the_end_every_n_steps_returns_the_same_tokens(llama):
     eos = next(t for t in free.tokens[0] if t in free.tokens[1])  # a token both rows produce
     ends = [row.index(eos) for row in free.tokens]  # the step at which each row ends
     every_step = generate(llama, ids, method="recycled", budget=8, stride=3, max_new_tokens=NEW, eos_token_id=eos)
-    every_7 = generate(llama, ids, method="recycled", budget=8, stride=3, max_new_tokens=NEW, eos_token_id=eos,
-                       eos_check_every=7)
+    every_7 = generate(
+        llama, ids, method="recycled", budget=8, stride=3, max_new_tokens=NEW, eos_token_id=eos, eos_check_every=7
+    )
     assert every_step.tokens == every_7.tokens == [row[: end + 1] for row, end in zip(free.tokens, ends)]
     assert every_step.decode_steps == max(ends)  # no forward after the step at which the last row ends
     assert every_7.decode_steps == min(-(-(max(ends) + 1) // 7) * 7 - 1, NEW - 1)  # the next multiple of 7 steps
@@ -363,8 +412,9 @@ def test_one_query_over_many_keys_is_computed_explicitly_and_equals_sdpa(batch, 
     from refreshkv.core import attention_math
 
     generator = torch.Generator().manual_seed(0)
-    query, keys, values = (torch.randn(batch, heads, n, 16, generator=generator)
-                           for heads, n in ((6, 1), (2, length), (2, length)))
+    query, keys, values = (
+        torch.randn(batch, heads, n, 16, generator=generator) for heads, n in ((6, 1), (2, length), (2, length))
+    )
     valid = torch.rand(batch, 2, length, generator=generator) > 0.3 if masked else None
     mask = None if valid is None else valid.view(batch, 2, 1, length).repeat_interleave(3, dim=1)
     wanted = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True).transpose(1, 2)

@@ -7,11 +7,11 @@ import sys
 import pytest
 import torch
 
-from refreshkv.core.cache_argument import with_cache
 from refreshkv import PolicyCache, generate, load_model, make_policy
+from refreshkv.cli.demo import demo_prompt
+from refreshkv.core.cache_argument import with_cache
 from refreshkv.measure.bench import bench_prompt
 from refreshkv.measure.budget_report import budget_report
-from refreshkv.cli.demo import demo_prompt
 
 pytestmark = pytest.mark.embedded
 
@@ -25,7 +25,11 @@ def test_embedded_model_is_the_expected_llama(embedded):
     model, tokenizer = embedded
     config = model.config
     assert (config.model_type, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (
-        "llama", 30, 9, 3)
+        "llama",
+        30,
+        9,
+        3,
+    )
     assert config.max_position_embeddings == 8192
     assert tokenizer.eos_token == "<|im_end|>"
 
@@ -58,12 +62,33 @@ def run_cli(*args):
 
 
 def test_cli_generate_json(embedded):
-    done = run_cli("generate", "--method", "refreshkv", "--budget", "16", "--prompt", "Name three colors.", "--chat",
-                   "--max-new-tokens", "6", "--json", "--compare", "full")
+    done = run_cli(
+        "generate",
+        "--method",
+        "refreshkv",
+        "--budget",
+        "16",
+        "--prompt",
+        "Name three colors.",
+        "--chat",
+        "--max-new-tokens",
+        "6",
+        "--json",
+        "--compare",
+        "full",
+    )
     assert done.returncode == 0, done.stderr
     result, compared = json.loads(done.stdout)["runs"]
-    for key in ("text", "new_tokens", "prompt_tokens", "prefill_s", "decode_ms_per_token", "full_step_fraction",
-                "kv_bytes_full", "kv_bytes_attended_mean"):
+    for key in (
+        "text",
+        "new_tokens",
+        "prompt_tokens",
+        "prefill_s",
+        "decode_ms_per_token",
+        "full_step_fraction",
+        "kv_bytes_full",
+        "kv_bytes_attended_mean",
+    ):
         assert key in result
     assert result["new_tokens"] == 6 and result["prompt_tokens"] > 10
     assert (result["method"], compared["method"]) == ("refreshkv", "full")

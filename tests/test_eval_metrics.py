@@ -60,7 +60,9 @@ def test_first_line_is_always_the_header():
 def test_rows_of_another_width():
     header, ada, alan, grace = REFERENCE.split("\n")
     # a malformed row in the middle becomes an N/A row that matches nothing: P = 3/4, R = 1
-    assert longproc_tsv_f1("\n".join([header, ada, "Linus\t1969", alan, grace]), REFERENCE) == pytest.approx(f1(3 / 4, 1))
+    assert longproc_tsv_f1("\n".join([header, ada, "Linus\t1969", alan, grace]), REFERENCE) == pytest.approx(
+        f1(3 / 4, 1)
+    )
     # a malformed last row is a cut-off line or a closing remark: dropped
     assert longproc_tsv_f1("\n".join([header, ada, alan, grace, "That is all."]), REFERENCE) == 1.0
     # a blank line is a row of no cells: N/A too
@@ -76,9 +78,13 @@ def test_rows_are_matched_as_sets_in_any_order():
     # a repeated right row is right each time: P = 1, R = 1/3
     assert longproc_tsv_f1("\n".join([header, ada, ada, ada]), REFERENCE) == pytest.approx(f1(1, 1 / 3))
     # one wrong cell makes the row wrong: P = R = 2/3
-    assert longproc_tsv_f1("\n".join([header, ada, alan, "Grace Hopper\tplum\t1907"]), REFERENCE) == pytest.approx(2 / 3)
+    assert longproc_tsv_f1("\n".join([header, ada, alan, "Grace Hopper\tplum\t1907"]), REFERENCE) == pytest.approx(
+        2 / 3
+    )
     # one extra row: P = 3/4, R = 1
-    assert longproc_tsv_f1("\n".join([header, ada, alan, grace, "Linus\tkiwi\t1969"]), REFERENCE) == pytest.approx(f1(3 / 4, 1))
+    assert longproc_tsv_f1("\n".join([header, ada, alan, grace, "Linus\tkiwi\t1969"]), REFERENCE) == pytest.approx(
+        f1(3 / 4, 1)
+    )
 
 
 def test_quoted_cells_are_read_as_tsv():
@@ -158,7 +164,10 @@ def test_chain_of_key_parsing_choices():
     # a hyphenated word in prose counts as a key: before the chain it ends the chain at once
     assert chain_score("A well-known chain: " + ", ".join(CHAIN), KEYS, 10) == 0.0
     # a key of three words is one (wrong) key, not two
-    assert parse_chain("impossible-crawdad-vehicle, crawdad-vehicle") == ["impossible-crawdad-vehicle", "crawdad-vehicle"]
+    assert parse_chain("impossible-crawdad-vehicle, crawdad-vehicle") == [
+        "impossible-crawdad-vehicle",
+        "crawdad-vehicle",
+    ]
     assert chain_score("impossible-crawdad-vehicle, crawdad-vehicle", KEYS, 10) == 0.0
     # a word outside the chain between keys is skipped; a key not in the context ends the chain
     assert chain_score("impossible-crawdad then crawdad-vehicle then vehicle-pillow", KEYS, 10) == pytest.approx(0.2)

@@ -15,6 +15,7 @@ import torch
 from conftest import random_prompt, tiny_model
 from typer.testing import CliRunner
 
+from refreshkv.core.policy import make_policy
 from refreshkv.eval.perplexity import plain_losses, teacher_forced
 from refreshkv.eval.recovery import RecoveryProbe
 from refreshkv.eval.report import load_results, write_report
@@ -25,7 +26,6 @@ from refreshkv.eval.runner import (
     run_eval,
 )
 from refreshkv.eval.sweep import SweepError, load_sweep, run_sweep
-from refreshkv.core.policy import make_policy
 
 TESTS = Path(__file__).parent
 pytest.importorskip("long_context_eval")
@@ -63,7 +63,9 @@ def doc(tmp_path_factory):
 
 def quick(doc, **overrides):
     """A cheap configuration: perplexity of 8 tokens after 60."""
-    return config(**{"task": "ppl", "length": 60, "task_options": {"paths": [str(doc)], "target_tokens": 8}, **overrides})
+    return config(
+        **{"task": "ppl", "length": 60, "task_options": {"paths": [str(doc)], "target_tokens": 8}, **overrides}
+    )
 
 
 def text_file(path: Path, words: int = 3000) -> Path:
@@ -95,7 +97,8 @@ class CountCalls:
 
 def test_tiny_sweep_writes_jsonl_and_report_with_plots(tmp_path, model):
     spec = tmp_path / "sweep.yaml"
-    spec.write_text(textwrap.dedent(f"""
+    spec.write_text(
+        textwrap.dedent(f"""
         out: results.jsonl
         model: tiny-llama
         chat: false
@@ -105,7 +108,8 @@ def test_tiny_sweep_writes_jsonl_and_report_with_plots(tmp_path, model):
         methods:
           - full
           - {{name: refreshkv, params: {{budget: 16, qc_stride: 2}}}}
-    """))
+    """)
+    )
     sweep = load_sweep(spec)
     assert sweep.out == tmp_path / "results.jsonl"
     counts = run_sweep(sweep, model, TOKENIZER, progress=False)
@@ -114,10 +118,28 @@ def test_tiny_sweep_writes_jsonl_and_report_with_plots(tmp_path, model):
     assert len(rows) == 4 and {r["method"] for r in rows} == {"full", "refreshkv"}
     for row in rows:
         assert row["run"] == sweep.identity()
-        for field in ("task", "method", "params", "length", "seed", "id", "prediction", "reference", "score",
-                      "prefill_s", "decode_ms_per_token", "full_step_fraction", "kv_bytes_full",
-                      "kv_bytes_attended_mean", "budget_ratio", "budget_per_layer", "full_steps_per_layer",
-                      "decode_steps", "model", "config"):
+        for field in (
+            "task",
+            "method",
+            "params",
+            "length",
+            "seed",
+            "id",
+            "prediction",
+            "reference",
+            "score",
+            "prefill_s",
+            "decode_ms_per_token",
+            "full_step_fraction",
+            "kv_bytes_full",
+            "kv_bytes_attended_mean",
+            "budget_ratio",
+            "budget_per_layer",
+            "full_steps_per_layer",
+            "decode_steps",
+            "model",
+            "config",
+        ):
             assert field in row, field
         assert len(row["full_steps_per_layer"]) == 3 and 0 <= row["score"] <= 1
     refresh = [r for r in rows if r["method"] == "refreshkv"]
@@ -139,7 +161,11 @@ def test_tiny_sweep_writes_jsonl_and_report_with_plots(tmp_path, model):
 
     result = CliRunner().invoke(_app(), ["report", str(sweep.out), "--out-dir", str(tmp_path / "cli"), "--no-plots"])
     assert result.exit_code == 0, result.output
-    assert "ruler/niah_single_1 at 300 tokens" in result.output and "full" in result.output and (tmp_path / "cli" / "summary.md").exists()
+    assert (
+        "ruler/niah_single_1 at 300 tokens" in result.output
+        and "full" in result.output
+        and (tmp_path / "cli" / "summary.md").exists()
+    )
 
 
 def _app():
@@ -153,10 +179,8 @@ def test_sweep_file_errors_are_one_line(tmp_path):
     cases = {
         "lengths: [100]\ntasks: [ppl]\nmethods: [full]\nbogus: 1\n": "unknown key(s) bogus; allowed: out",
         "out: r.jsonl\nlengths: [100]\ntasks: [nope]\nmethods: [full]\n": "unknown task 'nope'",
-        "out: r.jsonl\nlengths: [100]\ntasks: [ppl]\nmethods: [{name: snapkv, grid: {budget: 8}}]\n":
-            "grid 'budget' must be a non-empty list",
-        "out: r.jsonl\nlengths: [100]\ntasks: [ppl]\nmethods: [{name: snapkv, params: {budgt: 8}}]\n":
-            "method 'snapkv' has no parameter budgt",
+        "out: r.jsonl\nlengths: [100]\ntasks: [ppl]\nmethods: [{name: snapkv, grid: {budget: 8}}]\n": "grid 'budget' must be a non-empty list",
+        "out: r.jsonl\nlengths: [100]\ntasks: [ppl]\nmethods: [{name: snapkv, params: {budgt: 8}}]\n": "method 'snapkv' has no parameter budgt",
         "out: r.jsonl\nlengths: [0]\ntasks: [ppl]\nmethods: [full]\n": "'lengths' must be an integer >= 1",
         "out: r.jsonl\nlengths: [100]\ntasks: [ppl]\n": "missing required key 'methods'",
         "lengths: [100]\ntasks: [ppl]\nmethods: [full]\n": "no output file",
@@ -206,8 +230,9 @@ def test_resume_skips_finished_rows_and_refuses_another_configuration(tmp_path, 
         run_eval(model, TOKENIZER, config(seed=1), 2, out, progress=False)
     assert out.read_bytes() == before
     # the same through the command line: exit code 2, one line, the file untouched (refused before loading a model)
-    result = CliRunner().invoke(_app(), ["eval", "--task", NIAH, "--method", "snapkv", "--budget", "8",
-                                         "--length", "300", "--out", str(out)])
+    result = CliRunner().invoke(
+        _app(), ["eval", "--task", NIAH, "--method", "snapkv", "--budget", "8", "--length", "300", "--out", str(out)]
+    )
     assert result.exit_code == 2 and "another configuration" in result.output
     assert out.read_bytes() == before
 
@@ -283,8 +308,15 @@ def test_killed_run_resumes_without_losing_or_duplicating_rows(tmp_path):
     killed = lines(out)  # every line parses
     assert 1 <= len(killed) < 6
     # resume in this process, with the same configuration and tokenizer
-    resumed = RunConfig(task="ppl", method="refreshkv", length=100, params={"budget": 16}, model="tiny", chat=False,
-                        task_options={"paths": [str(text)], "target_tokens": 40})
+    resumed = RunConfig(
+        task="ppl",
+        method="refreshkv",
+        length=100,
+        params={"budget": 16},
+        model="tiny",
+        chat=False,
+        task_options={"paths": [str(text)], "target_tokens": 40},
+    )
     counts = run_eval(tiny_model("llama", layers=3, seed=0), TOKENIZER, resumed, 6, out, progress=False)
     assert counts == {"done_before": len(killed), "ran": 6 - len(killed)}
     rows = lines(out)

@@ -29,8 +29,13 @@ def runtime_imports(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rsplit(".", 1)[0]
     found = set()
-    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-               for child in node.body for n in ast.walk(child)}
+    skipped = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for child in node.body
+        for n in ast.walk(child)
+    }
     for node in ast.walk(tree):
         if id(node) in skipped:
             continue
@@ -67,8 +72,10 @@ def test_no_import_cycle():
             if target == "refreshkv":
                 continue  # the package's front door (refreshkv/__init__.py) imports the layers; none imports it
             if state.get(target) == "open":
-                pytest.fail("import cycle: " + " -> ".join([*path, module, target][path.index(target) if target in path
-                                                                                    else 0:]))
+                pytest.fail(
+                    "import cycle: "
+                    + " -> ".join([*path, module, target][path.index(target) if target in path else 0 :])
+                )
             if target not in state:
                 visit(target, [*path, module])
         state[module] = "done"
@@ -83,15 +90,24 @@ def test_no_module_imports_the_package_front_door():
 
 
 def test_each_layer_imports_only_the_layers_below_it():
-    wrong = sorted((module, target) for module, targets in import_graph().items() for target in targets
-                   if layer(module) and layer(target) and layer(target) != layer(module)
-                   and layer(target) not in ALLOWED[layer(module)])
+    wrong = sorted(
+        (module, target)
+        for module, targets in import_graph().items()
+        for target in targets
+        if layer(module)
+        and layer(target)
+        and layer(target) != layer(module)
+        and layer(target) not in ALLOWED[layer(module)]
+    )
     assert wrong == []
 
 
 def test_only_the_command_line_imports_typer():
-    users = sorted(module_name(path) for path in PACKAGE.rglob("*.py")
-                   if any(m == "typer" or m.startswith("typer.") for m in runtime_imports(path)))
+    users = sorted(
+        module_name(path)
+        for path in PACKAGE.rglob("*.py")
+        if any(m == "typer" or m.startswith("typer.") for m in runtime_imports(path))
+    )
     assert users and all(layer(module) == "cli" for module in users), users
 
 

@@ -8,8 +8,8 @@ import torch
 from conftest import random_prompt, tiny_model
 
 import refreshkv
-from refreshkv.core.cache_argument import with_cache
 from refreshkv import METHODS, Policy, PolicyCache, make_policy
+from refreshkv.core.cache_argument import with_cache
 
 NEW = 12
 ALL = sorted(METHODS)
@@ -25,8 +25,9 @@ def small_budget(name: str) -> dict:
 
 
 def run(model, ids, method, mask=None, **params):
-    return refreshkv.generate(model, ids, mask, method=method, max_new_tokens=NEW, eos_token_id=[],
-                              return_logits=True, **params)
+    return refreshkv.generate(
+        model, ids, mask, method=method, max_new_tokens=NEW, eos_token_id=[], return_logits=True, **params
+    )
 
 
 def left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +35,7 @@ def left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
     return ids, mask
 
 
@@ -87,8 +88,10 @@ def test_a_padded_batch_equals_its_rows(llama, name):
         for in_batch, by_itself in zip(batch.cache.layers, alone.cache.layers):
             kept = in_batch.state.kept(batch.cache.pads)[i]
             shifted = torch.where(kept >= 0, kept - pad, -1)
-            assert torch.equal(shifted.sort(-1).values[:, -by_itself.state.kept(None).shape[-1]:],
-                               by_itself.state.kept(None)[0].sort(-1).values)
+            assert torch.equal(
+                shifted.sort(-1).values[:, -by_itself.state.kept(None).shape[-1] :],
+                by_itself.state.kept(None)[0].sort(-1).values,
+            )
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -121,8 +124,11 @@ def greedy_steps(model, ids, cache):
     for step in range(NEW):
         token = logits.argmax(-1)
         yield int(token)
-        logits = model(token[:, None], **with_cache(model, cache), position_ids=torch.tensor([[ids.shape[1] + step]]),
-                       ).logits[:, -1]
+        logits = model(
+            token[:, None],
+            **with_cache(model, cache),
+            position_ids=torch.tensor([[ids.shape[1] + step]]),
+        ).logits[:, -1]
 
 
 @pytest.mark.parametrize("name", ALL)

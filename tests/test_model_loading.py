@@ -19,14 +19,17 @@ def test_local_directory_loads_with_the_policy_attention(tmp_path, monkeypatch, 
     assert tokenizer == "tokenizer"
     assert loaded.config._attn_implementation == "refreshkv"
     ids = random_prompt(20)
-    assert generate(loaded, ids, method="full", max_new_tokens=5).tokens == generate(
-        model, ids, method="full", max_new_tokens=5).tokens
+    assert (
+        generate(loaded, ids, method="full", max_new_tokens=5).tokens
+        == generate(model, ids, method="full", max_new_tokens=5).tokens
+    )
 
 
 def test_unsupported_family_names_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ModelError, match="'gpt2' is not supported; supported: llama, qwen2, qwen3, mistral, phi3, "
-                                         "gemma2, gemma3_text"):
+    with pytest.raises(
+        ModelError, match="'gpt2' is not supported; supported: llama, qwen2, qwen3, mistral, phi3, gemma2, gemma3_text"
+    ):
         load_model(tmp_path)
     # the multimodal Gemma 3 checkpoints were not tested: refused, not run approximately
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
@@ -59,7 +62,9 @@ def test_unloadable_model_directories_are_one_line(tmp_path, contents, message):
     config = tiny_model().config.to_json_string()
     for name, text in contents.items():
         (tmp_path / name).write_text(config if text is None else text)
-    with pytest.raises(ModelError, match=rf"^cannot load the model in {tmp_path}: .*{message}.*model directory") as error:
+    with pytest.raises(
+        ModelError, match=rf"^cannot load the model in {tmp_path}: .*{message}.*model directory"
+    ) as error:
         load_model(tmp_path)
     assert "\n" not in str(error.value)
 

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from refreshkv import PolicyError, generate, make_policy
 from refreshkv.core.quantized_store import QuantizedFullStore, pack, quantize, unpack
-
-from conftest import tiny_model
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -58,7 +57,9 @@ def test_store_reads_back_every_token_within_the_bound_and_the_residual_exactly(
     assert store.kept(None)[0, 0].tolist() == list(range(29))
     for start, end in [(0, 4), (3, 20), (16, 29), (25, 29), (22, 27), (0, 29)]:  # spans, across groups and residual
         span_keys, span_values = store.span(start, end)
-        assert torch.equal(span_keys, read_keys[:, :, start:end]) and torch.equal(span_values, read_values[:, :, start:end])
+        assert torch.equal(span_keys, read_keys[:, :, start:end]) and torch.equal(
+            span_values, read_values[:, :, start:end]
+        )
 
 
 def test_bytes_reported_are_the_sum_of_every_tensor_held():
@@ -81,9 +82,14 @@ def _decode(model, method, ids, steps=12):
     return out, torch.stack([step[0] for step in out.logits])
 
 
-@pytest.mark.parametrize("name, params", [
-    ("recycled", {"stride": 3}), ("refreshkv", {"qc_stride": 2, "threshold": 1.0}), ("streamingllm++", {"stride": 3}),
-])
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("recycled", {"stride": 3}),
+        ("refreshkv", {"qc_stride": 2, "threshold": 1.0}),
+        ("streamingllm++", {"stride": 3}),
+    ],
+)
 def test_int8_full_cache_at_full_budget_is_full_attention_within_quantization_error(name, params):
     """With every token in C_p and a full step every few steps, the only difference from `full` is int8 rounding of
     C_f (read at full steps and copied into C_p at refreshes): relative error <= 1/510 of each group's range, which
@@ -125,18 +131,22 @@ def test_refreshkv_holds_less_with_a_quantized_full_cache_and_counts_it():
     ids = torch.randint(3, 128, (1, 96), generator=torch.Generator().manual_seed(0))
     held = {}
     for cache in ("dense", "int8", "int4", "int2"):
-        out = generate(model, ids, method=make_policy("recycled", budget=12, full_cache=cache, group_size=8),
-                       max_new_tokens=4)
+        out = generate(
+            model, ids, method=make_policy("recycled", budget=12, full_cache=cache, group_size=8), max_new_tokens=4
+        )
         state = out.cache.layers[0].state
         assert out.cache.nbytes_per_layer()[0] == state.full.nbytes() + state.partial.nbytes()
         held[cache] = state.full.nbytes()
     assert held["int2"] < held["int4"] < held["int8"] < held["dense"]
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"full_cache": "int3"}, "unknown full_cache 'int3'; choose from: dense, int8, int4, int2, offload"),
-    ({"group_size": 0}, "group_size must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"full_cache": "int3"}, "unknown full_cache 'int3'; choose from: dense, int8, int4, int2, offload"),
+        ({"group_size": 0}, "group_size must be an integer >= 1"),
+    ],
+)
 def test_bad_full_cache_settings_are_one_line(params, message):
     with pytest.raises(PolicyError, match=message):
         make_policy("refreshkv", **params)

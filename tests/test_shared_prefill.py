@@ -8,10 +8,10 @@ from conftest import random_prompt, tiny_model
 from test_method_contract import left_pad, max_diff, small_budget
 
 import refreshkv
-from refreshkv.core.cache_argument import with_cache
 from refreshkv import METHODS, PolicyCache, PolicyError, make_policy
-from refreshkv.measure.budget_report import budget_report
+from refreshkv.core.cache_argument import with_cache
 from refreshkv.core.shared_prefill import SharedPrefill
+from refreshkv.measure.budget_report import budget_report
 from refreshkv.methods.full import Full
 
 NEW = 10
@@ -39,11 +39,13 @@ def prompt_forwards(model):
 def test_every_method_equals_running_alone_on_a_padded_batch(request, family):
     model = request.getfixturevalue(family)
     ids, mask = left_pad([random_prompt(40, seed=5)[0], random_prompt(31, seed=6)[0]])
-    shared = refreshkv.generate_many(model, ids, mask, methods=policies(), max_new_tokens=NEW, eos_token_id=[],
-                                     return_logits=True)
+    shared = refreshkv.generate_many(
+        model, ids, mask, methods=policies(), max_new_tokens=NEW, eos_token_id=[], return_logits=True
+    )
     for name, out in zip(ALL, shared):
-        alone = refreshkv.generate(model, ids, mask, method=name, max_new_tokens=NEW, eos_token_id=[],
-                                   return_logits=True, **small_budget(name))
+        alone = refreshkv.generate(
+            model, ids, mask, method=name, max_new_tokens=NEW, eos_token_id=[], return_logits=True, **small_budget(name)
+        )
         assert out.tokens == alone.tokens, name
         assert max_diff(out.logits, alone.logits) < 1e-5, name
         assert out.prefill_shared_by == len(ALL)
@@ -81,8 +83,14 @@ def test_a_method_with_its_own_prefill_runs_alone(llama):
     model = tiny_model("llama")
     lengths = prompt_forwards(model)
     ids = random_prompt(40, seed=8)
-    own, full, snap = refreshkv.generate_many(model, ids, methods=[OwnPrefill(), "full", make_policy("snapkv", budget=8, window=4)],
-                                              max_new_tokens=NEW, eos_token_id=[], return_logits=True)
+    own, full, snap = refreshkv.generate_many(
+        model,
+        ids,
+        methods=[OwnPrefill(), "full", make_policy("snapkv", budget=8, window=4)],
+        max_new_tokens=NEW,
+        eos_token_id=[],
+        return_logits=True,
+    )
     assert lengths == [40, 40]  # the two sharing methods together, the other alone
     assert (own.prefill_shared_by, full.prefill_shared_by, snap.prefill_shared_by) == (1, 2, 2)
     alone = refreshkv.generate(model, ids, method=OwnPrefill(), max_new_tokens=NEW, eos_token_id=[], return_logits=True)

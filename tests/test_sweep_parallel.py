@@ -30,7 +30,8 @@ METHODS = """
 
 def write_sweep(folder: Path, doc: Path, model: str = "tiny", out: str = "results.jsonl", examples: int = 2) -> Path:
     spec = folder / f"{out}.yaml"
-    spec.write_text(textwrap.dedent(f"""
+    spec.write_text(
+        textwrap.dedent(f"""
         out: {out}
         model: {model}
         chat: false
@@ -39,7 +40,9 @@ def write_sweep(folder: Path, doc: Path, model: str = "tiny", out: str = "result
         tasks:
           - {NIAH}
           - {{name: ppl, options: {{paths: [{doc}], target_tokens: 8}}}}
-        methods:""") + METHODS)
+        methods:""")
+        + METHODS
+    )
     return spec
 
 
@@ -97,8 +100,10 @@ def test_a_method_with_its_own_prefill_runs_alone_with_a_note(tmp_path, capsys):
     register(OwnPrefill)
     try:
         spec = tmp_path / "own.yaml"
-        spec.write_text(f"out: own.jsonl\nchat: false\nnum_examples: 1\nlengths: [300]\ntasks: [{NIAH}]\n"
-                        "methods: [full, own-prefill, {name: snapkv, params: {budget: 16, window: 4}}]\n")
+        spec.write_text(
+            f"out: own.jsonl\nchat: false\nnum_examples: 1\nlengths: [300]\ntasks: [{NIAH}]\n"
+            "methods: [full, own-prefill, {name: snapkv, params: {budget: 16, window: 4}}]\n"
+        )
         run_sweep(load_sweep(spec), tiny_model("llama", layers=3, seed=0), TOKENIZER, progress=False)
     finally:
         del METHODS["own-prefill"]
@@ -108,9 +113,10 @@ def test_a_method_with_its_own_prefill_runs_alone_with_a_note(tmp_path, capsys):
 
 
 def test_a_task_runs_its_own_number_of_examples(tmp_path):
-    doc = text_file(tmp_path / "doc.txt")
+    text_file(tmp_path / "doc.txt")
     spec = tmp_path / "counts.yaml"
-    spec.write_text(textwrap.dedent(f"""
+    spec.write_text(
+        textwrap.dedent(f"""
         out: counts.jsonl
         chat: false
         num_examples: 1
@@ -119,7 +125,8 @@ def test_a_task_runs_its_own_number_of_examples(tmp_path):
           - {{name: {NIAH}, num_examples: 2}}
           - {{name: ppl, options: {{paths: [doc.txt], target_tokens: 8}}, num_examples: 3}}
         methods: [full]
-    """))
+    """)
+    )
     sweep = load_sweep(spec)
     assert sweep.counts() == f"{NIAH} x2, ppl x3"
     run_sweep(sweep, tiny_model("llama", layers=3, seed=0), TOKENIZER, progress=False)
@@ -159,9 +166,16 @@ def model_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-model")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None), local_files_only=True)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -174,8 +188,13 @@ def free_port() -> str:
 
 
 def cli(*args, env=None, module="refreshkv"):
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
 
 
 def test_two_process_sweep_writes_the_rows_of_one_process(tmp_path, model_dir):
@@ -183,8 +202,17 @@ def test_two_process_sweep_writes_the_rows_of_one_process(tmp_path, model_dir):
     single = cli("sweep", str(write_sweep(tmp_path, doc, str(model_dir), out="single.jsonl", examples=3)))
     assert single.returncode == 0, single.stderr
     spec = write_sweep(tmp_path, doc, str(model_dir), out="parallel.jsonl", examples=3)
-    parallel = cli("--nproc-per-node", "2", "--master-port", free_port(), "-m", "refreshkv", "sweep", str(spec),
-                   module="torch.distributed.run")
+    parallel = cli(
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        free_port(),
+        "-m",
+        "refreshkv",
+        "sweep",
+        str(spec),
+        module="torch.distributed.run",
+    )
     assert parallel.returncode == 0, parallel.stderr
     out = tmp_path / "parallel.jsonl"
     shards = sweep_files(out)
@@ -206,10 +234,16 @@ def test_ranks_with_different_sweeps_stop_with_one_line(tmp_path, model_dir):
     doc = text_file(tmp_path / "doc.txt")
     specs = [write_sweep(tmp_path, doc, str(model_dir), out=f"mismatch{i}.jsonl", examples=1 + i) for i in range(2)]
     env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}
-    processes = [subprocess.Popen([sys.executable, "-m", "refreshkv", "sweep", str(spec)], text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), **env})
-                 for rank, spec in enumerate(specs)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "refreshkv", "sweep", str(spec)],
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), **env},
+        )
+        for rank, spec in enumerate(specs)
+    ]
     for process in processes:
         _, stderr = process.communicate(timeout=300)
         assert process.returncode == 2, stderr

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from refreshkv.texts.documents import read_documents
-from refreshkv.train.windows import cut_windows, split_documents
-from refreshkv.train.run import TrainConfig, WindowDataset, train
-
 from conftest import tiny_model
 from test_bad_input import assert_one_line_error, cli
+
+from refreshkv.texts.documents import read_documents
+from refreshkv.train.run import TrainConfig, WindowDataset, train
+from refreshkv.train.windows import cut_windows, split_documents
 
 TESTS = Path(__file__).parent
 
@@ -38,8 +37,19 @@ def write_documents(folder: Path, count: int = 6, words: int = 400) -> Path:
 
 
 def tiny_config(data: Path, **overrides) -> TrainConfig:
-    settings = dict(data=[str(data)], model="tiny", prefix_length=48, suffix_length=8, budget=8, steps=12,
-                    eval_every=4, save_every=4, dev_windows=4, lr=1e-3, warmup=2)
+    settings = dict(
+        data=[str(data)],
+        model="tiny",
+        prefix_length=48,
+        suffix_length=8,
+        budget=8,
+        steps=12,
+        eval_every=4,
+        save_every=4,
+        dev_windows=4,
+        lr=1e-3,
+        warmup=2,
+    )
     return TrainConfig(**{**settings, **overrides})
 
 
@@ -53,7 +63,11 @@ def test_documents_from_files_folders_and_jsonl(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"text": "five"}\n\n{"text": "  "}\n{"text": "six"}\n')
     documents = read_documents([tmp_path / "a.txt", folder, tmp_path / "d.jsonl"])
     assert [(d.name, d.text) for d in documents] == [
-        ("a.txt", "one two"), ("b.txt", "four"), ("c.txt", "three"), ("d.jsonl:1", "five"), ("d.jsonl:4", "six")
+        ("a.txt", "one two"),
+        ("b.txt", "four"),
+        ("c.txt", "three"),
+        ("d.jsonl:1", "five"),
+        ("d.jsonl:4", "six"),
     ]
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"title": "no text"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2 has no string field 'text'"):
@@ -98,8 +112,14 @@ def test_training_lowers_the_dev_loss_and_saves_a_loadable_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    metrics = train(tiny_model("llama", layers=2), BosWordTokenizer(), tiny_config(write_documents(tmp_path / "d")),
-                    out, progress=False, log=lambda line: None)
+    metrics = train(
+        tiny_model("llama", layers=2),
+        BosWordTokenizer(),
+        tiny_config(write_documents(tmp_path / "d")),
+        out,
+        progress=False,
+        log=lambda line: None,
+    )
     assert metrics["steps"] == 12 and metrics["train_windows"] > 0
     state = json.loads((out / "checkpoints" / "checkpoint-12" / "trainer_state.json").read_text())
     dev = [entry["eval_loss"] for entry in state["log_history"] if "eval_loss" in entry]
@@ -131,8 +151,14 @@ print(metrics["dev_loss"])
 
 
 def run_training(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", KILLED_RUN, *map(str, args)], cwd=TESTS, capture_output=True,
-                          text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", KILLED_RUN, *map(str, args)],
+        cwd=TESTS,
+        capture_output=True,
+        text=True,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
 
 
 def test_a_killed_run_resumes_to_the_same_dev_loss(tmp_path):
@@ -156,8 +182,14 @@ def test_bad_data_and_folders_are_refused_before_anything_is_written(tmp_path):
     with pytest.raises(ValueError, match=r"no train document holds L \+ S = 56 tokens"):
         train(model, tokenizer, tiny_config(short), out, progress=False, log=lambda line: None)
     assert not out.exists()
-    train(model, tokenizer, tiny_config(write_documents(tmp_path / "d"), steps=2), out, progress=False,
-          log=lambda line: None)
+    train(
+        model,
+        tokenizer,
+        tiny_config(write_documents(tmp_path / "d"), steps=2),
+        out,
+        progress=False,
+        log=lambda line: None,
+    )
     with pytest.raises(ValueError, match=r"holds a different training run \(differs in: lr\)"):
         train(model, tokenizer, tiny_config(tmp_path / "d", steps=2, lr=1e-4), out, resume=True, progress=False)
     with pytest.raises(ValueError, match="without a sliding window shorter than L"):  # Gemma 3: window 16 < 56
@@ -170,13 +202,19 @@ def test_bad_data_and_folders_are_refused_before_anything_is_written(tmp_path):
         train(model, tokenizer, tiny_config(tmp_path / "d"), stray, progress=False)
 
 
-@pytest.mark.parametrize("args, fragments", [
-    (["--suffix-length", "64", "--prefix-length", "64"], ["suffix length S (64) must be below the prefix length L (64)"]),
-    (["--budget", "64", "--prefix-length", "64"], ["budget K (64) must be below the prefix length L (64)"]),
-    (["--budget", "8", "--budget-ratio", "0.5"], ["either --budget or --budget-ratio"]),
-    (["--loss-on", "middle"], ["unknown --loss-on 'middle'; choose from: all, suffix"]),
-    (["--device", "cuda"], ["no CUDA GPU"]),
-])
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (
+            ["--suffix-length", "64", "--prefix-length", "64"],
+            ["suffix length S (64) must be below the prefix length L (64)"],
+        ),
+        (["--budget", "64", "--prefix-length", "64"], ["budget K (64) must be below the prefix length L (64)"]),
+        (["--budget", "8", "--budget-ratio", "0.5"], ["either --budget or --budget-ratio"]),
+        (["--loss-on", "middle"], ["unknown --loss-on 'middle'; choose from: all, suffix"]),
+        (["--device", "cuda"], ["no CUDA GPU"]),
+    ],
+)
 def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, args, fragments):
     if "cuda" in args and torch.cuda.is_available():
         pytest.skip("a GPU is present")

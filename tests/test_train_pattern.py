@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from refreshkv import generate, make_policy
 from refreshkv.core.attention import PATTERN_ARGUMENT
 from refreshkv.train.pattern import PartialPattern
-
-from conftest import tiny_model
 
 PREFIX, SUFFIX = 48, 12
 
@@ -18,14 +17,23 @@ def pattern_logits(model, ids, pattern):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("budget, kernel, window, aggregation", [(8, 7, 1, "max"), (5, 1, 2, "mean"), (10, 3, 1, "first")])
-def test_training_logits_equal_teacher_forced_recycled_that_never_refreshes(family, budget, kernel, window, aggregation):
+@pytest.mark.parametrize(
+    "budget, kernel, window, aggregation", [(8, 7, 1, "max"), (5, 1, 2, "mean"), (10, 3, 1, "first")]
+)
+def test_training_logits_equal_teacher_forced_recycled_that_never_refreshes(
+    family, budget, kernel, window, aggregation
+):
     model = tiny_model(family, layers=3, seed=1)
     ids = torch.randint(0, 128, (PREFIX + SUFFIX + 1,), generator=torch.Generator().manual_seed(3))
     pattern = PartialPattern(PREFIX, SUFFIX, budget, kernel=kernel, window=window, aggregation=aggregation)
     params = dict(stride=SUFFIX + 1, budget=budget, kernel=kernel, window=window, aggregation=aggregation)
-    out = generate(model, ids[None, :PREFIX], method=make_policy("recycled", **params),
-                   forced_tokens=ids[None, PREFIX:], return_logits=True)
+    out = generate(
+        model,
+        ids[None, :PREFIX],
+        method=make_policy("recycled", **params),
+        forced_tokens=ids[None, PREFIX:],
+        return_logits=True,
+    )
     decoded = torch.cat(out.logits)  # the prefill's logits, then one per decoded suffix token
     assert out.cache.layers[0].state.full.length == PREFIX + SUFFIX
     torch.testing.assert_close(pattern_logits(model, ids, pattern), decoded, atol=1e-4, rtol=0)
@@ -58,11 +66,17 @@ def test_pattern_gives_gradients_to_the_selected_keys_only_through_attention():
     assert torch.isfinite(loss) and all(g is not None and torch.isfinite(g).all() for g in grads)
 
 
-@pytest.mark.parametrize("args, message", [
-    (dict(prefix_length=8, suffix_length=8, budget=2), r"suffix length S \(8\) must be below the prefix length L \(8\)"),
-    (dict(prefix_length=8, suffix_length=2, budget=8), r"budget K \(8\) must be below the prefix length L \(8\)"),
-    (dict(prefix_length=8, suffix_length=2, budget=2, kernel=4), r"kernel must be an odd integer >= 1, got 4"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            dict(prefix_length=8, suffix_length=8, budget=2),
+            r"suffix length S \(8\) must be below the prefix length L \(8\)",
+        ),
+        (dict(prefix_length=8, suffix_length=2, budget=8), r"budget K \(8\) must be below the prefix length L \(8\)"),
+        (dict(prefix_length=8, suffix_length=2, budget=2, kernel=4), r"kernel must be an odd integer >= 1, got 4"),
+    ],
+)
 def test_bad_pattern_is_one_line(args, message):
     with pytest.raises(ValueError, match=message):
         PartialPattern(**args)

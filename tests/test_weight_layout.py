@@ -8,8 +8,8 @@ from conftest import random_prompt, tiny_model
 from test_bad_input import WordTokenizer, assert_one_line_error, cli, no_model, tiny_loader  # noqa: F401  (fixtures)
 
 from refreshkv import generate, make_policy
-from refreshkv.runtime import weight_layout
 from refreshkv.measure.profile_step import profile_step
+from refreshkv.runtime import weight_layout
 
 
 def lies_transposed(weight: torch.Tensor) -> bool:
@@ -76,19 +76,36 @@ def test_profile_step_records_the_asked_step():
 
 
 def test_profile_cli_prints_json(tiny_loader, monkeypatch, capsys):
-    code, out, err = cli(monkeypatch, capsys, "profile", "--method", "refreshkv", "--param", "budget=16",
-                         "--length", "60", "--step", "10", "--top", "3", "--json")
+    code, out, err = cli(
+        monkeypatch,
+        capsys,
+        "profile",
+        "--method",
+        "refreshkv",
+        "--param",
+        "budget=16",
+        "--length",
+        "60",
+        "--step",
+        "10",
+        "--top",
+        "3",
+        "--json",
+    )
     assert code == 0, err
     result = json.loads(out)
     assert result["method"] == "refreshkv" and result["context"] == 60 and len(result["operators"]) == 3
     assert result["machine"]["weight_layout"] == "stored"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--length", "20", "--step", "10"], "--length 20 leaves fewer than 16 prompt tokens before step 10"),
-    (["--param", "stride=0"], "stride must be an integer >= 1"),
-    (["--weight-layout", "rows"], "unknown weight layout 'rows'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--length", "20", "--step", "10"], "--length 20 leaves fewer than 16 prompt tokens before step 10"),
+        (["--param", "stride=0"], "stride must be an integer >= 1"),
+        (["--weight-layout", "rows"], "unknown weight layout 'rows'"),
+    ],
+)
 def test_profile_bad_input_is_one_line_before_loading(args, message, no_model, monkeypatch, capsys):
     code, _, err = cli(monkeypatch, capsys, "profile", "--method", "recycled", *args)
     assert_one_line_error(code, err, message)

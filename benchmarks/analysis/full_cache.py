@@ -55,10 +55,15 @@ def main() -> None:
             mine = {**ppl, **needles}
             full = {**table.get((length, "ppl", "full"), {}), **table.get((length, "needles", "full"), {})}
             both = sorted(set(mine) & set(full))
-            held = (sum(mine[i]["kv_bytes_full"] for i in both) / sum(full[i]["kv_bytes_full"] for i in both)
-                    if both else None)
-            print(f"| {length} | {store} | {interval(vs_dense) if store != 'full' else '-'} ({len(ppl)}) | "
-                  f"{interval(score)} ({len(needles)}) | {'-' if held is None else f'{held:.3f}'} |")
+            held = (
+                sum(mine[i]["kv_bytes_full"] for i in both) / sum(full[i]["kv_bytes_full"] for i in both)
+                if both
+                else None
+            )
+            print(
+                f"| {length} | {store} | {interval(vs_dense) if store != 'full' else '-'} ({len(ppl)}) | "
+                f"{interval(score)} ({len(needles)}) | {'-' if held is None else f'{held:.3f}'} |"
+            )
 
 
 if __name__ == "__main__":

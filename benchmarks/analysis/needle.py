@@ -27,15 +27,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 import refreshkv  # noqa: E402
-from refreshkv.core.selection import SelectionPolicy  # noqa: E402
 from refreshkv.eval.runner import RunConfig, find_task, prepare  # noqa: E402
-from refreshkv.eval.tasks.base import encode_user_turn  # noqa: E402
 from refreshkv.methods.refreshkv import RefreshKV  # noqa: E402
 from refreshkv.methods.snapkv import SnapKV  # noqa: E402
 from refreshkv.methods.streamingllm import StreamingLLM  # noqa: E402
 
-MAX_NEW = 40
-REC: dict = {}  # the needle record of the generation in progress (the cache is built inside generate)  # a 7-digit needle needs ~9 tokens after the answer prefix; a UUID ~30
+MAX_NEW = 40  # a 7-digit needle needs ~9 tokens after the answer prefix; a UUID ~30
+# the needle record of the generation in progress (the cache is built inside generate)
+REC: dict = {}
 
 
 class Recorder:
@@ -126,8 +125,9 @@ SETTINGS = {
 
 def needle_positions(tokenizer, example, ids) -> list[int]:
     """Token positions of the needle value(s) in the prompt (via the fast tokenizer's offsets)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": example["prompt"]}], add_generation_prompt=True,
-                                         tokenize=False) + (example.get("answer_prefix") or "")
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": example["prompt"]}], add_generation_prompt=True, tokenize=False
+    ) + (example.get("answer_prefix") or "")
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     assert enc["input_ids"] == ids, "offsets do not match the runner's encoding"
     positions = []
@@ -155,28 +155,47 @@ def run(args):
                 ids = torch.tensor([item.input_ids])
                 for name in settings:
                     cls, params = SETTINGS[name]
-                    policy = "full" if cls is None else cls(budget_ratio=params.get("budget_ratio", args.ratio),
-                                                             **{k: v for k, v in params.items() if k != "budget_ratio"})
+                    policy = (
+                        "full"
+                        if cls is None
+                        else cls(
+                            budget_ratio=params.get("budget_ratio", args.ratio),
+                            **{k: v for k, v in params.items() if k != "budget_ratio"},
+                        )
+                    )
                     around = torch.arange(needle[0] - 4, needle[-1] + 3)
                     rec = REC["current"] = {"needle": torch.tensor(needle), "steps": {}, "around": around, "held": {}}
                     t0 = time.time()
-                    res = refreshkv.generate(model, ids, method=policy, max_new_tokens=min(MAX_NEW, ex["max_new_tokens"]))
+                    res = refreshkv.generate(
+                        model, ids, method=policy, max_new_tokens=min(MAX_NEW, ex["max_new_tokens"])
+                    )
                     pred = tokenizer.decode(res.tokens[0], skip_special_tokens=True)
                     row = {
-                        "task": sub, "length": length, "id": ex["id"], "prompt_tokens": len(item.input_ids),
-                        "setting": name, "score": float(task.score(pred, ex)), "prediction": pred[:80],
-                        "needle_positions": needle, "budget": res.cache.budget,
+                        "task": sub,
+                        "length": length,
+                        "id": ex["id"],
+                        "prompt_tokens": len(item.input_ids),
+                        "setting": name,
+                        "score": float(task.score(pred, ex)),
+                        "prediction": pred[:80],
+                        "needle_positions": needle,
+                        "budget": res.cache.budget,
                         "full_step_fraction": res.cache.full_step_fraction(),
                         "coverage": {str(k): v for k, v in rec["steps"].items() if k <= 12},
-                        "held_around_needle": {str(k): [round(x, 2) for x in v.tolist()] for k, v in rec["held"].items()},
+                        "held_around_needle": {
+                            str(k): [round(x, 2) for x in v.tolist()] for k, v in rec["held"].items()
+                        },
                         "around": [tokenizer.decode([item.input_ids[i]]) for i in around.tolist()],
                         "new_tokens": [tokenizer.decode([t]) for t in res.tokens[0][:12]],
                         "seconds": round(time.time() - t0, 1),
                     }
                     out.write(json.dumps(row) + "\n")
                     out.flush()
-                    print(f"{sub} L={length} {ex['id'].split('/')[-1]} {name:32s} score={row['score']:.2f} "
-                          f"{row['seconds']}s {pred[:40]!r}", flush=True)
+                    print(
+                        f"{sub} L={length} {ex['id'].split('/')[-1]} {name:32s} score={row['score']:.2f} "
+                        f"{row['seconds']}s {pred[:40]!r}",
+                        flush=True,
+                    )
     out.close()
     summary(args.out)
 
@@ -186,8 +205,10 @@ def summary(path):
     by = {}
     for r in rows:
         by.setdefault(r["setting"], []).append(r)
-    print(f"\n| setting | n | accuracy | needle fully held at step 1 (share of layer x KV-head) | at step 2 | "
-          f"layers with >=1 head holding the whole needle at step 1 | full-step fraction |")
+    print(
+        "\n| setting | n | accuracy | needle fully held at step 1 (share of layer x KV-head) | at step 2 | "
+        "layers with >=1 head holding the whole needle at step 1 | full-step fraction |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name in SETTINGS:
         if name not in by:

@@ -63,14 +63,20 @@ class RecRefreshKV(RefreshKV):
             step = layer.cache.step
             rec["full"].setdefault(step, [0] * layer.cache.num_layers)[layer.layer_idx] = int(layer.was_full)
             # share of KV heads holding the previous token (t-1), and the mean number of the last RECENT held
-            rec["prev"].setdefault(step, [0.0] * layer.cache.num_layers)[layer.layer_idx] = per_head[:, -1].mean().item()
-            rec["recent"].setdefault(step, [0.0] * layer.cache.num_layers)[layer.layer_idx] = per_head.sum(-1).mean().item()
+            rec["prev"].setdefault(step, [0.0] * layer.cache.num_layers)[layer.layer_idx] = (
+                per_head[:, -1].mean().item()
+            )
+            rec["recent"].setdefault(step, [0.0] * layer.cache.num_layers)[layer.layer_idx] = (
+                per_head.sum(-1).mean().item()
+            )
             # prompt tokens still in C_p (mean over KV heads) and share of KV heads holding the first token (sink)
             positions = layer.state.partial.store.positions[0]
             rec["prompt_held"].setdefault(step, [0.0] * layer.cache.num_layers)[layer.layer_idx] = (
-                ((positions >= 0) & (positions < layer.cache.prompt_length)).sum(-1).float().mean().item())
+                ((positions >= 0) & (positions < layer.cache.prompt_length)).sum(-1).float().mean().item()
+            )
             rec["sink"].setdefault(step, [0.0] * layer.cache.num_layers)[layer.layer_idx] = (
-                (positions == 0).any(-1).float().mean().item())
+                (positions == 0).any(-1).float().mean().item()
+            )
             del held
         return out
 
@@ -114,20 +120,29 @@ def run(args):
                 rec = REC["current"] = {"full": {}, "prev": {}, "recent": {}, "prompt_held": {}, "sink": {}}
                 t0 = time.time()
                 forced = teacher_forced(model, ex["input_ids"], ex["target_start"], make(name, budget))
-                row = {"id": ex["id"], "source": ex["source_id"], "length": args.length, "budget": budget,
-                       "setting": name, "ppl": PerplexityTask.score_losses(forced.losses),
-                       "losses": [round(v, 5) for v in forced.losses],
-                       "full_step_fraction": forced.cache.full_step_fraction(),
-                       "full": {str(k): v for k, v in rec["full"].items()},
-                       "prev": {str(k): v for k, v in rec["prev"].items()},
-                       "recent": {str(k): v for k, v in rec["recent"].items()},
-                       "prompt_held": {str(k): v for k, v in rec["prompt_held"].items()},
-                       "sink": {str(k): v for k, v in rec["sink"].items()},
-                       "seconds": round(time.time() - t0, 1)}
+                row = {
+                    "id": ex["id"],
+                    "source": ex["source_id"],
+                    "length": args.length,
+                    "budget": budget,
+                    "setting": name,
+                    "ppl": PerplexityTask.score_losses(forced.losses),
+                    "losses": [round(v, 5) for v in forced.losses],
+                    "full_step_fraction": forced.cache.full_step_fraction(),
+                    "full": {str(k): v for k, v in rec["full"].items()},
+                    "prev": {str(k): v for k, v in rec["prev"].items()},
+                    "recent": {str(k): v for k, v in rec["recent"].items()},
+                    "prompt_held": {str(k): v for k, v in rec["prompt_held"].items()},
+                    "sink": {str(k): v for k, v in rec["sink"].items()},
+                    "seconds": round(time.time() - t0, 1),
+                }
                 out.write(json.dumps(row) + "\n")
                 out.flush()
-                print(f"{ex['id']} {name:24s} ppl={row['ppl']:.2f} full={row['full_step_fraction']:.3f} "
-                      f"{row['seconds']}s", flush=True)
+                print(
+                    f"{ex['id']} {name:24s} ppl={row['ppl']:.2f} full={row['full_step_fraction']:.3f} "
+                    f"{row['seconds']}s",
+                    flush=True,
+                )
     summary(args.out)
 
 
@@ -145,8 +160,11 @@ def summary(path):
     n_tok = len(rows[0]["losses"])
     bins = [(a, min(a + n_tok // 4, n_tok)) for a in range(0, n_tok, n_tok // 4)]
     print(f"L={rows[0]['length']} K={rows[0]['budget']} T={n_tok} examples={len(full)}")
-    print("| setting | ppl (pooled) | excess nats/token | " + " | ".join(f"excess t={a}-{b - 1}" for a, b in bins)
-          + " | full-step fraction | C_p holds t-1 (share of KV heads) | of last 16 held |")
+    print(
+        "| setting | ppl (pooled) | excess nats/token | "
+        + " | ".join(f"excess t={a}-{b - 1}" for a, b in bins)
+        + " | full-step fraction | C_p holds t-1 (share of KV heads) | of last 16 held |"
+    )
     print("|---" * (6 + len(bins)) + "|")
     for name, rs in by.items():
         losses = [v for r in rs for v in r["losses"]]
@@ -154,23 +172,35 @@ def summary(path):
         cells = [f"{mean(v for e in ex for v in e[a:b]):+.3f}" for a, b in bins]
         prev = [v for r in rs for s in r.get("prev", {}).values() for v in s]
         recent = [v for r in rs for s in r.get("recent", {}).values() for v in s]
-        print(f"| {name} | {math.exp(mean(losses)):.2f} | {mean(v for e in ex for v in e):+.3f} | " + " | ".join(cells)
-              + f" | {mean(r['full_step_fraction'] for r in rs):.3f} | "
-              + (f"{mean(prev):.3f} | {mean(recent):.1f} |" if prev else "- | - |"))
-    print("\nRefreshKV's C_p: prompt tokens held (mean over layers and KV heads) / share of KV heads holding token 0, "
-          "by decode step")
+        print(
+            f"| {name} | {math.exp(mean(losses)):.2f} | {mean(v for e in ex for v in e):+.3f} | "
+            + " | ".join(cells)
+            + f" | {mean(r['full_step_fraction'] for r in rs):.3f} | "
+            + (f"{mean(prev):.3f} | {mean(recent):.1f} |" if prev else "- | - |")
+        )
+    print(
+        "\nRefreshKV's C_p: prompt tokens held (mean over layers and KV heads) / share of KV heads holding token 0, "
+        "by decode step"
+    )
     for name, rs in by.items():
         if not rs[0].get("prompt_held"):
             continue
         steps = sorted(int(k) for k in rs[0]["prompt_held"])
         marks = [s for s in (1, len(steps) // 4, len(steps) // 2, 3 * len(steps) // 4, len(steps)) if s in steps]
-        print(f"  {name}: " + ", ".join(
-            f"step {s}: {mean(v for r in rs for v in r['prompt_held'][str(s)]):.0f} / "
-            f"{mean(v for r in rs for v in r['sink'][str(s)]):.2f}" for s in marks))
+        print(
+            f"  {name}: "
+            + ", ".join(
+                f"step {s}: {mean(v for r in rs for v in r['prompt_held'][str(s)]):.0f} / "
+                f"{mean(v for r in rs for v in r['sink'][str(s)]):.2f}"
+                for s in marks
+            )
+        )
     # RefreshKV: excess by steps since the layer's last refresh, per layer-weighted: a step's "staleness" is the
     # mean over layers of steps since that layer's last full step (prefill = step 0).
-    print("\nExcess loss over full by staleness (mean over layers of steps since each layer's last refresh; "
-          "the loss of target j is computed at decode step j, j=0 at prefill)")
+    print(
+        "\nExcess loss over full by staleness (mean over layers of steps since each layer's last refresh; "
+        "the loss of target j is computed at decode step j, j=0 at prefill)"
+    )
     for name, rs in by.items():
         if not rs[0].get("full"):
             continue
@@ -185,14 +215,31 @@ def summary(path):
                     stale = 0.0  # prefill logits: full attention
                 else:
                     flags = r["full"][str(j)]
-                    last = [j if f else l for f, l in zip(flags, last)]
-                    stale = mean(j - l for l in last)
-                key = "0 (this step full everywhere)" if stale == 0 else ("<2" if stale < 2 else "2-5" if stale < 5
-                      else "5-10" if stale < 10 else "10-20" if stale < 20 else "20-50" if stale < 50 else ">=50")
+                    last = [j if f else seen for f, seen in zip(flags, last)]
+                    stale = mean(j - seen for seen in last)
+                key = (
+                    "0 (this step full everywhere)"
+                    if stale == 0
+                    else (
+                        "<2"
+                        if stale < 2
+                        else "2-5"
+                        if stale < 5
+                        else "5-10"
+                        if stale < 10
+                        else "10-20"
+                        if stale < 20
+                        else "20-50"
+                        if stale < 50
+                        else ">=50"
+                    )
+                )
                 buckets.setdefault(key, []).append(a - b)
         order = ["0 (this step full everywhere)", "<2", "2-5", "5-10", "10-20", "20-50", ">=50"]
-        print(f"  {name}: " + ", ".join(f"{k}: {mean(buckets[k]):+.3f} (n={len(buckets[k])})" for k in order
-                                          if k in buckets))
+        print(
+            f"  {name}: "
+            + ", ".join(f"{k}: {mean(buckets[k]):+.3f} (n={len(buckets[k])})" for k in order if k in buckets)
+        )
 
 
 if __name__ == "__main__":

@@ -4,12 +4,23 @@ from .core import attention  # noqa: F401  (registers the "refreshkv" attention 
 from .core.cache import PolicyCache
 from .core.cache_argument import with_cache
 from .core.policy import METHODS, Policy, PolicyError, make_policy
+from .methods import load_methods
 from .runtime.generate import GenerationOutput, generate, generate_many
 from .runtime.loading import load_model
-from .methods import load_methods
 from .runtime.weight_layout import fastest_layout
 
 load_methods()
 
-__all__ = ["GenerationOutput", "METHODS", "Policy", "PolicyCache", "PolicyError", "fastest_layout", "generate", "generate_many",
-           "load_model", "make_policy", "with_cache"]
+__all__ = [
+    "GenerationOutput",
+    "METHODS",
+    "Policy",
+    "PolicyCache",
+    "PolicyError",
+    "fastest_layout",
+    "generate",
+    "generate_many",
+    "load_model",
+    "make_policy",
+    "with_cache",
+]

@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from typer.exceptions import TyperException
 from rich.console import Console
 from rich.table import Table
+from typer.exceptions import TyperException
 
-from .demo import MAX_LENGTH as DEMO_MAX_LENGTH, MIN_LENGTH as DEMO_MIN_LENGTH
-from .eval_commands import register as register_eval_commands
-from .train_commands import register as register_train_commands
 from ..runtime.prepare import check_runtime, load_checked
+from .demo import MAX_LENGTH as DEMO_MAX_LENGTH
+from .demo import MIN_LENGTH as DEMO_MIN_LENGTH
+from .eval_commands import register as register_eval_commands
 from .options import (
     AggOpt,
     BudgetOpt,
@@ -37,6 +37,7 @@ from .options import (
     method_params,
     parse_pairs,
 )
+from .train_commands import register as register_train_commands
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 out = Console()
@@ -91,29 +92,34 @@ def encode(tokenizer, text: str, chat: bool):
     return ids
 
 
-def run_generations(model, tokenizer, ids, methods: list[tuple[str, dict]], max_new_tokens: int, **sampling) -> list[dict]:
+def run_generations(
+    model, tokenizer, ids, methods: list[tuple[str, dict]], max_new_tokens: int, **sampling
+) -> list[dict]:
     """Each (method, parameters) on the same prompt, with one shared prefill (`generate_many`)."""
-    from ..measure.budget_report import budget_report
     from ..core.policy import make_policy
+    from ..measure.budget_report import budget_report
     from ..runtime.generate import generate_many
 
     policies = [make_policy(method, **params) for method, params in methods]
-    outs = generate_many(model, ids.to(model.device), methods=policies, max_new_tokens=max_new_tokens, progress=True,
-                         **sampling)
+    outs = generate_many(
+        model, ids.to(model.device), methods=policies, max_new_tokens=max_new_tokens, progress=True, **sampling
+    )
     results = []
     for (method, params), result in zip(methods, outs):
         stats = result.stats()
         kept = budget_report(result.cache)
-        results.append({
-            "method": method,
-            "params": params,
-            "text": tokenizer.decode(result.tokens[0], skip_special_tokens=True),
-            **{k: v[0] if k in ("new_tokens", "prompt_tokens") else v for k, v in stats.items()},
-            "budget_ratio": round(kept["budget_ratio"], 4),
-            "budget_per_layer": kept["budget_per_layer"],
-            "budget_per_head": kept["budget_per_head"],
-            "ratio_per_layer": kept["ratio_per_layer"],
-        })
+        results.append(
+            {
+                "method": method,
+                "params": params,
+                "text": tokenizer.decode(result.tokens[0], skip_special_tokens=True),
+                **{k: v[0] if k in ("new_tokens", "prompt_tokens") else v for k, v in stats.items()},
+                "budget_ratio": round(kept["budget_ratio"], 4),
+                "budget_per_layer": kept["budget_per_layer"],
+                "budget_per_head": kept["budget_per_head"],
+                "ratio_per_layer": kept["ratio_per_layer"],
+            }
+        )
     return results
 
 
@@ -181,8 +187,12 @@ def generate(
     temperature: Annotated[float, typer.Option(min=1e-6)] = 1.0,
     top_p: Annotated[Optional[float], typer.Option(min=0.0, max=1.0)] = None,
     seed: Annotated[Optional[int], typer.Option()] = None,
-    eos_check_every: Annotated[Optional[int], typer.Option(
-        min=1, help="Check every N steps whether the generation has ended (default: 1 on the CPU, 8 on a GPU).")] = None,
+    eos_check_every: Annotated[
+        Optional[int],
+        typer.Option(
+            min=1, help="Check every N steps whether the generation has ended (default: 1 on the CPU, 8 on a GPU)."
+        ),
+    ] = None,
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
     compile: CompileOpt = False,
@@ -199,8 +209,14 @@ def generate(
     text = read_prompt(prompt, prompt_file)
     lm, tokenizer, _ = load_checked(model, check_runtime(dtype, device, compile, weight_layout))
     ids = encode(tokenizer, text, chat)
-    sampling = dict(do_sample=sample, temperature=temperature, top_p=top_p, seed=seed, eos_check_every=eos_check_every,
-                    compile=compile)
+    sampling = dict(
+        do_sample=sample,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        eos_check_every=eos_check_every,
+        compile=compile,
+    )
     methods = [(method, params)] + ([(compare, {})] if compare is not None else [])
     show(run_generations(lm, tokenizer, ids, methods, max_new_tokens, **sampling), as_json)
 
@@ -209,7 +225,8 @@ def generate(
 @user_errors
 def demo(
     length: Annotated[
-        int, typer.Option(min=DEMO_MIN_LENGTH, max=DEMO_MAX_LENGTH, help="Prompt length in tokens (book text + question).")
+        int,
+        typer.Option(min=DEMO_MIN_LENGTH, max=DEMO_MAX_LENGTH, help="Prompt length in tokens (book text + question)."),
     ] = 4096,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
     budget: BudgetOpt = None,
@@ -217,8 +234,8 @@ def demo(
 ):
     """The main job on the embedded model: a long book prompt decoded with `full` and with `refreshkv`."""
     from ..core.policy import make_policy
-    from .demo import demo_prompt
     from ..runtime.loading import load_model
+    from .demo import demo_prompt
 
     params = {} if budget is None else {"budget": budget}
     make_policy("refreshkv", **params)  # validate before loading anything (and before the `full` run)
@@ -229,8 +246,8 @@ def demo(
 
 def bench_methods(names: str, budget: int, param: list[str]) -> dict[str, dict]:
     """Method name -> parameters: `budget` for every method that has one, plus `--param METHOD:NAME=VALUE`."""
-    from ..measure.bench import REFERENCE, check_methods, method_of
     from ..core.policy import METHODS
+    from ..measure.bench import REFERENCE, check_methods, method_of
 
     methods = {}
     for name in filter(None, (n.strip() for n in names.split(","))):
@@ -239,8 +256,10 @@ def bench_methods(names: str, budget: int, param: list[str]) -> dict[str, dict]:
             continue
         method = method_of(name)
         if method not in METHODS:
-            raise ValueError(f"unknown method '{method}'; choose from: {', '.join(sorted(METHODS))}, {REFERENCE} "
-                             "(METHOD@TAG names a variant of METHOD)")
+            raise ValueError(
+                f"unknown method '{method}'; choose from: {', '.join(sorted(METHODS))}, {REFERENCE} "
+                "(METHOD@TAG names a variant of METHOD)"
+            )
         methods[name] = {"budget": budget} if "budget" in METHODS[method].parameters() else {}
     if not methods:
         raise ValueError("--methods is empty; give a comma-separated list, e.g. full,refreshkv")
@@ -266,8 +285,13 @@ def parse_lengths(lengths: str) -> list[int]:
 @app.command()
 @user_errors
 def bench(
-    methods: Annotated[str, typer.Option(help="Comma-separated methods; METHOD@TAG adds a variant with its own --param "
-                                          "(e.g. refreshkv@int4); `transformers` = stock decoding, for reference.")] = "full,refreshkv,recycled,snapkv,streamingllm,h2o",
+    methods: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated methods; METHOD@TAG adds a variant with its own --param "
+            "(e.g. refreshkv@int4); `transformers` = stock decoding, for reference."
+        ),
+    ] = "full,refreshkv,recycled,snapkv,streamingllm,h2o",
     lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths in tokens.")] = "1024,2048,4096,8192",
     new_tokens: Annotated[int, typer.Option(min=2, help="Decode steps per run.")] = 128,
     rounds: Annotated[int, typer.Option(min=1, help="Rounds; every round runs every method once.")] = 3,
@@ -278,12 +302,20 @@ def bench(
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results here as JSON.")] = None,
-    plot: Annotated[Optional[Path], typer.Option(
-        help="Write a PNG of decode time per token vs length, and beside it NAME-steps.png: histograms of each "
-        "method's partial and full step times.")] = None,
-    share_prefill: Annotated[bool, typer.Option(
-        help="Prefill once per round for all methods (--no-share-prefill: each alone, which also measures each "
-        "method's peak memory).")] = True,
+    plot: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Write a PNG of decode time per token vs length, and beside it NAME-steps.png: histograms of each "
+            "method's partial and full step times."
+        ),
+    ] = None,
+    share_prefill: Annotated[
+        bool,
+        typer.Option(
+            help="Prefill once per round for all methods (--no-share-prefill: each alone, which also measures each "
+            "method's peak memory)."
+        ),
+    ] = True,
     compile: CompileOpt = False,
     weight_layout: WeightLayoutOpt = "stored",
 ):
@@ -299,8 +331,17 @@ def bench(
         check_plotting()
     lm, tokenizer, layout = load_checked(model, check_runtime(dtype, device, compile, weight_layout, threads))
     with tqdm(total=rounds * len(chosen) * len(length_list), desc="bench runs", unit="run") as bar:
-        result = run_bench(lm, tokenizer, chosen, length_list, new_tokens, rounds, progress=bar.update,
-                           share_prefill=share_prefill, compile=compile)
+        result = run_bench(
+            lm,
+            tokenizer,
+            chosen,
+            length_list,
+            new_tokens,
+            rounds,
+            progress=bar.update,
+            share_prefill=share_prefill,
+            compile=compile,
+        )
     result["machine"]["weight_layout"] = layout or weight_layout
     for table in bench_tables(result):
         out.print(table)
@@ -314,13 +355,26 @@ def bench(
 @user_errors
 def profile(
     method: MethodOpt = "full",
-    length: Annotated[int, typer.Option(help="Context at the profiled step; the prompt is LENGTH - STEP tokens of the "
-                                        "packaged book text.")] = 1024,
-    step: Annotated[int, typer.Option(min=1, help="Decode step to profile, counted from 1 after the prompt (with "
-                                      "stride 10, step 20 is a full step).")] = 20,
+    length: Annotated[
+        int,
+        typer.Option(
+            help="Context at the profiled step; the prompt is LENGTH - STEP tokens of the packaged book text."
+        ),
+    ] = 1024,
+    step: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Decode step to profile, counted from 1 after the prompt (with stride 10, step 20 is a full step).",
+        ),
+    ] = 20,
     top: Annotated[int, typer.Option(min=1, help="Operators to list, by self CPU time.")] = 10,
-    rounds: Annotated[int, typer.Option(min=1, help="Fresh generations profiled; each operator's median is shown.")] = 3,
-    param: Annotated[list[str], typer.Option("--param", help="Method parameter NAME=VALUE, e.g. budget=512 (repeatable).")] = [],
+    rounds: Annotated[
+        int, typer.Option(min=1, help="Fresh generations profiled; each operator's median is shown.")
+    ] = 3,
+    param: Annotated[
+        list[str], typer.Option("--param", help="Method parameter NAME=VALUE, e.g. budget=512 (repeatable).")
+    ] = [],
     model: ModelOpt = None,
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
@@ -329,16 +383,17 @@ def profile(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ):
     """Profile one decode step with torch.profiler: the operators it spends its time in."""
-    from ..measure.bench import bench_prompt, machine_facts
     from ..core.policy import make_policy
-    from ..runtime.generate import check_length
+    from ..measure.bench import bench_prompt, machine_facts
     from ..measure.profile_step import profile_step
+    from ..runtime.generate import check_length
 
     policy = make_policy(method, **parse_pairs(param, "--param"))
     if length - step < 16:
         raise ValueError(f"--length {length} leaves fewer than 16 prompt tokens before step {step}")
-    lm, tokenizer, layout = load_checked(model, check_runtime(dtype, device, weight_layout=weight_layout,
-                                                                   threads=threads))
+    lm, tokenizer, layout = load_checked(
+        model, check_runtime(dtype, device, weight_layout=weight_layout, threads=threads)
+    )
     check_length(lm, length - step, step)
     result = profile_step(lm, bench_prompt(tokenizer, length - step).to(lm.device), policy, step, top, rounds)
     result["machine"] = {**machine_facts(lm), "weight_layout": layout or weight_layout}
@@ -350,10 +405,10 @@ def profile(
     machine = result["machine"]
     table = Table(
         title=f"{method}: decode step {step} at {result['context']} tokens ({result['full_layers']:g} of "
-              f"{lm.config.num_hidden_layers} layers attended fully)",
+        f"{lm.config.num_hidden_layers} layers attended fully)",
         caption=f"{machine['device']}, {machine['cpu']}, {machine['threads']} threads, {dtype}, "
-                f"{layout_note(machine['weight_layout'])}; medians of {rounds} rounds: self CPU "
-                f"{result['self_cpu_ms']:.1f} ms, wall {result['wall_ms']:.1f} ms under the profiler",
+        f"{layout_note(machine['weight_layout'])}; medians of {rounds} rounds: self CPU "
+        f"{result['self_cpu_ms']:.1f} ms, wall {result['wall_ms']:.1f} ms under the profiler",
     )
     for column in ("operator", "self CPU ms", "share", "calls"):
         table.add_column(column, justify="left" if column == "operator" else "right", no_wrap=column == "operator")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from ..texts import book_text
 
-QUESTION = "\n\nQuestion: what is the name of the young man who has taken Netherfield Park, and how much does he earn a year?"
+QUESTION = (
+    "\n\nQuestion: what is the name of the young man who has taken Netherfield Park, and how much does he earn a year?"
+)
 # The lengths demo_prompt accepts with the embedded tokenizer, for `refreshkv demo --length`: the chat template and
 # question take 57 tokens, at least 16 book tokens follow them, and the packaged text holds 6577.
 MIN_LENGTH, MAX_LENGTH = 73, 6634

@@ -12,7 +12,6 @@ from typing import Annotated, Optional
 import typer
 
 from ..runtime.prepare import check_runtime, load_checked
-
 from .options import (
     AggOpt,
     BudgetOpt,
@@ -30,6 +29,7 @@ from .options import (
     method_params,
     parse_pairs,
 )
+
 
 def register(app, user_errors) -> None:
     """Add the evaluation commands to the CLI app; `user_errors` wraps a command so ValueErrors exit with code 2."""
@@ -53,7 +53,8 @@ def register(app, user_errors) -> None:
         aggregation: AggOpt = None,
         param: ParamOpt = [],
         task_option: Annotated[
-            list[str], typer.Option("--task-option", help="Task option NAME=VALUE (repeatable; repeat a name for a list).")
+            list[str],
+            typer.Option("--task-option", help="Task option NAME=VALUE (repeatable; repeat a name for a list)."),
         ] = [],
         length: Annotated[int, typer.Option(min=1, help="Context length in tokens.")] = 4096,
         num_examples: Annotated[int, typer.Option(min=1, help="Examples to run.")] = 10,
@@ -68,9 +69,15 @@ def register(app, user_errors) -> None:
 
         params = method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param)
         config = RunConfig(
-            task=task, method=method, length=length, seed=seed, params=params,
+            task=task,
+            method=method,
+            length=length,
+            seed=seed,
+            params=params,
             task_options=parse_pairs(task_option, "--task-option", repeat_as_list=True),
-            model=model_identity(model), chat=chat, dtype=dtype,
+            model=model_identity(model),
+            chat=chat,
+            dtype=dtype,
         )
         config.validate()
         runtime = check_runtime(dtype, device)
@@ -88,11 +95,18 @@ def register(app, user_errors) -> None:
     def sweep_command(
         config: Annotated[Path, typer.Argument(help="Sweep YAML file (schema in docs/evaluation.md).")],
         out: Annotated[Optional[Path], typer.Option(help="JSONL results file (overrides `out` in the YAML).")] = None,
-        model: Annotated[Optional[str], typer.Option(help="Model directory or .gguf (overrides `model` in the YAML).")] = None,
+        model: Annotated[
+            Optional[str], typer.Option(help="Model directory or .gguf (overrides `model` in the YAML).")
+        ] = None,
         device: DeviceOpt = "cpu",
-        share_prefill: Annotated[Optional[int], typer.Option(
-            min=1, help="At most N methods per shared prefill of an example (1: each prefills alone; default: all, "
-            "whose caches are held together, so memory grows with N).")] = None,
+        share_prefill: Annotated[
+            Optional[int],
+            typer.Option(
+                min=1,
+                help="At most N methods per shared prefill of an example (1: each prefills alone; default: all, "
+                "whose caches are held together, so memory grows with N).",
+            ),
+        ] = None,
     ):
         """Run methods x parameters x tasks x lengths from a YAML file into one resumable JSONL file.
 
@@ -114,9 +128,12 @@ def register(app, user_errors) -> None:
             results = error  # said after the ranks agree, so that no rank waits for one that has stopped
         # Every rank must run the same sweep and have read the same rows done (before any rank runs: the work
         # left is dealt out from them).
-        state = (f"an error ({results})" if isinstance(results, Exception) else
-                 f"sweep {sweep.identity()} ({sweep.counts()}; {len(results.done)} rows done, "
-                 f"{short_hash(sorted(results.done))})")
+        state = (
+            f"an error ({results})"
+            if isinstance(results, Exception)
+            else f"sweep {sweep.identity()} ({sweep.counts()}; {len(results.done)} rows done, "
+            f"{short_hash(sorted(results.done))})"
+        )
         try:
             agree(launch, state, device)
         except BaseException:
@@ -141,7 +158,9 @@ def register(app, user_errors) -> None:
     @user_errors
     def report_command(
         results: Annotated[list[Path], typer.Argument(help="One or more JSONL results files.")],
-        out_dir: Annotated[Optional[Path], typer.Option(help="Folder for the PNGs and summary.md (default: <first file>-report).")] = None,
+        out_dir: Annotated[
+            Optional[Path], typer.Option(help="Folder for the PNGs and summary.md (default: <first file>-report).")
+        ] = None,
         plots: Annotated[bool, typer.Option(help="Write PNG plots (needs matplotlib).")] = True,
     ):
         """Tables (task x method, relative to full) and plots of evaluation results."""

@@ -8,24 +8,41 @@ from typing import Annotated, Optional
 
 import typer
 
-ModelOpt = Annotated[Optional[str], typer.Option(help="Local model directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")]
+ModelOpt = Annotated[
+    Optional[str], typer.Option(help="Local model directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")
+]
 MethodOpt = Annotated[str, typer.Option(help="KV method (see `refreshkv methods`).")]
 BudgetOpt = Annotated[Optional[int], typer.Option(help="Tokens kept/attended per layer and KV head (K).")]
-RatioOpt = Annotated[Optional[float], typer.Option(help="K as a fraction of the prompt length, in (0, 1] (papers: 0.125).")]
+RatioOpt = Annotated[
+    Optional[float], typer.Option(help="K as a fraction of the prompt length, in (0, 1] (papers: 0.125).")
+]
 StrideOpt = Annotated[Optional[int], typer.Option(help="Fixed schedule: a full-attention step every S decode steps.")]
 QcOpt = Annotated[Optional[int], typer.Option(help="Dynamic schedule: compare queries every N steps (default 10).")]
-ThresholdOpt = Annotated[Optional[float], typer.Option(help="refreshkv: full step when query cosine < s (default 0.85); refreekv: T.")]
+ThresholdOpt = Annotated[
+    Optional[float], typer.Option(help="refreshkv: full step when query cosine < s (default 0.85); refreekv: T.")
+]
 KernelOpt = Annotated[Optional[int], typer.Option(help="Max-pooling kernel over positions (odd).")]
-WindowOpt = Annotated[Optional[int], typer.Option(help="Observation window: last prompt tokens whose attention selects.")]
+WindowOpt = Annotated[
+    Optional[int], typer.Option(help="Observation window: last prompt tokens whose attention selects.")
+]
 AggOpt = Annotated[Optional[str], typer.Option(help="GQA aggregation of scores: max, mean or first.")]
 ParamOpt = Annotated[list[str], typer.Option("--param", help="Any other method parameter, NAME=VALUE (repeatable).")]
 DtypeOpt = Annotated[str, typer.Option(help="float32 or bfloat16.")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu or cuda.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads.")]
-WeightLayoutOpt = Annotated[str, typer.Option(
-    help="stored (as the checkpoint lies) or fastest (each weight shape's layout timed on this machine; see weight_layout.py).")]
-CompileOpt = Annotated[bool, typer.Option(
-    help="Run decode steps under torch.compile (opt-in: the first steps pay for compilation; see compiled.py).")]
+WeightLayoutOpt = Annotated[
+    str,
+    typer.Option(
+        help="stored (as the checkpoint lies) or fastest (each weight shape's layout timed on this machine; "
+        "see runtime/weight_layout.py)."
+    ),
+]
+CompileOpt = Annotated[
+    bool,
+    typer.Option(
+        help="Run decode steps under torch.compile (opt-in: the first steps pay for compilation; see compiled.py)."
+    ),
+]
 
 
 def parse_value(raw: str):
@@ -64,8 +81,14 @@ def parse_pairs(pairs: list[str], option: str, repeat_as_list: bool = False) -> 
 def method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param) -> dict:
     """The method parameters given on the command line (unset options are left to the method's defaults)."""
     given = dict(
-        budget=budget, budget_ratio=budget_ratio, stride=stride, qc_stride=qc_stride,
-        threshold=threshold, kernel=kernel, window=window, aggregation=aggregation,
+        budget=budget,
+        budget_ratio=budget_ratio,
+        stride=stride,
+        qc_stride=qc_stride,
+        threshold=threshold,
+        kernel=kernel,
+        window=window,
+        aggregation=aggregation,
     )
     given = {k: v for k, v in given.items() if v is not None}
     extra = parse_pairs(param, "--param")

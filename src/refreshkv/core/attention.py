@@ -16,8 +16,10 @@ from .attention_math import SoftCapped, prompt_attention
 from .cache import ATTENTION_NAME, take_handoff
 
 PATTERN_ARGUMENT = "partial_pattern"  # model(..., partial_pattern=PartialPattern(...)) reaches every layer's attention
-TRAINING_UNSUPPORTED = ("the RefreshKV training pattern needs attention layers without soft-capping and without a "
-                        "sliding window shorter than L + S")
+TRAINING_UNSUPPORTED = (
+    "the RefreshKV training pattern needs attention layers without soft-capping and without a "
+    "sliding window shorter than L + S"
+)
 
 
 def policy_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -30,7 +32,9 @@ def policy_attention(module, query, key, value, attention_mask, scaling=None, dr
     layer = take_handoff(key)
     softcap = kwargs.get("softcap")
     if layer is None and softcap is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if softcap is not None:  # Gemma 2: SDPA cannot soft-cap, attention_math's explicit path does

@@ -99,7 +99,9 @@ def decode_attention(query, keys, values, scaling, valid: torch.Tensor | None = 
     if isinstance(scaling, SoftCapped) or explicit:
         output = _explicit_attention(pack_queries(query, kv_heads), keys, values, scaling, mask)
     else:
-        output = F.scaled_dot_product_attention(pack_queries(query, kv_heads), keys, values, attn_mask=mask, scale=scaling)
+        output = F.scaled_dot_product_attention(
+            pack_queries(query, kv_heads), keys, values, attn_mask=mask, scale=scaling
+        )
     return unpack_output(output, query.shape[1])
 
 
@@ -167,21 +169,38 @@ def selection_scores(probs: torch.Tensor, kernel: int, how: str) -> torch.Tensor
     return aggregate_group(pool(window_mean, kernel), how)
 
 
-def ranked(scores: torch.Tensor, k: int, sorted: bool = True) -> torch.Tensor:
-    """Indices (..., k) of the k highest scores (non-negative, or -inf for excluded), highest first (in no
-    particular order with `sorted=False`).
+# Below the ordering key of every float32 value, -inf included: where `valid` excludes a position.
+_EXCLUDED = -(2**31) - 1
 
+
+def ordering_keys(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys that order like the float32 values of `scores` (any real value, +-inf included; -0.0 = 0.0).
+
+    A float's bits, read as a signed integer, order like the float for non-negative values and backwards for
+    negative ones (sign and magnitude): flipping every bit but the sign of the negative ones fixes that.
+    """
+    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0 turns -0.0 into 0.0
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def ranked(scores: torch.Tensor, k: int, sorted: bool = True, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices (..., k) of the k highest scores, highest first (in no particular order with `sorted=False`).
+
+    Scores may be any real values (+-inf included; NaN is not a score: callers check, see selection.py). `valid`
+    (bool, broadcastable to the scores) excludes positions: they rank after every real score, -inf included, so they
+    are taken only when k exceeds the valid ones (callers mark those, see `keep_top`).
     Ties, which max-pooling makes common, go to the earlier position, so the choice does not depend on left padding,
-    on how many are taken or on the sort kernel. One integer top-k does it: a non-negative float's bits order like
-    the float, so bits * n + (n - 1 - position) orders by score, then by earlier position (4x faster than a stable
-    sort).
+    on how many are taken or on the sort kernel. One integer top-k does it: key * n + (n - 1 - position) orders by
+    score, then by earlier position (4x faster than a stable sort).
     """
     length = scores.shape[-1]
-    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0 turns -0.0 into 0.0
+    keys = ordering_keys(scores)
+    if valid is not None:
+        keys = keys.masked_fill(~valid, _EXCLUDED)
     tie_break = torch.arange(length - 1, -1, -1, device=scores.device)
-    return tie_break.add(bits, alpha=length).topk(k, dim=-1, sorted=sorted).indices
+    return tie_break.add(keys, alpha=length).topk(k, dim=-1, sorted=sorted).indices
 
 
-def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+def top_k(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """`ranked`'s k indices in position order (what a store keeps)."""
-    return ranked(scores, k, sorted=False).sort(dim=-1).values
+    return ranked(scores, k, sorted=False, valid=valid).sort(dim=-1).values

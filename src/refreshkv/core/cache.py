@@ -66,6 +66,9 @@ def check_handoff_taken() -> None:
 
 
 class PolicyLayer(CacheLayerMixin):
+    """One layer of a `PolicyCache`: transformers' cache layer, and the `MethodLayer` (contract.py) its method
+    works on."""
+
     is_sliding = False
 
     def __init__(self, cache: PolicyCache, layer_idx: int):
@@ -128,7 +131,9 @@ class PolicyLayer(CacheLayerMixin):
                 f"fewer new tokens were announced; give max_new_tokens to the cache (PolicyCache(..., max_new_tokens))"
             )
         if query.shape[2] != 1 and not self.is_croppable:
-            raise PolicyError(f"method '{policy.name}' decodes one token per step after the prompt, got {query.shape[2]}")
+            raise PolicyError(
+                f"method '{policy.name}' decodes one token per step after the prompt, got {query.shape[2]}"
+            )
         self.recorded = False
         output = policy.decode(self, query, key, value, scaling)
         if not self.recorded:
@@ -169,6 +174,46 @@ class PolicyLayer(CacheLayerMixin):
             return
         self.policy.crop(self, -tokens_to_remove)
         self.seen += tokens_to_remove
+
+    # -- the MethodLayer contract (contract.py): what a method reads of its generation ---------------------------
+    @property
+    def step(self) -> int:
+        return self.cache.step
+
+    @property
+    def budget(self) -> int:
+        return self.cache.budget
+
+    @property
+    def pads(self) -> torch.Tensor | None:
+        return self.cache.pads
+
+    @property
+    def max_pad(self) -> int:
+        return self.cache.max_pad
+
+    @property
+    def model_type(self) -> str:
+        return self.cache.model_type
+
+    @property
+    def rope_inv_freq(self) -> torch.Tensor | None:
+        return self.cache.rope_inv_freq[self.layer_idx]
+
+    def valid_positions(self, length: int, device) -> torch.Tensor | None:
+        return self.cache.valid_positions(length, device)
+
+    def positions(self, device) -> torch.Tensor:
+        return self.cache.positions(self.seen, device)
+
+    def capacity(self) -> int:
+        return self.cache.capacity()
+
+    def expected_new_tokens(self) -> int:
+        return self.cache.expected_new_tokens()
+
+    def method_layers(self) -> list[PolicyLayer]:
+        return self.cache.method_layers()
 
     def record(self, full_fraction: float | torch.Tensor, attended_bytes: int) -> None:
         """Statistics of one decode step of this layer: share of rows that attended fully (a 0-d tensor when rows
@@ -282,8 +327,7 @@ class PolicyCache(Cache):
         self.stats = DecodeStats(self.num_layers, key.device, self.expected_new_tokens())
         total = length + self.expected_new_tokens()
         self.windowed = [window is not None and total > window for window in self.layer_windows]
-        budget_for = getattr(self.policy, "budget_for", None)
-        self.budget = budget_for(self.prompt_length) if budget_for else 0
+        self.budget = self.policy.budget_for(self.prompt_length)
 
     def method_layers(self) -> list[PolicyLayer]:
         """The layers that run the method (all but sliding-window layers whose window bites), bottom first."""

@@ -26,15 +26,19 @@ def check_full_cache(full_cache: str, group_size: int) -> None:
     check_positive("group_size", group_size)
     if full_cache == "offload" and not torch.cuda.is_available():
         choices = ", ".join(name for name in FULL_CACHES if name != "offload")
-        raise PolicyError(f"full_cache='offload' moves C_f off a GPU, and no CUDA GPU is available; choose from: {choices}")
+        raise PolicyError(
+            f"full_cache='offload' moves C_f off a GPU, and no CUDA GPU is available; choose from: {choices}"
+        )
 
 
 def check_group_size(full_cache: str, group_size: int, head_dim: int) -> None:
     """A quantized C_f groups values over `group_size` channels, which must divide the head dimension."""
     if full_cache in QUANTIZED_BITS and (head_dim % group_size or group_size % (8 // QUANTIZED_BITS[full_cache])):
         divisors = [g for g in range(8, head_dim + 1, 8) if head_dim % g == 0]
-        raise PolicyError(f"group_size {group_size} must divide the head dimension {head_dim}; "
-                          f"choose from: {', '.join(map(str, divisors))}")
+        raise PolicyError(
+            f"group_size {group_size} must divide the head dimension {head_dim}; "
+            f"choose from: {', '.join(map(str, divisors))}"
+        )
 
 
 def make_full_store(like: torch.Tensor, capacity: int, full_cache: str, group_size: int):

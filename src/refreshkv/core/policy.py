@@ -54,6 +54,10 @@ class Policy:
         Under `compile=True` on a CPU, where reading them costs nothing, such a step runs eagerly (compiled.py)."""
         return False
 
+    def budget_for(self, prompt_length: int) -> int:
+        """K for a batch whose longest prompt has `prompt_length` tokens (`MethodLayer.budget`); 0: no budget."""
+        return 0
+
     def check_prompt(self, shortest: int) -> None:
         """Refuse (PolicyError) a batch whose shortest real prompt has `shortest` tokens if the method cannot work
         on it (e.g. a window longer than the prompt); called once per generation, before any layer's prefill."""

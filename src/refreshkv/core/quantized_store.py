@@ -57,8 +57,16 @@ def unpack(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
 class QuantizedFullStore(LayerState):
     """C_f in `bits` bits: the FullStore interface that refreshkv / recycled use (append, view, length, bytes)."""
 
-    BUFFERS = ("key_codes", "key_scale", "key_min", "value_codes", "value_scale", "value_min", "residual_keys",
-               "residual_values")
+    BUFFERS = (
+        "key_codes",
+        "key_scale",
+        "key_min",
+        "value_codes",
+        "value_scale",
+        "value_min",
+        "residual_keys",
+        "residual_values",
+    )
 
     def __init__(self, like: torch.Tensor, capacity: int, bits: int, group_size: int):
         batch, heads, _, dim = like.shape
@@ -142,8 +150,12 @@ class QuantizedFullStore(LayerState):
             self._dequantize(first, last, keys[:, :, :whole], values[:, :, :whole])
         if end > quantized:
             residual = max(start, quantized)
-            keys[:, :, residual - begin : end - begin] = self.residual_keys[:, :, residual - quantized : end - quantized]
-            values[:, :, residual - begin : end - begin] = self.residual_values[:, :, residual - quantized : end - quantized]
+            keys[:, :, residual - begin : end - begin] = self.residual_keys[
+                :, :, residual - quantized : end - quantized
+            ]
+            values[:, :, residual - begin : end - begin] = self.residual_values[
+                :, :, residual - quantized : end - quantized
+            ]
         return keys[:, :, start - begin : end - begin], values[:, :, start - begin : end - begin]
 
     def _dequantize(self, first: int, last: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -159,9 +171,16 @@ class QuantizedFullStore(LayerState):
 
     def _held(self) -> list[torch.Tensor]:
         tokens = self.groups * self.group
-        return [self.key_codes[:, :, : self.groups], self.key_scale[:, :, : self.groups],
-                self.key_min[:, :, : self.groups], self.value_codes[:, :, : self.groups], self.value_scale[:, :, :tokens],
-                self.value_min[:, :, :tokens], self.residual_keys, self.residual_values]
+        return [
+            self.key_codes[:, :, : self.groups],
+            self.key_scale[:, :, : self.groups],
+            self.key_min[:, :, : self.groups],
+            self.value_codes[:, :, : self.groups],
+            self.value_scale[:, :, :tokens],
+            self.value_min[:, :, :tokens],
+            self.residual_keys,
+            self.residual_values,
+        ]
 
     def nbytes(self) -> int:
         """Bytes of every buffer held (codes, scales, minimums, residual), including room not yet filled."""

@@ -1,11 +1,16 @@
 """`SelectionPolicy`: the shared shape of eviction methods, which hold only a selection of the tokens.
 
-At prefill a method's `select` picks, per KV head, which prompt tokens to keep (and their eviction scores); only
-those are stored (a `SlotStore` at KV-head size: real memory savings, no masking of evicted tokens). Each decoded
-token is then appended; once the store is full it takes the slot of the lowest eviction score. Methods differ in
-`select`, in the store's size (`slots`) and in the score given to appended tokens (`appended_score`); a method that
-scores tokens by the current query's attention (H2O, TOVA) overrides `observe`, which then receives the decode
-step's probabilities.
+At prefill the method picks, per KV head, which prompt tokens to keep (and their eviction scores); only those are
+stored (a `SlotStore` at KV-head size: real memory savings, no masking of evicted tokens). Each decoded token is
+then appended; once the store is full it takes the slot of the lowest eviction score.
+
+Most methods only rank tokens: they supply `score()` (any real values per prompt token and KV head) and, where
+they keep a number other than K, `kept_tokens()`; the shared `select` checks the scores and keeps the top ones
+(`keep_top`: ties to the earlier position, pads never, the last `recent_kept()` tokens always). A method that
+chooses otherwise (ReFreeKV's adaptive prefix, DynamicKV's reallocation) overrides `select`. Methods also differ in
+the store's size (`max_slots`) and in the score given to appended tokens (`appended_score`); a method that scores
+tokens by the current query's attention (H2O, TOVA) overrides `observe`, which then receives the decode step's
+probabilities.
 Heads may keep different numbers of tokens: `select` marks unused entries with index -1, which are stored as empty
 slots and masked (padding only up to the largest head of the layer).
 """
@@ -16,11 +21,51 @@ import dataclasses
 
 import torch
 
-from .attention_math import attend_with_probs, decode_attention
+from .attention_math import attend_with_probs, decode_attention, top_k
 from .kvstore import LayerState, SlotStore
-from .policy import BudgetPolicy
+from .policy import BudgetPolicy, PolicyError
 
 APPENDED = 2.0  # above any attention probability: decoded tokens outrank prompt tokens unless a method says otherwise
+
+
+def keep_top(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None, keep_last: int = 0):
+    """The shared tail of a selection: per row and KV head, the k highest of `scores` (B, Hkv, n) in position order,
+    and their scores.
+
+    Any real scores rank by value, ties to the earlier position. `valid` (bool, broadcastable to the scores) marks
+    the positions that may be kept (pads may not): an excluded position is never kept, and where fewer than k are
+    valid the entries left over are -1 with score -inf. The last `keep_last` positions are kept whatever their score
+    (an observation window, a recent window), with their own scores.
+    Returns (index (B, Hkv, min(k, n)), scores (B, Hkv, min(k, n))).
+    """
+    length = scores.shape[-1]
+    ranking = scores
+    if keep_last:
+        recent = torch.arange(length, device=scores.device) >= length - keep_last
+        ranking = scores.masked_fill(recent, float("inf"))
+    index = top_k(ranking, min(k, length), valid)
+    kept = scores.gather(-1, index)
+    if valid is None:
+        return index, kept
+    real = valid.expand_as(scores).gather(-1, index)
+    return index.masked_fill(~real, -1), kept.masked_fill(~real, float("-inf"))
+
+
+def checked_scores(method: str, scores, like: torch.Tensor) -> torch.Tensor:
+    """A `score()` result, refused in one line if it is not (B, Hkv, L) real numbers for the prompt `like` keys."""
+    expected = tuple(like.shape[:3])
+    if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != expected:
+        got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise PolicyError(
+            f"method '{method}': score() returned {got}; expected a tensor of shape (batch, kv_heads, "
+            f"prompt_length) = {expected}"
+        )
+    if not scores.is_floating_point() or bool(torch.isnan(scores).any()):
+        raise PolicyError(
+            f"method '{method}': score() returned NaN or non-float scores ({scores.dtype}); expected "
+            "real numbers (+-inf allowed)"
+        )
+    return scores
 
 
 @dataclasses.dataclass
@@ -63,7 +108,9 @@ class SelectionState(LayerState):
         self.store.put(slot, key, value, position)
         # The score as a tensor: under torch.compile a score computed from the step count is symbolic, which
         # inductor cannot fill a scatter with.
-        self.scores.scatter_(-1, slot.unsqueeze(-1), torch.full_like(slot, score, dtype=self.scores.dtype).unsqueeze(-1))
+        self.scores.scatter_(
+            -1, slot.unsqueeze(-1), torch.full_like(slot, score, dtype=self.scores.dtype).unsqueeze(-1)
+        )
         self.filled = min(self.filled + 1, self.store.slots)
         self.empty = max(self.empty - 1, 0)
 
@@ -81,9 +128,30 @@ class SelectionState(LayerState):
 
 @dataclasses.dataclass
 class SelectionPolicy(BudgetPolicy):
-    def select(self, layer, query, key, scaling: float, valid) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per KV head: (index (B, Hkv, k) of prompt tokens to keep, -1 = none; their eviction scores (B, Hkv, k))."""
-        raise NotImplementedError
+    def score(self, layer, query, key, scaling, valid) -> torch.Tensor:
+        """(B, Hkv, L): how much each prompt token is worth keeping, per KV head. Any real values; higher is kept
+        first; +inf keeps a token whenever it fits. Pads need no masking (`select` never keeps them), but a score
+        computed from attention must mask them among the keys (`valid`, as in `select`)."""
+        raise NotImplementedError(f"method '{self.name}' implements neither score() nor select()")
+
+    def kept_tokens(self, layer) -> int:
+        """Prompt tokens to keep per KV head (fewer when the prompt is shorter): K, the cache's budget."""
+        return layer.budget
+
+    def recent_kept(self, layer) -> int:
+        """The last prompt tokens kept whatever their score (an observation or recent window), counted in
+        `kept_tokens`."""
+        return 0
+
+    def select(self, layer, query, key, scaling, valid) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per KV head: (index (B, Hkv, k) of prompt tokens to keep, -1 = none; their eviction scores (B, Hkv, k)).
+
+        `query` (B, Hq, L, D), `key` (B, Hkv, L, D): the whole prompt; `valid` (B, 1, 1, L) bool marks its real
+        tokens (None: no padding). By default the top `kept_tokens` by `score` (`keep_top`).
+        """
+        scores = checked_scores(self.name, self.score(layer, query, key, scaling, valid), key)
+        mask = None if valid is None else valid.view(valid.shape[0], 1, -1)
+        return keep_top(scores, self.kept_tokens(layer), mask, self.recent_kept(layer))
 
     def max_slots(self, layer) -> int | None:
         """Fixed store size of a method that evicts while decoding; None: room for every decoded token."""
@@ -91,12 +159,12 @@ class SelectionPolicy(BudgetPolicy):
 
     def slots(self, layer, kept: int) -> int:
         """Initial store size: the kept tokens plus the decoded tokens to come, within `max_slots`."""
-        wanted = kept + layer.cache.expected_new_tokens()
+        wanted = kept + layer.expected_new_tokens()
         limit = self.max_slots(layer)
         return wanted if limit is None else min(wanted, limit)
 
     def appended_score(self, layer) -> float:
-        return APPENDED + layer.cache.step
+        return APPENDED + layer.step
 
     def eviction_scores(self, layer) -> torch.Tensor:
         """(B, Hkv, slots): the decoded token replaces the minimum (empty slots are -inf, so they go first)."""
@@ -115,7 +183,7 @@ class SelectionPolicy(BudgetPolicy):
         return state
 
     def store_prompt(self, layer, query, key, value, scaling):
-        valid = layer.cache.valid_positions(key.shape[2], key.device)
+        valid = layer.valid_positions(key.shape[2], key.device)
         index, scores = self.select(layer, query, key, scaling, valid)
         layer.state = self.store_selection(layer, key, value, index, scores)
 
@@ -136,7 +204,7 @@ class SelectionPolicy(BudgetPolicy):
         self.append(layer, key, value)
         state: SelectionState = layer.state
         layer.record(0.0, state.store.nbytes())
-        valid = state.valid(layer.cache.pads)
+        valid = state.valid(layer.pads)
         if type(self).observe is SelectionPolicy.observe:
             return decode_attention(query, state.store.keys, state.store.values, scaling, valid)
         output, probs = attend_with_probs(query, state.store.keys, state.store.values, scaling, valid)

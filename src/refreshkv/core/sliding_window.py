@@ -30,7 +30,7 @@ class SlidingWindow(Policy):
 
     def store_prompt(self, layer, query, key, value, scaling):
         length = key.shape[2]
-        store = SlotStore(key, min(self.window, layer.cache.capacity()))
+        store = SlotStore(key, min(self.window, layer.capacity()))
         start = max(0, length - store.slots)
         # position p goes to slot p % slots, so that each decoded token overwrites the oldest one
         kept = torch.arange(start, length, device=key.device).roll(start % store.slots)
@@ -44,4 +44,4 @@ class SlidingWindow(Policy):
         slot = torch.full(key.shape[:2], position % store.slots, dtype=torch.long, device=key.device)
         store.put(slot, key, value, position)
         layer.record(1.0, store.nbytes())
-        return decode_attention(query, store.keys, store.values, scaling, store.valid(layer.cache.pads))
+        return decode_attention(query, store.keys, store.values, scaling, store.valid(layer.pads))

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from ..core.cache import PolicyCache
-from ..runtime.generate import generate_many
 from ..core.policy import Policy
+from ..runtime.generate import generate_many
 
 
 @dataclasses.dataclass

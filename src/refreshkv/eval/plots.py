@@ -12,7 +12,9 @@ def check_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ModuleNotFoundError:
-        raise ValueError("plots need the optional package matplotlib: pip install 'refreshkv[eval]' (or --no-plots)") from None
+        raise ValueError(
+            "plots need the optional package matplotlib: pip install 'refreshkv[eval]' (or --no-plots)"
+        ) from None
 
 
 def _pyplot():
@@ -52,7 +54,7 @@ def score_vs_decode(groups: list[Group], path: Path) -> Path | None:
         ax.set_xlabel("decode ms / token")
         ax.set_ylabel("perplexity (lower is better)" if task == "ppl" else "mean score")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle("Score vs decode time")
     return _save(fig, path)
@@ -79,8 +81,14 @@ def score_vs_decode_summary(groups: list[Group], path: Path) -> Path | None:
             if row[key] is None:
                 continue
             low, high = _error_bar(row[key], row[f"{key}_ci"])
-            ax.errorbar(row["decode_ms"], row[key], yerr=[[low], [high]], fmt="*" if row["method"] == "full" else "o",
-                        markersize=8, capsize=3)
+            ax.errorbar(
+                row["decode_ms"],
+                row[key],
+                yerr=[[low], [high]],
+                fmt="*" if row["method"] == "full" else "o",
+                markersize=8,
+                capsize=3,
+            )
             ax.annotate(name, (row["decode_ms"], row[key]), fontsize=7, xytext=(4, 4), textcoords="offset points")
     right.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     left.set_ylabel("macro mean score (tasks weighted equally)")
@@ -144,13 +152,30 @@ def recovery(groups: list[Group], path: Path) -> Path | None:
         topk = [mean(layer[o] for layer in r["topk"]) for o in offsets]
         streaming = [mean(layer[o] for layer in r["streaming"]) for o in offsets]
         line = left.plot(offsets, topk, marker="o", label=f"top-K of step t (t={g.length}, K={r['k']})")[0]
-        left.plot(offsets, streaming, marker="s", linestyle="--", color=line.get_color(),
-                  label=f"StreamingLLM cache (t={g.length}, K={r['k']})")
+        left.plot(
+            offsets,
+            streaming,
+            marker="s",
+            linestyle="--",
+            color=line.get_color(),
+            label=f"StreamingLLM cache (t={g.length}, K={r['k']})",
+        )
         layers = range(len(r["topk"]))
-        right.plot(layers, [mean(layer[1:]) for layer in r["topk"]], marker="o", color=line.get_color(),
-                   label=f"top-K (t={g.length})")
-        right.plot(layers, [mean(layer[1:]) for layer in r["streaming"]], marker="s", linestyle="--",
-                   color=line.get_color(), label=f"StreamingLLM (t={g.length})")
+        right.plot(
+            layers,
+            [mean(layer[1:]) for layer in r["topk"]],
+            marker="o",
+            color=line.get_color(),
+            label=f"top-K (t={g.length})",
+        )
+        right.plot(
+            layers,
+            [mean(layer[1:]) for layer in r["streaming"]],
+            marker="s",
+            linestyle="--",
+            color=line.get_color(),
+            label=f"StreamingLLM (t={g.length})",
+        )
     left.set_xlabel("steps after the top-K step (i)")
     left.set_ylabel("attention mass recovered (mean over layers, heads)")
     left.set_title("Attention recovery at t + i")

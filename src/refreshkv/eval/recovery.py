@@ -33,8 +33,8 @@ import torch
 
 from ..core.attention_math import attention_probs
 from ..core.kvstore import FullStore
-from ..methods.full import Full
 from ..core.policy import DEFAULT_BUDGET_RATIO
+from ..methods.full import Full
 from .tasks.base import Example, example_id
 from .tasks.ppl import PerplexityTask
 

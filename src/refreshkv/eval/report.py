@@ -33,15 +33,16 @@ import os
 from pathlib import Path
 
 from . import stats
-
 from .summary import Group, group_rows, load_results, mean, method_summaries, shown_options
 
 # ---- tables ----------------------------------------------------------------------------------------------------
 
 WITHIN_NOISE = "≈"
-LEGEND = (f"[low, high]: 95% percentile bootstrap interval ({stats.RESAMPLES} resamples, seed {stats.SEED}); "
-          f"`vs full` resamples the examples shared with full as pairs. {WITHIN_NOISE}: the `vs full` interval "
-          "contains 1, the difference from full is within noise.")
+LEGEND = (
+    f"[low, high]: 95% percentile bootstrap interval ({stats.RESAMPLES} resamples, seed {stats.SEED}); "
+    f"`vs full` resamples the examples shared with full as pairs. {WITHIN_NOISE}: the `vs full` interval "
+    "contains 1, the difference from full is within noise."
+)
 METRICS = (
     ("score", "score", "{:.3f}"),
     ("vs full", "vs_full", "{:.3f}"),
@@ -53,10 +54,22 @@ METRICS = (
     ("kept", "budget_ratio", "{:.3f}"),
     ("full steps", "full_step_fraction", "{:.3f}"),
 )
-COLUMNS = (("task", "task", "{}"), ("L", "length", "{}"), ("method", "method", "{}"), ("n", "n", "{}"),
-           *METRICS, ("eff. stride", "effective_stride", "{:.1f}"))
-SUMMARY_COLUMNS = (("tasks", "tasks", "{}"), ("L", "length", "{}"), ("method", "method", "{}"),
-                   ("# tasks", "n_tasks", "{}"), ("n", "n", "{}"), *METRICS)
+COLUMNS = (
+    ("task", "task", "{}"),
+    ("L", "length", "{}"),
+    ("method", "method", "{}"),
+    ("n", "n", "{}"),
+    *METRICS,
+    ("eff. stride", "effective_stride", "{:.1f}"),
+)
+SUMMARY_COLUMNS = (
+    ("tasks", "tasks", "{}"),
+    ("L", "length", "{}"),
+    ("method", "method", "{}"),
+    ("# tasks", "n_tasks", "{}"),
+    ("n", "n", "{}"),
+    *METRICS,
+)
 
 
 def cell(value, fmt: str) -> str:
@@ -91,9 +104,15 @@ def rich_tables(groups: list[Group]) -> list:
     """The per-method summaries, then one rich Table per (model, task, task options, length), one row per method."""
     many_models = len({g.model for g in groups}) > 1
     summaries = method_summaries(groups)
-    tables = [_rich_table(s.title + (f", model {s.model}" if many_models else ""), SUMMARY_COLUMNS[2:], s.rows,
-                          s.note + ("\n" + LEGEND if i == len(summaries) - 1 else ""))
-              for i, s in enumerate(summaries)]
+    tables = [
+        _rich_table(
+            s.title + (f", model {s.model}" if many_models else ""),
+            SUMMARY_COLUMNS[2:],
+            s.rows,
+            s.note + ("\n" + LEGEND if i == len(summaries) - 1 else ""),
+        )
+        for i, s in enumerate(summaries)
+    ]
     panels: dict[tuple, list[Group]] = {}
     for group in groups:
         panels.setdefault((group.model, group.task, group.options, group.length), []).append(group)
@@ -132,46 +151,78 @@ def score_by_task(groups: list[Group]) -> str:
 
 def _per_layer_table(title: str, series: dict[str, list], fmt: str) -> list[str]:
     width = max(len(v) for v in series.values())
-    lines = [f"### {title}", "", "| method | " + " | ".join(f"L{i}" for i in range(width)) + " |",
-             "|---|" + "---|" * width]
+    lines = [
+        f"### {title}",
+        "",
+        "| method | " + " | ".join(f"L{i}" for i in range(width)) + " |",
+        "|---|" + "---|" * width,
+    ]
     for name, values in series.items():
         lines.append(f"| {name} | " + " | ".join(cell(v, fmt) for v in values) + " |")
     return lines + [""]
 
 
 def markdown_summary(groups: list[Group], sources, plots: list[Path]) -> str:
-    lines = ["# Evaluation report", "", "Sources: " + ", ".join(f"`{s}`" for s in sources), "",
-             f"Model: {', '.join(sorted({g.model for g in groups}))}", ""]
+    lines = [
+        "# Evaluation report",
+        "",
+        "Sources: " + ", ".join(f"`{s}`" for s in sources),
+        "",
+        f"Model: {', '.join(sorted({g.model for g in groups}))}",
+        "",
+    ]
     summaries = method_summaries(groups)
     if summaries:
-        lines += ["## Per method across tasks", "", _markdown([r for s in summaries for r in s.rows], SUMMARY_COLUMNS),
-                  "", *(f"- {s.note}" for s in summaries), "", LEGEND, ""]
+        lines += [
+            "## Per method across tasks",
+            "",
+            _markdown([r for s in summaries for r in s.rows], SUMMARY_COLUMNS),
+            "",
+            *(f"- {s.note}" for s in summaries),
+            "",
+            LEGEND,
+            "",
+        ]
     lines += ["## Score by task", "", score_by_task(groups), ""]
     lines += ["## Per task", "", markdown_table(groups), "", LEGEND, ""]
     strides = {f"{g.task} L={g.length} {g.label}": g.effective_stride() for g in groups if not g.is_reference}
     strides = {k: v for k, v in strides.items() if v and all(s is not None for s in v)}
     if strides:
         lines += _per_layer_table("Effective stride per layer (decode steps / full steps)", strides, "{:.1f}")
-    budgets = {f"{g.task} L={g.length} {g.label}": g.budget_per_layer() for g in groups
-               if g.budget_per_layer() and (mean(r.get("budget_ratio") for r in g.rows) or 1) < 1}
+    budgets = {
+        f"{g.task} L={g.length} {g.label}": g.budget_per_layer()
+        for g in groups
+        if g.budget_per_layer() and (mean(r.get("budget_ratio") for r in g.rows) or 1) < 1
+    }
     if budgets:
         lines += _per_layer_table("Kept prompt tokens per layer", budgets, "{:.0f}")
     for g in groups:
         curve = g.ppl_ratio_by_position()
         if curve and not g.is_reference:
-            lines += [f"### PPL ratio to full by position: L={g.length} {g.label}", "",
-                      "| positions from | " + " | ".join(map(str, curve[0])) + " |", "|---|" + "---|" * len(curve[0]),
-                      "| ratio | " + " | ".join(f"{v:.3f}" for v in curve[1]) + " |", ""]
+            lines += [
+                f"### PPL ratio to full by position: L={g.length} {g.label}",
+                "",
+                "| positions from | " + " | ".join(map(str, curve[0])) + " |",
+                "|---|" + "---|" * len(curve[0]),
+                "| ratio | " + " | ".join(f"{v:.3f}" for v in curve[1]) + " |",
+                "",
+            ]
         recovery = g.recovery()
         if recovery:
             offsets = len(recovery["topk"][0])
             topk = [mean(layer[o] for layer in recovery["topk"]) for o in range(offsets)]
             streaming = [mean(layer[o] for layer in recovery["streaming"]) for o in range(offsets)]
-            lines += [f"### Attention recovery, mean over layers: t={g.length}, K={recovery['k']}", "",
-                      "| offset i | " + " | ".join(map(str, range(offsets))) + " |", "|---|" + "---|" * offsets,
-                      "| top-K of step t | " + " | ".join(f"{v:.3f}" for v in topk) + " |",
-                      f"| StreamingLLM ({recovery['sinks']} sinks + recent) | "
-                      + " | ".join(f"{v:.3f}" for v in streaming) + " |", ""]
+            lines += [
+                f"### Attention recovery, mean over layers: t={g.length}, K={recovery['k']}",
+                "",
+                "| offset i | " + " | ".join(map(str, range(offsets))) + " |",
+                "|---|" + "---|" * offsets,
+                "| top-K of step t | " + " | ".join(f"{v:.3f}" for v in topk) + " |",
+                f"| StreamingLLM ({recovery['sinks']} sinks + recent) | "
+                + " | ".join(f"{v:.3f}" for v in streaming)
+                + " |",
+                "",
+            ]
     if plots:
         lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     return "\n".join(lines)
@@ -193,7 +244,9 @@ def write_report(paths, out_dir: str | os.PathLike | None = None, plots: bool = 
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:  # e.g. an existing file of that name
-        raise ValueError(f"cannot make the report folder {out_dir} ({error.strerror}); give another --out-dir") from None
+        raise ValueError(
+            f"cannot make the report folder {out_dir} ({error.strerror}); give another --out-dir"
+        ) from None
     written = []
     if plots:
         from .plots import write_plots

@@ -27,11 +27,11 @@ import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from ..core.policy import make_policy
 from ..measure.budget_report import budget_report
 from ..runtime.generate import check_length, generate_many
-from ..core.policy import make_policy
-from .perplexity import teacher_forced, teacher_forced_many
 from .distributed import Launch, my_share
+from .perplexity import teacher_forced, teacher_forced_many
 from .recovery import RecoveryTask, probe_for, recovery_score
 from .tasks import TASKS, get_task
 from .tasks.base import encode_user_turn
@@ -225,15 +225,17 @@ def run_examples(model, tokenizer, configs: list[RunConfig], item: Prepared) -> 
         rows = []
         for out in outs:
             prediction = tokenizer.decode(out.tokens[0], skip_special_tokens=True)
-            rows.append({
-                "prediction": prediction,
-                "reference": example["reference"],
-                "score": float(task.score(prediction, example)),
-                "prompt_tokens": len(item.input_ids),
-                "new_tokens": len(out.tokens[0]),
-                **timing_fields(out),
-                **cache_fields(out.cache),
-            })
+            rows.append(
+                {
+                    "prediction": prediction,
+                    "reference": example["reference"],
+                    "score": float(task.score(prediction, example)),
+                    "prompt_tokens": len(item.input_ids),
+                    "new_tokens": len(out.tokens[0]),
+                    **timing_fields(out),
+                    **cache_fields(out.cache),
+                }
+            )
         return rows
     forced = teacher_forced_many(model, item.input_ids, example["target_start"], policies)
     return [{**forced_fields(example, one), "score": PerplexityTask.score_losses(one.losses)} for one in forced]
@@ -362,7 +364,9 @@ class ResultsFile:
                     return fd, created
                 os.close(fd)  # removed by a run that wrote nothing, between our open and our lock: open it afresh
         except OSError as error:
-            raise ResultsError(f"cannot write {self.path} ({error.strerror or error}); choose another output file") from None
+            raise ResultsError(
+                f"cannot write {self.path} ({error.strerror or error}); choose another output file"
+            ) from None
 
     def _is_current(self, fd: int) -> bool:
         try:
@@ -468,8 +472,11 @@ def run_jobs(
     # The prompts with work left are dealt out in turn, so that every rank gets its share of what remains (ranks
     # read the same rows done before any of them runs: the command checks that they agree).
     prompts: dict[str, int] = {}
-    todo = [(config, item) for config, item in left
-            if my_share(prompts.setdefault(prompt_key(config, item), len(prompts)), launch)]
+    todo = [
+        (config, item)
+        for config, item in left
+        if my_share(prompts.setdefault(prompt_key(config, item), len(prompts)), launch)
+    ]
     desc = f"rank {launch.rank}" if launch.is_distributed else "eval"
     with tqdm(total=len(todo), desc=desc, unit="ex", disable=not progress) as bar:
         for group in example_groups(todo, share_prefill):

@@ -66,7 +66,8 @@ def _ratio(means: np.ndarray) -> np.ndarray:
 
 
 def _resampled_means(rows: np.ndarray, draws: np.ndarray) -> np.ndarray:
-    """(resamples, columns): column means of `rows` at the drawn indices, one 1-D gather per column (a 2-D gather is ~10x slower)."""
+    """(resamples, columns): column means of `rows` at the drawn indices, one 1-D gather per column (a 2-D gather
+    is ~10x slower)."""
     return np.stack([np.ascontiguousarray(column)[draws].mean(-1) for column in rows.T], axis=-1)
 
 

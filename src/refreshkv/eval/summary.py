@@ -2,7 +2,6 @@
 and per-method summaries over tasks (report.py renders them as tables, plots.py as figures; the rules are in
 report.py's docstring)."""
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -14,10 +13,31 @@ from pathlib import Path
 from . import stats
 from .runner import canonical, read_results
 
-ROW_FIELDS = ("run", "config", "id", "task", "method", "params", "length", "seed", "model", "score",
-              "decode_ms_per_token", "kv_bytes_full")
-NUMBER_FIELDS = ("length", "seed", "score", "decode_ms_per_token", "kv_bytes_full", "kv_bytes_attended_mean",
-                 "budget_ratio", "full_step_fraction", "decode_steps")
+ROW_FIELDS = (
+    "run",
+    "config",
+    "id",
+    "task",
+    "method",
+    "params",
+    "length",
+    "seed",
+    "model",
+    "score",
+    "decode_ms_per_token",
+    "kv_bytes_full",
+)
+NUMBER_FIELDS = (
+    "length",
+    "seed",
+    "score",
+    "decode_ms_per_token",
+    "kv_bytes_full",
+    "kv_bytes_attended_mean",
+    "budget_ratio",
+    "full_step_fraction",
+    "decode_steps",
+)
 PPL_BINS = 16
 
 
@@ -37,12 +57,19 @@ def load_results(paths) -> list[dict]:
 
 def warn_non_finite(rows) -> None:
     """One line on the NaN / infinite figures (e.g. a diverged perplexity) that `mean` leaves out."""
-    bad = [(row, name) for row in rows for name in NUMBER_FIELDS
-           if isinstance(row.get(name), float) and not math.isfinite(row[name])]
+    bad = [
+        (row, name)
+        for row in rows
+        for name in NUMBER_FIELDS
+        if isinstance(row.get(name), float) and not math.isfinite(row[name])
+    ]
     if bad:
         row, name = bad[0]
-        print(f"warning: {len(bad)} non-finite value(s) left out of the averages, e.g. {name}={row[name]} "
-              f"of {method_label(row)} on {row['id']}", file=sys.stderr)
+        print(
+            f"warning: {len(bad)} non-finite value(s) left out of the averages, e.g. {name}={row[name]} "
+            f"of {method_label(row)} on {row['id']}",
+            file=sys.stderr,
+        )
 
 
 def method_label(row: dict) -> str:
@@ -55,8 +82,18 @@ def is_reference(row: dict) -> bool:
 
 
 def example_key(row: dict) -> str:
-    return canonical([row["model"], row["task"], row.get("task_options") or {}, row["length"], row["seed"],
-                      row.get("chat"), row.get("dtype"), row["id"]])
+    return canonical(
+        [
+            row["model"],
+            row["task"],
+            row.get("task_options") or {},
+            row["length"],
+            row["seed"],
+            row.get("chat"),
+            row.get("dtype"),
+            row["id"],
+        ]
+    )
 
 
 def mean(values):
@@ -93,9 +130,14 @@ class Group:
     def summary(self) -> dict:
         if self._summary is None:  # kept: the tables, summary.md and the plots each ask, and bootstraps take time
             strides = self.effective_stride()
-            self._summary = {"task": self.task, "length": self.length, "method": self.label, "n": len(self.rows),
-                             **aggregate([self]),
-                             "effective_stride": mean(strides) if strides and None not in strides else None}
+            self._summary = {
+                "task": self.task,
+                "length": self.length,
+                "method": self.label,
+                "n": len(self.rows),
+                **aggregate([self]),
+                "effective_stride": mean(strides) if strides and None not in strides else None,
+            }
         return self._summary
 
     def effective_stride(self) -> list[float | None] | None:
@@ -115,8 +157,11 @@ class Group:
 
     def ppl_ratio_by_position(self) -> tuple[list[int], list[float]] | None:
         """(first position of each bin, perplexity ratio to full) over the examples shared with full."""
-        pairs = [(r["losses"], f["losses"]) for r, f in self.pairs()
-                 if r.get("losses") and f.get("losses") and len(r["losses"]) == len(f["losses"])]
+        pairs = [
+            (r["losses"], f["losses"])
+            for r, f in self.pairs()
+            if r.get("losses") and f.get("losses") and len(r["losses"]) == len(f["losses"])
+        ]
         if not pairs or self.task != "ppl":
             return None
         count = min(len(p[0]) for p in pairs)
@@ -136,10 +181,17 @@ class Group:
 
         def average(kind):
             layers, offsets = len(results[0][kind]), len(results[0][kind][0])
-            return [[sum(res[kind][l][o] for res in results) / len(results) for o in range(offsets)] for l in range(layers)]
+            return [
+                [sum(res[kind][layer][o] for res in results) / len(results) for o in range(offsets)]
+                for layer in range(layers)
+            ]
 
-        return {"k": results[0]["k"], "sinks": results[0]["sinks"], "topk": average("topk"),
-                "streaming": average("streaming")}
+        return {
+            "k": results[0]["k"],
+            "sinks": results[0]["sinks"],
+            "topk": average("topk"),
+            "streaming": average("streaming"),
+        }
 
 
 def macro(per_task) -> float | None:
@@ -244,9 +296,16 @@ def method_summaries(groups: list[Group]) -> list[MethodSummary]:
     for (model, kind, length), by_method in ((key, sets[key]) for key in order):
         shared = set.intersection(*(set(tasks) for tasks in by_method.values()))
         left_out = set().union(*by_method.values()) - shared
-        rows = [{"tasks": kind, "length": length, "method": label, "n_tasks": len(shared),
-                 "n": sum(len(by_method[label][t].rows) for t in shared),
-                 **aggregate([by_method[label][t] for t in sorted(shared)])}
-                for label in sorted(by_method, key=lambda label: (label != "full", label))]
+        rows = [
+            {
+                "tasks": kind,
+                "length": length,
+                "method": label,
+                "n_tasks": len(shared),
+                "n": sum(len(by_method[label][t].rows) for t in shared),
+                **aggregate([by_method[label][t] for t in sorted(shared)]),
+            }
+            for label in sorted(by_method, key=lambda label: (label != "full", label))
+        ]
         summaries.append(MethodSummary(model, kind, length, sorted(shared), sorted(left_out), rows))
     return summaries

@@ -29,8 +29,8 @@ import itertools
 import sys
 from pathlib import Path
 
-from ..runtime.prepare import DTYPES
 from ..core.policy import METHODS, make_policy
+from ..runtime.prepare import DTYPES
 from .distributed import Launch, rank_file, sweep_files
 from .recovery import RecoveryTask
 from .runner import RunConfig, check_task_options, find_task, model_identity, short_hash
@@ -71,8 +71,15 @@ class Sweep:
         """In run order: length, task, seed outermost, so the examples are built once for all methods."""
         return [
             RunConfig(
-                task=task, method=method, length=length, seed=seed, params=params, task_options=options,
-                model=model_identity(self.model), chat=self.chat, dtype=self.dtype,
+                task=task,
+                method=method,
+                length=length,
+                seed=seed,
+                params=params,
+                task_options=options,
+                model=model_identity(self.model),
+                chat=self.chat,
+                dtype=self.dtype,
             )
             for length in self.lengths
             for task, options in self.tasks
@@ -84,11 +91,15 @@ class Sweep:
 def _int_list(value, name: str, where: str, minimum: int) -> list[int]:
     values = value if isinstance(value, list) else [value]
     if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in values):
-        raise SweepError(f"{where}: '{name}' must be an integer >= {minimum} or a non-empty list of them, got {value!r}")
+        raise SweepError(
+            f"{where}: '{name}' must be an integer >= {minimum} or a non-empty list of them, got {value!r}"
+        )
     return list(dict.fromkeys(values))  # a repeated value would only run the same configurations again
 
 
-def _entries(value, name: str, where: str, inner: tuple[str, ...], counts: tuple[str, ...] = ()) -> list[tuple[str, dict]]:
+def _entries(
+    value, name: str, where: str, inner: tuple[str, ...], counts: tuple[str, ...] = ()
+) -> list[tuple[str, dict]]:
     """Entries as (name, {key: mapping for `inner`, key: int or None for `counts`})."""
     if not isinstance(value, list) or not value:
         raise SweepError(f"{where}: '{name}' must be a non-empty list")
@@ -110,7 +121,9 @@ def _entries(value, name: str, where: str, inner: tuple[str, ...], counts: tuple
         for key in counts:
             count = entry.get(key)
             if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
-                raise SweepError(f"{where}: {name} entry {i} ({entry['name']}): '{key}' must be an integer >= 1, got {count!r}")
+                raise SweepError(
+                    f"{where}: {name} entry {i} ({entry['name']}): '{key}' must be an integer >= 1, got {count!r}"
+                )
         parts = {key: dict(entry.get(key) or {}) for key in inner}
         entries.append((entry["name"], {**parts, **{key: entry.get(key) for key in counts}}))
     return entries
@@ -230,7 +243,12 @@ def open_results(sweep: Sweep, launch: Launch = Launch()):
 
 
 def run_sweep(
-    sweep: Sweep, model, tokenizer, progress: bool = True, results=None, share_prefill: int | None = None,
+    sweep: Sweep,
+    model,
+    tokenizer,
+    progress: bool = True,
+    results=None,
+    share_prefill: int | None = None,
     launch: Launch = Launch(),
 ) -> dict:
     """Run (or resume) a sweep with a loaded model; examples are built and checked before anything is run.

@@ -2,8 +2,8 @@
 
 A length is the context size at the end of decoding (prompt = length - new tokens). Every round runs every length
 and, at each, every method once on the same prompt (the orders change from round to round), by default after one
-shared prefill (`generate_many`); a method's figures are medians over rounds. Per-step decode times are kept, so the median step (a partial
-step for methods that attend fully only now and then) is reported next to the mean.
+shared prefill (`generate_many`); a method's figures are medians over rounds. Per-step decode times are kept, so
+the median step (a partial step for methods that attend fully only now and then) is reported next to the mean.
 
 The physical floor of a decode step is (weight bytes + KV bytes attended) / memory bandwidth, with the bandwidth
 measured once by copying a large tensor: a step cannot be faster than reading what it must read. The pseudo-method
@@ -22,9 +22,9 @@ import torch
 from transformers import DynamicCache
 
 from ..core.cache_argument import with_cache
-from ..texts import book_text
-from ..runtime.generate import check_length, generate, generate_many, synchronize
 from ..core.policy import make_policy
+from ..runtime.generate import check_length, generate, generate_many, synchronize
+from ..texts import book_text
 
 REFERENCE = "transformers"  # not a method: stock transformers decoding, benchmarked for reference
 
@@ -53,8 +53,11 @@ def cpu_facts() -> dict:
     instruction set PyTorch's own kernels use (lower than the CPU's when ATEN_CPU_CAPABILITY restricts it)."""
     name = platform.processor() or "unknown"
     try:
-        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
+        name = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
     checks = (("avx512_bf16", "_is_avx512_bf16_supported"), ("amx", "_is_amx_tile_supported"))
@@ -140,8 +143,16 @@ def split_steps(step_s: list[float], full_layers: list[float], num_layers: int) 
     return full, partial
 
 
-def run_round(model, ids, methods: dict[str, dict], names: list[str], new_tokens, peak: PeakMemory,
-              share_prefill: bool, compile: bool = False) -> list[Run]:
+def run_round(
+    model,
+    ids,
+    methods: dict[str, dict],
+    names: list[str],
+    new_tokens,
+    peak: PeakMemory,
+    share_prefill: bool,
+    compile: bool = False,
+) -> list[Run]:
     """One run of each of `names`, in that order. Shared: one prefill for all (its time in every Run, peak memory
     unattributable); otherwise each method prefills alone and its peak memory is its own."""
     runs = {}
@@ -149,8 +160,9 @@ def run_round(model, ids, methods: dict[str, dict], names: list[str], new_tokens
         runs[REFERENCE] = run_transformers_once(model, ids, new_tokens, peak)
     policies = {name: make_policy(method_of(name), **methods[name]) for name in names if name != REFERENCE}
     if share_prefill:
-        outs = generate_many(model, ids, methods=list(policies.values()), max_new_tokens=new_tokens, eos_token_id=[],
-                             compile=compile)
+        outs = generate_many(
+            model, ids, methods=list(policies.values()), max_new_tokens=new_tokens, eos_token_id=[], compile=compile
+        )
         runs.update((name, run_from(name, ids, new_tokens, out, None)) for name, out in zip(policies, outs))
     else:
         for name, policy in policies.items():
@@ -162,8 +174,9 @@ def run_round(model, ids, methods: dict[str, dict], names: list[str], new_tokens
 
 def run_from(method: str, ids, new_tokens: int, result, peak_bytes: int | None) -> Run:
     stats = result.stats()
-    full_steps, partial_steps = split_steps(result.step_s, result.cache.stats.per_step(result.cache.step),
-                                            result.cache.num_layers)
+    full_steps, partial_steps = split_steps(
+        result.step_s, result.cache.stats.per_step(result.cache.step), result.cache.num_layers
+    )
     return Run(
         method=method,
         length=ids.shape[1] + new_tokens,
@@ -199,8 +212,18 @@ def run_transformers_once(model, ids, new_tokens, peak: PeakMemory) -> Run:
             synchronize(device)
             step_s.append(time.perf_counter() - start)
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-    return Run(REFERENCE, ids.shape[1] + new_tokens, new_tokens, prefill_s, statistics.fmean(step_s),
-               statistics.median(step_s), 1.0, held, held, peak.peak_bytes())
+    return Run(
+        REFERENCE,
+        ids.shape[1] + new_tokens,
+        new_tokens,
+        prefill_s,
+        statistics.fmean(step_s),
+        statistics.median(step_s),
+        1.0,
+        held,
+        held,
+        peak.peak_bytes(),
+    )
 
 
 def summarize(runs: list[Run], weights: int, bandwidth: float) -> dict:
@@ -252,8 +275,17 @@ def check_methods(methods: dict[str, dict]) -> None:
             make_policy(method_of(name), **params)
 
 
-def run_bench(model, tokenizer, methods: dict[str, dict], lengths: list[int], new_tokens: int, rounds: int,
-              progress=None, share_prefill: bool = True, compile: bool = False) -> dict:
+def run_bench(
+    model,
+    tokenizer,
+    methods: dict[str, dict],
+    lengths: list[int],
+    new_tokens: int,
+    rounds: int,
+    progress=None,
+    share_prefill: bool = True,
+    compile: bool = False,
+) -> dict:
     """Interleaved benchmark; `methods` maps a method name to its parameters. Returns rows + machine facts.
 
     Every round runs every length (in turn forwards and backwards) and, at each length, every method (in an order

@@ -48,7 +48,7 @@ def _cell(value, fmt: str) -> str:
 
 
 def layout_note(layout: str | dict) -> str:
-    """"stored weight layout", or how many weight shapes `fastest` transposed (weight_layout.py)."""
+    """ "stored weight layout", or how many weight shapes `fastest` transposed (weight_layout.py)."""
     if isinstance(layout, dict):
         moved = sum(choice == "transposed" for choice in layout.values())
         return f"fastest weight layout ({moved} of {len(layout)} shapes transposed)"
@@ -67,10 +67,19 @@ def bench_tables(result: dict) -> list[Table]:
     )
     tables = []
     for length in sorted({row["length"] for row in result["rows"]}):
-        for kind, columns in (("speed", SPEED), ("full and partial steps", STEPS), ("memory and bandwidth floor", MEMORY)):
-            table = Table(title=f"{kind} at {length} tokens of context", caption=caption if kind == "memory and bandwidth floor" else None)
+        for kind, columns in (
+            ("speed", SPEED),
+            ("full and partial steps", STEPS),
+            ("memory and bandwidth floor", MEMORY),
+        ):
+            table = Table(
+                title=f"{kind} at {length} tokens of context",
+                caption=caption if kind == "memory and bandwidth floor" else None,
+            )
             for label, key, _ in columns:
-                table.add_column(label, justify="right", no_wrap=key == "method", min_width=14 if key == "method" else None)
+                table.add_column(
+                    label, justify="right", no_wrap=key == "method", min_width=14 if key == "method" else None
+                )
             for row in (r for r in result["rows"] if r["length"] == length):
                 table.add_row(*(_cell(row.get(key), fmt) for _, key, fmt in columns))
             tables.append(table)
@@ -108,8 +117,11 @@ def plot_bench(result: dict, path: Path) -> None:
     if floor:
         axis.plot([r["length"] for r in floor], [r["floor_ms"] for r in floor], "k--", label="full: bandwidth floor")
     machine = result["machine"]
-    axis.set(xlabel="context length (tokens)", ylabel="decode ms / token",
-             title=f"Decode time per token ({machine['device']}, {machine['threads']} threads, {machine['dtype']})")
+    axis.set(
+        xlabel="context length (tokens)",
+        ylabel="decode ms / token",
+        title=f"Decode time per token ({machine['device']}, {machine['threads']} threads, {machine['dtype']})",
+    )
     lengths = sorted({row["length"] for row in result["rows"]})
     axis.set_xscale("log", base=2)
     axis.set_xticks(lengths, [str(length) for length in lengths])

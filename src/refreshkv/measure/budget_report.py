@@ -55,7 +55,5 @@ def budget_table(report: dict, title: str = "Kept prompt tokens"):
             report["budget_per_head"],
         )
     ):
-        table.add_row(
-            str(i), f"{mean:.1f}", f"{ratio:.3f}", " ".join(f"{h:.0f}" for h in heads)
-        )
+        table.add_row(str(i), f"{mean:.1f}", f"{ratio:.3f}", " ".join(f"{h:.0f}" for h in heads))
     return table

@@ -22,7 +22,9 @@ from ..runtime.generate import generate, synchronize
 
 
 @torch.inference_mode()
-def profile_once(model, ids: torch.Tensor, policy: Policy, step: int) -> tuple[dict[str, tuple[float, int]], float, float]:
+def profile_once(
+    model, ids: torch.Tensor, policy: Policy, step: int
+) -> tuple[dict[str, tuple[float, int]], float, float]:
     """Self CPU ms and calls per operator of decode step `step`, its wall ms, and its count of full-attention layers."""
     warm = generate(model, ids, method=policy, max_new_tokens=step, eos_token_id=[])
     token = torch.tensor([warm.tokens[0][-1:]], device=ids.device)  # chosen at step - 1, not yet decoded
@@ -56,8 +58,12 @@ def profile_step(model, ids: torch.Tensor, policy: Policy, step: int, top: int =
         "wall_ms": statistics.median(wall for _, wall, _ in runs),
         "self_cpu_ms": total,
         "operators": [
-            {"name": name, "self_cpu_ms": median_ms[name], "calls": runs[0][0].get(name, (0.0, 0))[1],
-             "share": median_ms[name] / total}
+            {
+                "name": name,
+                "self_cpu_ms": median_ms[name],
+                "calls": runs[0][0].get(name, (0.0, 0))[1],
+                "share": median_ms[name] / total,
+            }
             for name in ranked[:top]
         ],
     }

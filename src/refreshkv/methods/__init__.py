@@ -29,7 +29,9 @@ def load_methods() -> None:
         try:
             loaded = entry.load()
         except Exception as error:  # a broken plugin must not break the package: say so and go on without it
-            warnings.warn(f"refreshkv: method plugin '{entry.name}' ({entry.value}) failed to load: {error}", stacklevel=2)
+            warnings.warn(
+                f"refreshkv: method plugin '{entry.name}' ({entry.value}) failed to load: {error}", stacklevel=2
+            )
             continue
         if inspect.isclass(loaded) and issubclass(loaded, Policy):
             register(loaded)

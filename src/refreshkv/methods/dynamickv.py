@@ -49,11 +49,13 @@ import math
 
 import torch
 
-from ..core.attention_math import ranked, top_k
+from ..core.attention_math import ranked
 from ..core.kvstore import SlotStore
 from ..core.policy import PolicyError, check_positive, register
-from ..core.selection import SelectionState
+from ..core.selection import SelectionState, checked_scores, keep_top
 from .snapkv import SnapKV
+
+WINDOW_SCORE = 1.0  # the observation window is always kept: score above any pooled probability
 
 
 @dataclasses.dataclass
@@ -74,16 +76,12 @@ def layer_counts(scores: list[torch.Tensor], per_layer: int) -> torch.Tensor:
     indices = ranked(gathered, k)  # ties to the earlier layer, head and position: the same for a row alone
     values = gathered.gather(-1, indices)
     layer_of = torch.where(torch.isfinite(values), indices // size, len(scores))
-    counts = torch.zeros(
-        batch, len(scores) + 1, dtype=torch.long, device=gathered.device
-    )
+    counts = torch.zeros(batch, len(scores) + 1, dtype=torch.long, device=gathered.device)
     counts.scatter_add_(1, layer_of, torch.ones_like(layer_of))
     return counts[:, :-1]
 
 
-def apportion(
-    weights: torch.Tensor, total: torch.Tensor, caps: torch.Tensor
-) -> torch.Tensor:
+def apportion(weights: torch.Tensor, total: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
     """Integers (B, l) proportional to `weights` (B, l), each <= `caps` (B, l), summing to min(total, caps.sum()).
 
     Proportional shares (Eq. 6); a layer whose share reaches its cap gets the cap and the rest is shared again among
@@ -99,9 +97,7 @@ def apportion(
         uniform = (w.sum(-1, keepdim=True) <= 0) & free
         w = torch.where(uniform, 1.0, w)
         wsum = w.sum(-1, keepdim=True)
-        share = torch.where(
-            wsum > 0, w / wsum.clamp(min=1e-300) * remaining.unsqueeze(-1), 0.0
-        )
+        share = torch.where(wsum > 0, w / wsum.clamp(min=1e-300) * remaining.unsqueeze(-1), 0.0)
         over = free & (share >= caps)
         if not bool(over.any()):
             alloc = torch.where(free, share, alloc)
@@ -117,20 +113,14 @@ def apportion(
     return base + ((rank < missing.unsqueeze(-1)) & room).long()
 
 
-def allocate(
-    counts: torch.Tensor, layer_max: int, total: int, caps: torch.Tensor
-) -> torch.Tensor:
+def allocate(counts: torch.Tensor, layer_max: int, total: int, caps: torch.Tensor) -> torch.Tensor:
     """Update_Buffer_Length's budgets Z' (B, l) from the counts (B, l): Eq. 5 with line 8's int(), Eq. 6 to `total`."""
     peak = counts.amax(dim=-1, keepdim=True).clamp(min=1)
-    provisional = (
-        layer_max * counts // peak
-    ).double()  # Eq. 5: Z = int(B^l * t / max(C))
+    provisional = (layer_max * counts // peak).double()  # Eq. 5: Z = int(B^l * t / max(C))
     return apportion(provisional, torch.full_like(counts[:, 0], total), caps)
 
 
-def _sorted_by_position(
-    index: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor
-):
+def _sorted_by_position(index: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor):
     """Order the kept entries by position, unused ones (-1) last."""
     order = torch.where(keep, positions, torch.iinfo(torch.long).max).argsort(dim=-1)
     return index.gather(-1, order), keep.gather(-1, order)
@@ -139,6 +129,14 @@ def _sorted_by_position(
 @register
 @dataclasses.dataclass
 class DynamicKV(SnapKV):
+    """DynamicKV: SnapKV's selection with layer budgets reallocated every `interval` layers from global top-k counts.
+
+    Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
+    default), the mean per layer, window included; `window` (16) observation window; `kernel` (7)
+    max-pooling kernel; `aggregation` (max) over a GQA group; `r_max` (5.0) a layer's cap as a multiple of the mean
+    selected budget; `interval` (4) layers between reallocations.
+    """
+
     name = "dynamickv"
     summary = "layer-adaptive budgets: every m layers, reallocate the total budget by global top-k counts"
 
@@ -158,24 +156,34 @@ class DynamicKV(SnapKV):
 
     def layer_budget(self, layer) -> int:
         """B^l = (wt - ws) * r_max with wt - ws = K: what a layer keeps before the first update."""
-        return int(self.selected_budget(layer.cache) * self.r_max)
+        return int(self.selected_budget(layer) * self.r_max)
+
+    def prefix_scores(self, layer, query, key, scaling, valid) -> torch.Tensor:
+        """A^l: SnapKV's scores of the tokens before the window (-inf at pads, which never count in Eq. 4)."""
+        scores = checked_scores(self.name, self.score(layer, query, key, scaling, valid), key)
+        if valid is not None:
+            scores = scores.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
+        return scores[..., : key.shape[2] - self.window]
 
     def select(self, layer, query, key, scaling, valid):
-        return self.select_from(self.prefix_scores(query, key, scaling, valid), layer, key.shape[2])
+        return self.select_from(self.prefix_scores(layer, query, key, scaling, valid), layer, valid, key.shape[2])
 
-    def select_from(self, attention, layer, length: int):
-        """SnapKV's selection from A^l, with the layer's maximum budget B^l."""
-        keep = min(self.layer_budget(layer), attention.shape[-1])
-        index = top_k(attention, keep)
-        index = index.masked_fill(torch.isinf(attention.gather(-1, index)), -1)  # pads are not kept
+    def select_from(self, attention, layer, valid, length: int):
+        """SnapKV's selection from A^l with the layer's maximum budget B^l: selected tokens in position order (-1,
+        for pads, last), then the window."""
+        prefix = None if valid is None else valid.view(valid.shape[0], 1, -1)[..., : length - self.window]
+        index, _ = keep_top(attention, self.layer_budget(layer), prefix)
         index, _ = _sorted_by_position(index, index, index >= 0)
-        return self.with_window(index, attention.gather(-1, index.clamp(min=0)), length)
+        window = torch.arange(length - self.window, length, device=index.device).expand(*index.shape[:2], -1)
+        scores = torch.cat(
+            [attention.gather(-1, index.clamp(min=0)), torch.full_like(window, WINDOW_SCORE, dtype=attention.dtype)], -1
+        )
+        return torch.cat([index, window], dim=-1), scores
 
     def store_prompt(self, layer, query, key, value, scaling):
-        cache = layer.cache
-        valid = cache.valid_positions(key.shape[2], key.device)
-        attention = self.prefix_scores(query, key, scaling, valid)
-        index, scores = self.select_from(attention, layer, key.shape[2])
+        valid = layer.valid_positions(key.shape[2], key.device)
+        attention = self.prefix_scores(layer, query, key, scaling, valid)
+        index, scores = self.select_from(attention, layer, valid, key.shape[2])
         state = self.store_selection(layer, key, value, index, scores)
         selected = index.shape[-1] - self.window
         layer.state = DynamicState(
@@ -188,22 +196,18 @@ class DynamicKV(SnapKV):
             budget=(index[..., :selected] >= 0).sum(-1)[:, 0],  # the same in every head of a row
             attention=attention,
         )
-        layers = cache.method_layers()  # the layers that share the budget (not sliding windows)
+        layers = layer.method_layers()  # the layers that share the budget (not sliding windows)
         depth = layers.index(layer) + 1
         if depth % self.interval == 0 or depth == len(layers):
-            self.update(layers[:depth], self.selected_budget(cache), len(layers), final=depth == len(layers))
+            self.update(layers[:depth], self.selected_budget(layer), len(layers), final=depth == len(layers))
 
-    def update(
-        self, layers, per_layer: int, num_layers: int, final: bool
-    ) -> torch.Tensor:
+    def update(self, layers, per_layer: int, num_layers: int, final: bool) -> torch.Tensor:
         """Update_Buffer_Length over `layers` (Alg. 1 lines 4-11) and shrink their stores (lines 27-30)."""
         states: list[DynamicState] = [layer.state for layer in layers]
         if states[0].attention.shape[-1] == 0:
             return torch.stack([s.budget for s in states], dim=-1)
         counts = layer_counts([s.attention for s in states], per_layer)
-        caps = torch.stack(
-            [s.budget for s in states], dim=-1
-        )  # what each layer still holds
+        caps = torch.stack([s.budget for s in states], dim=-1)  # what each layer still holds
         layer_max = int(per_layer * self.r_max)
         budgets = allocate(counts, layer_max, per_layer * num_layers, caps)
         for layer, state, budget in zip(layers, states, budgets.unbind(-1)):
@@ -225,18 +229,12 @@ class DynamicKV(SnapKV):
         )
         positions = old.positions.gather(-1, chosen)
         slot_index, keep = _sorted_by_position(chosen, positions, keep)
-        window = torch.arange(
-            state.selected, state.selected + state.window, device=selected.device
-        )
-        slot_index = torch.cat(
-            [slot_index, window.expand(*slot_index.shape[:2], -1)], dim=-1
-        )
+        window = torch.arange(state.selected, state.selected + state.window, device=selected.device)
+        slot_index = torch.cat([slot_index, window.expand(*slot_index.shape[:2], -1)], dim=-1)
         keep = torch.cat(
             [
                 keep,
-                torch.ones(
-                    *keep.shape[:2], state.window, dtype=torch.bool, device=keep.device
-                ),
+                torch.ones(*keep.shape[:2], state.window, dtype=torch.bool, device=keep.device),
             ],
             -1,
         )
@@ -244,12 +242,8 @@ class DynamicKV(SnapKV):
         store = SlotStore(old.keys, self.slots(layer, kept))
         positions = old.positions.gather(-1, slot_index).masked_fill(~keep, -1)
         store.load(old.keys, old.values, slot_index, positions)
-        scores = torch.full(
-            store.positions.shape, float("-inf"), device=selected.device
-        )
-        scores[..., :kept] = state.scores.gather(-1, slot_index).masked_fill(
-            ~keep, float("-inf")
-        )
+        scores = torch.full(store.positions.shape, float("-inf"), device=selected.device)
+        scores[..., :kept] = state.scores.gather(-1, slot_index).masked_fill(~keep, float("-inf"))
         filled = kept if bool(keep.all()) else 0
         return DynamicState(
             store,

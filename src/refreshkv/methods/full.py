@@ -16,11 +16,13 @@ from ..core.policy import Policy, register
 @register
 @dataclasses.dataclass
 class Full(Policy):
+    """Vanilla attention over every token; no parameters. The reference every method is compared with."""
+
     name = "full"
     summary = "vanilla attention over every token"
 
     def store_prompt(self, layer, query, key, value, scaling):
-        layer.state = FullStore(key, layer.cache.capacity())
+        layer.state = FullStore(key, layer.capacity())
         layer.state.append(key, value)
 
     def decode(self, layer, query, key, value, scaling):
@@ -28,7 +30,7 @@ class Full(Policy):
         store.append(key, value)
         keys, values = store.view()
         layer.record(1.0, store.attended_bytes())
-        return decode_attention(query, keys, values, scaling, layer.cache.valid_positions(store.length, key.device))
+        return decode_attention(query, keys, values, scaling, layer.valid_positions(store.length, key.device))
 
     def crop(self, layer, tokens):
         layer.state.crop(tokens)

@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from ..core.attention_math import AGGREGATIONS, aggregate_group, attention_probs, top_k
+from ..core.attention_math import AGGREGATIONS, aggregate_group, attention_probs
 from ..core.policy import check_choice, register
 from ..core.selection import SelectionPolicy
 
@@ -53,6 +53,12 @@ def cumulative_attention(query, key, scaling: float, valid, how: str) -> torch.T
 @register
 @dataclasses.dataclass
 class H2O(SelectionPolicy):
+    """H2O: K/2 heavy hitters by cumulative attention plus K/2 recent tokens, updated at every decode step.
+
+    Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
+    default); `aggregation` (max) of the probabilities over a GQA group.
+    """
+
     name = "h2o"
     summary = "keep K/2 heavy hitters (cumulative attention, updated every step) + K/2 recent tokens"
 
@@ -63,28 +69,20 @@ class H2O(SelectionPolicy):
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
 
     def max_slots(self, layer) -> int:
-        return layer.cache.budget + 1  # K kept + the newest token
+        return layer.budget + 1  # K kept + the newest token
 
-    def select(self, layer, query, key, scaling, valid):
-        length = key.shape[2]
-        cumulative = cumulative_attention(query, key, scaling, valid, self.aggregation)
-        budget = layer.cache.budget
-        _, recent = split_budget(budget)
-        positions = torch.arange(length, device=key.device)
-        priority = cumulative.masked_fill(positions >= length - recent, float("inf"))
-        if valid is not None:
-            priority = priority.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
-        keep = min(budget, length)
-        index = top_k(priority, keep)
-        index = index.masked_fill(priority.gather(-1, index) == float("-inf"), -1)
-        return index, cumulative.gather(-1, index.clamp(min=0))
+    def score(self, layer, query, key, scaling, valid):
+        return cumulative_attention(query, key, scaling, valid, self.aggregation)
+
+    def recent_kept(self, layer) -> int:
+        return split_budget(layer.budget)[1]
 
     def appended_score(self, layer) -> float:
         return 0.0  # a decoded token starts with no accumulated attention
 
     def eviction_scores(self, layer) -> torch.Tensor:
         """Cumulative scores, with the recent window protected (empty slots, position -1, stay candidates)."""
-        _, recent = split_budget(layer.cache.budget)
+        _, recent = split_budget(layer.budget)
         protected = layer.state.store.positions >= max(layer.seen - 1 - recent, 0)
         return layer.state.scores.masked_fill(protected, float("inf"))
 

@@ -78,6 +78,13 @@ def pyramid_budgets(total: int, num_layers: int, beta: float = DEFAULT_BETA, cap
 @register
 @dataclasses.dataclass
 class PyramidKV(SnapKV):
+    """PyramidKV: SnapKV with per-layer budgets decreasing linearly from the bottom layer, same total.
+
+    Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
+    default), the mean per layer, window included; `window` (32), `kernel` (7), `aggregation` (max) as
+    in snapkv; `beta` (20) the top layer's budget is the mean / beta.
+    """
+
     name = "pyramidkv"
     summary = "SnapKV with per-layer budgets decreasing linearly from the bottom layer (same total budget)"
 
@@ -88,9 +95,8 @@ class PyramidKV(SnapKV):
         check_beta(self.beta)
 
     def layer_budget(self, layer) -> int:
-        cache = layer.cache
         outside_window = max(layer.seen - self.window, 0)  # prompt tokens SnapKV selects from (window kept anyway)
-        layers = cache.method_layers()  # the pyramid spans the layers that run the method (not sliding windows)
-        total = self.selected_budget(cache) * len(layers)
+        layers = layer.method_layers()  # the pyramid spans the layers that run the method (not sliding windows)
+        total = self.selected_budget(layer) * len(layers)
         budgets = pyramid_budgets(total, len(layers), self.beta, cap=outside_window)
         return budgets[layers.index(layer)]

@@ -21,8 +21,8 @@ Choices where the paper is silent or not directly applicable:
   underflowed to exactly 0, so `threshold=0` equals `full`.
 - Left padding: the ranking is per row over its real tokens (the first m real tokens, then from the end); pads are
   ranked last with zero score and never kept. A row with at most m real tokens keeps everything.
-- Bad input: `sink` or `rows` larger than the shortest prompt of the batch raises a PolicyError; `budget`/`budget_ratio` are not
-  parameters (the threshold sets the budget), and the cache's reported `budget` is 0.
+- Bad input: `sink` or `rows` larger than the shortest prompt of the batch raises a PolicyError;
+  `budget`/`budget_ratio` are not parameters (the threshold sets the budget), and the cache's reported `budget` is 0.
 - Ragged budgets: heads keep different numbers of tokens; indices are padded with -1 up to the largest head of the
   layer (the store is that size plus room for the decoded tokens, SelectionPolicy masks the empty slots). Kept
   tokens are stored in position order; their eviction score is their reduced attention (nothing is evicted while the
@@ -42,16 +42,10 @@ from ..core.selection import SelectionPolicy
 GROUP_REDUCTIONS = ("norm", "max")
 
 
-def position_ranking(
-    length: int, sink: int, pads: torch.Tensor | None, device
-) -> torch.Tensor:
+def position_ranking(length: int, sink: int, pads: torch.Tensor | None, device) -> torch.Tensor:
     """(B or 1, length) positions in ranked order: the first `sink` real tokens, the rest backwards, then the pads."""
     positions = torch.arange(length, device=device)
-    pad = (
-        torch.zeros(1, 1, dtype=torch.long, device=device)
-        if pads is None
-        else pads.view(-1, 1)
-    )
+    pad = torch.zeros(1, 1, dtype=torch.long, device=device) if pads is None else pads.view(-1, 1)
     relative = positions - pad  # (B, length)
     key = torch.where(relative < sink, relative, sink + (length - 1 - positions))
     key = torch.where(relative < 0, 2 * length + positions, key)  # pads last
@@ -72,17 +66,11 @@ def kept_counts(ranked_squares: torch.Tensor, threshold: float) -> torch.Tensor:
             device=ranked_squares.device,
         )
     squares = ranked_squares.double()
-    suffix = (
-        squares.flip(-1).cumsum(-1).flip(-1)
-    )  # suffix[i] = mass at ranked positions >= i
+    suffix = squares.flip(-1).cumsum(-1).flip(-1)  # suffix[i] = mass at ranked positions >= i
     total = suffix[..., :1]
-    remaining = torch.cat(
-        [suffix[..., 1:], torch.zeros_like(total)], dim=-1
-    )  # mass after keeping 0..i
+    remaining = torch.cat([suffix[..., 1:], torch.zeros_like(total)], dim=-1)  # mass after keeping 0..i
     done = remaining <= (1 - (1 - threshold) ** 2) * total
-    return (
-        done.int().argmax(dim=-1) + 1
-    )  # the last entry is always done (remaining = 0)
+    return done.int().argmax(dim=-1) + 1  # the last entry is always done (remaining = 0)
 
 
 def reduced_rows(probs: torch.Tensor) -> torch.Tensor:
@@ -97,6 +85,13 @@ def reduced_rows(probs: torch.Tensor) -> torch.Tensor:
 @register
 @dataclasses.dataclass
 class ReFreeKV(SelectionPolicy):
+    """ReFreeKV: per layer and KV head, ranked tokens kept until the attention norm loss is within T; no budget.
+
+    Parameters: `threshold` (0.01) T; `sink` (4) initial tokens ranked first; `rows` (1) last prompt queries whose
+    attention is reduced; `keep_layers` (2) bottom layers that keep everything; `aggregation` (norm) over a GQA
+    group.
+    """
+
     name = "refreekv"
     summary = "threshold-free: per layer and head keep ranked tokens until the attention norm loss is <= T"
 
@@ -108,27 +103,17 @@ class ReFreeKV(SelectionPolicy):
 
     def __post_init__(self):
         if self.budget is not None or self.budget_ratio is not None:
-            raise PolicyError(
-                "refreekv sets its budget from the threshold T; do not give budget or budget_ratio"
-            )
+            raise PolicyError("refreekv sets its budget from the threshold T; do not give budget or budget_ratio")
         if (
             isinstance(self.threshold, bool)
             or not isinstance(self.threshold, (int, float))
             or not (0 <= self.threshold < 1)
         ):
-            raise PolicyError(
-                f"threshold must be a number in [0, 1), got {self.threshold!r}"
-            )
+            raise PolicyError(f"threshold must be a number in [0, 1), got {self.threshold!r}")
         check_positive("sink", self.sink)
         check_positive("rows", self.rows)
-        if (
-            isinstance(self.keep_layers, bool)
-            or not isinstance(self.keep_layers, int)
-            or self.keep_layers < 0
-        ):
-            raise PolicyError(
-                f"keep_layers must be an integer >= 0, got {self.keep_layers!r}"
-            )
+        if isinstance(self.keep_layers, bool) or not isinstance(self.keep_layers, int) or self.keep_layers < 0:
+            raise PolicyError(f"keep_layers must be an integer >= 0, got {self.keep_layers!r}")
         check_choice("aggregation", self.aggregation, GROUP_REDUCTIONS)
 
     @classmethod
@@ -151,16 +136,12 @@ class ReFreeKV(SelectionPolicy):
 
     def select(self, layer, query, key, scaling, valid):
         batch, kv_heads, length = key.shape[0], key.shape[1], key.shape[2]
-        pads = layer.cache.pads
+        pads = layer.pads
         if layer.layer_idx < self.keep_layers:
-            index = torch.arange(length, device=key.device).expand(
-                batch, kv_heads, length
-            )
+            index = torch.arange(length, device=key.device).expand(batch, kv_heads, length)
             return index, torch.ones(index.shape, device=key.device)
 
-        probs = attention_probs(
-            query[:, :, -self.rows :], key, scaling, valid, causal_tail=True
-        )
+        probs = attention_probs(query[:, :, -self.rows :], key, scaling, valid, causal_tail=True)
         reduced = reduced_rows(probs)  # (B, Hkv, G, n)
         if valid is not None:
             reduced = reduced.masked_fill(~valid.view(batch, 1, 1, length), 0.0)
@@ -171,22 +152,14 @@ class ReFreeKV(SelectionPolicy):
         else:
             counts = kept_counts(ranked.square(), self.threshold).amax(dim=2)
         # Pads are never kept; a row with at most `sink` real tokens (a very short prompt) keeps all of them.
-        real = (
-            torch.full((1, 1), length, device=key.device)
-            if pads is None
-            else (length - pads).view(-1, 1)
-        )
+        real = torch.full((1, 1), length, device=key.device) if pads is None else (length - pads).view(-1, 1)
         counts = torch.where(real <= self.sink, real, counts.minimum(real))
 
         width = int(counts.max())
-        candidates = (
-            ranking[..., :width].view(-1, 1, width).expand(batch, kv_heads, width)
-        )
+        candidates = ranking[..., :width].view(-1, 1, width).expand(batch, kv_heads, width)
         keep = torch.arange(width, device=key.device) < counts.unsqueeze(-1)
         order_key = torch.where(keep, candidates, 2 * length)
-        index = order_key.sort(
-            dim=-1
-        ).values  # kept positions in position order, unused entries last
+        index = order_key.sort(dim=-1).values  # kept positions in position order, unused entries last
         index = index.masked_fill(index >= length, -1)
         scores = reduced.mean(dim=2).gather(-1, index.clamp(min=0))
         return index, scores

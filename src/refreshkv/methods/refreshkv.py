@@ -42,7 +42,6 @@ from ..core.attention_math import (
 )
 from ..core.full_cache import DEFAULT_GROUP_SIZE, check_full_cache, check_group_size, make_full_store
 from ..core.kvstore import FullStore, LayerState
-from ..core.rope import unrotate
 from ..core.policy import (
     BudgetPolicy,
     PolicyError,
@@ -53,6 +52,7 @@ from ..core.policy import (
     is_number,
     register,
 )
+from ..core.rope import unrotate
 from ..core.selection import APPENDED, SelectionState  # decoded tokens score above any probability: recycled go first
 
 DEFAULT_QC_STRIDE = 10
@@ -91,6 +91,18 @@ class RefreshState(LayerState):
 @register
 @dataclasses.dataclass
 class RefreshKV(BudgetPolicy):
+    """RefreshKV: the full cache C_f plus a partial cache C_p of the top K tokens, refreshed by a full-attention step
+    when a layer's query drifts (or every `stride` steps).
+
+    Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
+    default); `stride` a full step every S decode steps (fixed schedule; excludes the next two);
+    `qc_stride` (10) steps between query checks and `threshold` (0.85; 0.95 for Qwen2) the cosine below which a
+    layer refreshes (dynamic schedule); `kernel` (7) max-pooling kernel, `window` (1) last prompt tokens whose
+    attention selects at prefill, `aggregation` (max) over a GQA group; `query` (pre_rope) the space the check
+    compares queries in; `full_cache` (dense) how C_f is held (int8/int4/int2, offload) and `group_size` (32) its
+    quantization groups.
+    """
+
     name = "refreshkv"
     summary = "full cache + top-K partial cache, refreshed when the query drifts (or every `stride` steps)"
 
@@ -131,26 +143,27 @@ class RefreshKV(BudgetPolicy):
         mean = head_mean(query)
         if self.query == "post_rope":
             return mean
-        inv_freq = layer.cache.rope_inv_freq[layer.layer_idx]
+        inv_freq = layer.rope_inv_freq
         if inv_freq is None:
-            raise PolicyError("query='pre_rope' needs a model with plain RoPE (or give the model to PolicyCache); "
-                              "use query='post_rope'")
-        return unrotate(mean, layer.cache.positions(layer.seen, query.device), inv_freq)
+            raise PolicyError(
+                "query='pre_rope' needs a model with plain RoPE (or give the model to PolicyCache); "
+                "use query='post_rope'"
+            )
+        return unrotate(mean, layer.positions(query.device), inv_freq)
 
     def check_prompt(self, shortest):
         check_window("window", self.window, shortest)
 
     # -- prefill ---------------------------------------------------------------------------------------------------
     def store_prompt(self, layer, query, key, value, scaling):
-        cache = layer.cache
         length = key.shape[2]
         check_group_size(self.full_cache, self.group_size, key.shape[-1])
-        full = make_full_store(key, cache.capacity(), self.full_cache, self.group_size)
+        full = make_full_store(key, layer.capacity(), self.full_cache, self.group_size)
         full.append(key, value)
-        partial = SelectionState.empty_like(key, min(cache.budget, cache.capacity()) + 1)
+        partial = SelectionState.empty_like(key, min(layer.budget, layer.capacity()) + 1)
         anchor = self.compared_query(layer, query) if self.stride is None else None
         layer.state = RefreshState(full, partial, anchor)
-        valid = cache.valid_positions(length, key.device)
+        valid = layer.valid_positions(length, key.device)
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
         self._refresh(layer.state, selection_scores(probs, self.kernel, self.aggregation), valid, (key, value))
 
@@ -188,11 +201,11 @@ class RefreshKV(BudgetPolicy):
         computes both paths at every layer and each row keeps its own, which keeps the step one graph without a host
         sync (on the CPU that made a QC step cost 2-3x `full`'s step; docs/benchmark.md)."""
         state: RefreshState = layer.state
-        if not self._scheduled(layer.cache.step):  # a branch, not a value: under torch.compile a guard
+        if not self._scheduled(layer.step):  # a branch, not a value: under torch.compile a guard
             return False
         if self.stride is not None:
             return True
-        threshold = default_threshold(layer.cache.model_type) if self.threshold is None else self.threshold
+        threshold = default_threshold(layer.model_type) if self.threshold is None else self.threshold
         need = F.cosine_similarity(self.compared_query(layer, query), state.anchor.float(), dim=-1) < threshold
         if torch.compiler.is_compiling():
             return need
@@ -202,14 +215,14 @@ class RefreshKV(BudgetPolicy):
     def _partial_step(self, layer, query, key, value, scaling):
         partial: SelectionState = layer.state.partial
         # The new token takes an empty slot first, then the lowest-scored recycled token's.
-        partial.put(partial.scores, key, value, layer.state.full.length - 1, APPENDED + layer.cache.step)
+        partial.put(partial.scores, key, value, layer.state.full.length - 1, APPENDED + layer.step)
         store = partial.store
-        return decode_attention(query, store.keys, store.values, scaling, partial.valid(layer.cache.pads))
+        return decode_attention(query, store.keys, store.values, scaling, partial.valid(layer.pads))
 
     def _full_step(self, layer, query, scaling, rows=None):
         state: RefreshState = layer.state
         keys, values = state.full.view()
-        valid = layer.cache.valid_positions(state.full.length, keys.device)
+        valid = layer.valid_positions(state.full.length, keys.device)
         output, probs = attend_with_probs(query, keys, values, scaling, valid)
         scores = selection_scores(probs.unsqueeze(3), self.kernel, self.aggregation)
         self._refresh(state, scores, valid, (keys, values), rows)
@@ -231,8 +244,12 @@ class RefreshKV(BudgetPolicy):
             return
         refreshed = SelectionState.empty_like(keys, partial.store.slots)
         refreshed.load(keys, values, index, scores.gather(-1, index), ragged=False)
-        for target, source in ((partial.store.keys, refreshed.store.keys), (partial.store.values, refreshed.store.values),
-                               (partial.store.positions, refreshed.store.positions), (partial.scores, refreshed.scores)):
+        for target, source in (
+            (partial.store.keys, refreshed.store.keys),
+            (partial.store.values, refreshed.store.values),
+            (partial.store.positions, refreshed.store.positions),
+            (partial.scores, refreshed.scores),
+        ):
             target.copy_(torch.where(rows.view(-1, *[1] * (target.ndim - 1)), source, target))
         partial.filled = min(partial.filled, refreshed.filled)
 
@@ -240,6 +257,13 @@ class RefreshKV(BudgetPolicy):
 @register
 @dataclasses.dataclass
 class Recycled(RefreshKV):
+    """Recycled Attention: `refreshkv` on a fixed schedule, a full step every `stride` (10) decode steps for all layers.
+
+    Parameters: as `refreshkv` (`budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest
+    prompt, 1/8 by default); `stride`; `qc_stride` and `threshold` unused unless `stride` is None;
+    `kernel`, `window`, `aggregation`, `query`, `full_cache`, `group_size`).
+    """
+
     name = "recycled"
     summary = "Recycled Attention: refreshkv with a full step every `stride` steps for all layers"
 

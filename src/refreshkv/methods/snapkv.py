@@ -15,19 +15,23 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
-from ..core.attention_math import AGGREGATIONS, attention_probs, selection_scores, top_k
+from ..core.attention_math import AGGREGATIONS, attention_probs, selection_scores
 from ..core.policy import PolicyError, check_choice, check_kernel, check_positive, check_window, register
 from ..core.selection import SelectionPolicy
 
-WINDOW_SCORE = 1.0  # the observation window is always kept: score above any pooled probability
 PAPER_SETTING = {"window": 1, "kernel": 7, "aggregation": "max"}  # refreshkv.txt A.1
 
 
 @register
 @dataclasses.dataclass
 class SnapKV(SelectionPolicy):
+    """SnapKV: the prompt tokens the observation window attends to most (pooled), plus the window, chosen once.
+
+    Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
+    default), window included; `window` (32) last prompt tokens whose attention selects (1 in the
+    RefreshKV paper's setting); `kernel` (7) max-pooling kernel; `aggregation` (max) over a GQA group.
+    """
+
     name = "snapkv"
     summary = "keep the top-K prompt tokens by the observation window's pooled attention, once at prefill"
 
@@ -44,31 +48,22 @@ class SnapKV(SelectionPolicy):
     def check_prompt(self, shortest):
         check_window("window", self.window, shortest)
 
-    def selected_budget(self, cache) -> int:
+    def selected_budget(self, layer) -> int:
         """Prompt tokens chosen per layer on average: the budget less the window, which is always kept."""
-        if cache.budget < self.window:
-            raise PolicyError(f"budget ({cache.budget}) must hold the observation window ({self.window} tokens)")
-        return cache.budget - self.window
+        if layer.budget < self.window:
+            raise PolicyError(f"budget ({layer.budget}) must hold the observation window ({self.window} tokens)")
+        return layer.budget - self.window
 
     def layer_budget(self, layer) -> int:
-        return self.selected_budget(layer.cache)
+        return self.selected_budget(layer)
 
-    def prefix_scores(self, query, key, scaling, valid) -> torch.Tensor:
-        """Window attention averaged, pooled and group-aggregated, over the tokens before the window; pads -inf."""
-        length = key.shape[2]
+    def score(self, layer, query, key, scaling, valid):
+        """The observation window's attention averaged, max-pooled and aggregated over the group."""
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
-        scores = selection_scores(probs, self.kernel, self.aggregation)
-        if valid is not None:
-            scores = scores.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
-        return scores[..., : length - self.window]
+        return selection_scores(probs, self.kernel, self.aggregation)
 
-    def with_window(self, index, scores, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the observation window (always kept) to the selected prefix tokens."""
-        window = torch.arange(length - self.window, length, device=index.device).expand(*index.shape[:2], -1)
-        return torch.cat([index, window], dim=-1), torch.cat([scores, torch.full_like(window, WINDOW_SCORE,
-                                                                                     dtype=scores.dtype)], dim=-1)
+    def kept_tokens(self, layer) -> int:
+        return self.layer_budget(layer) + self.window
 
-    def select(self, layer, query, key, scaling, valid):
-        scores = self.prefix_scores(query, key, scaling, valid)
-        index = top_k(scores, min(self.layer_budget(layer), scores.shape[-1]))
-        return self.with_window(index, scores.gather(-1, index), key.shape[2])
+    def recent_kept(self, layer) -> int:
+        return self.window  # the observation window is always kept

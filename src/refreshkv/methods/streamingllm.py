@@ -45,6 +45,12 @@ def sink_recent_scores(length: int, sinks: int, pads: torch.Tensor | None, batch
 @register
 @dataclasses.dataclass
 class StreamingLLM(SelectionPolicy):
+    """StreamingLLM: `sinks` initial tokens plus the K - sinks most recent ones; everything else evicted for good.
+
+    Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
+    default); `sinks` (4) attention sinks kept at the start.
+    """
+
     name = "streamingllm"
     summary = "keep `sinks` initial tokens + the most recent K - sinks tokens; evict the rest for good"
 
@@ -55,19 +61,12 @@ class StreamingLLM(SelectionPolicy):
         check_sinks(self.sinks)
 
     def max_slots(self, layer) -> int:
-        return layer.cache.budget
+        return layer.budget
 
     def appended_score(self, layer) -> float:
         return float(layer.seen - 1)  # its position: the oldest non-sink token is evicted first
 
-    def select(self, layer, query, key, scaling, valid):
+    def score(self, layer, query, key, scaling, valid):
         batch, kv_heads, length, _ = key.shape
-        budget = layer.cache.budget
-        scores = sink_recent_scores(
-            length, effective_sinks(self.sinks, budget), layer.cache.pads, batch, key.device
-        )
-        scores = scores.unsqueeze(1).expand(-1, kv_heads, -1)
-        keep = min(budget, length)
-        index = scores.topk(keep, dim=-1).indices.sort(dim=-1).values
-        chosen = scores.gather(-1, index)
-        return index.masked_fill(chosen == float("-inf"), -1), chosen
+        scores = sink_recent_scores(length, effective_sinks(self.sinks, layer.budget), layer.pads, batch, key.device)
+        return scores.unsqueeze(1).expand(-1, kv_heads, -1)

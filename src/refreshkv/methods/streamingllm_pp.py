@@ -24,8 +24,8 @@ import dataclasses
 import torch
 
 from ..core.attention_math import decode_attention
-from ..core.kvstore import gather_tokens
 from ..core.full_cache import DEFAULT_GROUP_SIZE, check_full_cache, check_group_size, make_full_store
+from ..core.kvstore import gather_tokens
 from ..core.policy import BudgetPolicy, check_positive, register
 from .streamingllm import check_sinks, effective_sinks
 
@@ -33,6 +33,13 @@ from .streamingllm import check_sinks, effective_sinks
 @register
 @dataclasses.dataclass
 class StreamingLLMPlusPlus(BudgetPolicy):
+    """StreamingLLM++: the full cache; StreamingLLM's window on most steps, full attention every `stride` steps.
+
+    Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
+    default); `sinks` (4); `stride` (10) steps between full steps; `full_cache` (dense) and
+    `group_size` (32) how the full cache is held, as in refreshkv.
+    """
+
     name = "streamingllm++"
     summary = "full cache; StreamingLLM's sinks + recent window on most steps, full attention every `stride` steps"
 
@@ -49,22 +56,21 @@ class StreamingLLMPlusPlus(BudgetPolicy):
 
     def store_prompt(self, layer, query, key, value, scaling):
         check_group_size(self.full_cache, self.group_size, key.shape[-1])
-        full = make_full_store(key, layer.cache.capacity(), self.full_cache, self.group_size)
+        full = make_full_store(key, layer.capacity(), self.full_cache, self.group_size)
         full.append(key, value)
         layer.state = full
 
     def decode(self, layer, query, key, value, scaling):
-        cache = layer.cache
         full = layer.state
         full.append(key, value)
         length = full.length
-        budget = cache.budget
-        if cache.step % self.stride == 0 or (cache.pads is None and length <= budget):
+        budget = layer.budget
+        if layer.step % self.stride == 0 or (layer.pads is None and length <= budget):
             # Full step (or the whole sequence fits in the window: the same keys either way).
             keys, values = full.view()
-            layer.record(1.0 if cache.step % self.stride == 0 else 0.0, full.attended_bytes())
-            return decode_attention(query, keys, values, scaling, cache.valid_positions(length, key.device))
-        keys, values, valid = self._window(full, cache.pads, cache.max_pad, effective_sinks(self.sinks, budget), budget)
+            layer.record(1.0 if layer.step % self.stride == 0 else 0.0, full.attended_bytes())
+            return decode_attention(query, keys, values, scaling, layer.valid_positions(length, key.device))
+        keys, values, valid = self._window(full, layer.pads, layer.max_pad, effective_sinks(self.sinks, budget), budget)
         layer.record(0.0, full.attended_bytes() * keys.shape[2] // length)
         return decode_attention(query, keys, values, scaling, valid)
 

@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from ..core.attention_math import attention_probs, top_k
+from ..core.attention_math import attention_probs
 from ..core.policy import register
 from ..core.selection import SelectionPolicy
 
@@ -26,24 +26,29 @@ def layer_scores(probs: torch.Tensor, valid: torch.Tensor | None) -> torch.Tenso
     """(B, Hkv, G, n) probabilities -> (B, Hkv, n): the mean over every query head of the layer, in every KV head;
     slots that hold no real token get -inf (they are filled or evicted first, never kept)."""
     scores = probs.mean(dim=(1, 2), keepdim=True)[:, :, 0].expand(-1, probs.shape[1], -1)
-    return scores if valid is None else scores.masked_fill(~valid.view(valid.shape[0], -1, scores.shape[-1]),
-                                                           float("-inf"))
+    return (
+        scores
+        if valid is None
+        else scores.masked_fill(~valid.view(valid.shape[0], -1, scores.shape[-1]), float("-inf"))
+    )
 
 
 @register
 @dataclasses.dataclass
 class TOVA(SelectionPolicy):
+    """TOVA: the K tokens the current query attends to most (averaged over the layer's heads); one evicted per step.
+
+    Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by default).
+    """
+
     name = "tova"
     summary = "keep the K tokens the current query attends to most (head-averaged); drop the least every step"
 
     def max_slots(self, layer) -> int:
-        return layer.cache.budget + 1  # K kept + the newest token
+        return layer.budget + 1  # K kept + the newest token
 
-    def select(self, layer, query, key, scaling, valid):
-        scores = layer_scores(attention_probs(query[:, :, -1:], key, scaling, valid)[:, :, :, 0], valid)
-        index = top_k(scores, min(layer.cache.budget, key.shape[2]))
-        chosen = scores.gather(-1, index)
-        return index.masked_fill(chosen == float("-inf"), -1), chosen
+    def score(self, layer, query, key, scaling, valid):
+        return layer_scores(attention_probs(query[:, :, -1:], key, scaling, valid)[:, :, :, 0], valid)
 
     def observe(self, layer, probs):
-        layer.state.scores = layer_scores(probs, layer.state.store.valid(layer.cache.pads))
+        layer.state.scores = layer_scores(probs, layer.state.store.valid(layer.pads))

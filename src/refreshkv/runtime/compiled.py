@@ -43,8 +43,10 @@ def check_compile_works() -> None:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             _works.append(f"{type(error).__name__}: {reason}"[:200])
     if _works[0]:
-        raise CompileUnavailable(f"torch.compile does not work on this machine ({_works[0]}); run without --compile "
-                                 "(compile=False, the default)")
+        raise CompileUnavailable(
+            f"torch.compile does not work on this machine ({_works[0]}); run without --compile "
+            "(compile=False, the default)"
+        )
 
 
 def compiled_forward(model):

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .compiled import check_compile_works, compiled_forward, runs_eagerly
 from ..core.cache import PolicyCache
 from ..core.cache_argument import with_cache
 from ..core.policy import Policy, check_positive, make_policy
 from ..core.shared_prefill import SharedPrefill
+from .compiled import check_compile_works, compiled_forward, runs_eagerly
 
 
 @dataclasses.dataclass
@@ -103,7 +103,9 @@ def _next_token(logits, settings: DecodeSettings, generator) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if settings.top_p is not None:
         ordered, order = logits.sort(dim=-1, descending=True)
-        drop = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1) > settings.top_p  # keep the token that crosses top_p
+        drop = (
+            ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1) > settings.top_p
+        )  # keep the token that crosses top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
@@ -165,9 +167,21 @@ def generate(
     """
     policy = method if isinstance(method, Policy) else make_policy(method, **method_params)
     return generate_many(
-        model, input_ids, attention_mask, methods=[policy], max_new_tokens=max_new_tokens, do_sample=do_sample,
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
-        return_logits=return_logits, progress=progress, forced_tokens=forced_tokens, eos_check_every=eos_check_every,
+        model,
+        input_ids,
+        attention_mask,
+        methods=[policy],
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        eos_token_id=eos_token_id,
+        return_logits=return_logits,
+        progress=progress,
+        forced_tokens=forced_tokens,
+        eos_check_every=eos_check_every,
         compile=compile,
     )[0]
 
@@ -215,7 +229,9 @@ def generate_many(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if not bool(attention_mask.any(dim=-1).all()):
-        raise ValueError("every row of attention_mask needs at least one real token (a row of zeros is an empty prompt)")
+        raise ValueError(
+            "every row of attention_mask needs at least one real token (a row of zeros is an empty prompt)"
+        )
     check_length(model, int(attention_mask.sum(-1).max()), max_new_tokens)
     if eos_token_id is None:
         eos_token_id = model.generation_config.eos_token_id
@@ -230,10 +246,22 @@ def generate_many(
     groups += [[cache] for cache in caches if not (len(shared) > 1 and cache.policy.shares_prefill)]
     outputs = {}
     for group in groups:
-        logits, prefill_s = prefill(model, input_ids, attention_mask, group[0] if len(group) == 1 else SharedPrefill(group))
+        logits, prefill_s = prefill(
+            model, input_ids, attention_mask, group[0] if len(group) == 1 else SharedPrefill(group)
+        )
         for cache in group:
-            out = decode(model, cache, logits, attention_mask, max_new_tokens, settings, eos, forced_tokens,
-                         return_logits, progress)
+            out = decode(
+                model,
+                cache,
+                logits,
+                attention_mask,
+                max_new_tokens,
+                settings,
+                eos,
+                forced_tokens,
+                return_logits,
+                progress,
+            )
             out.prefill_s, out.prefill_shared_by = prefill_s, len(group)
             outputs[id(cache)] = out
     return [outputs[id(cache)] for cache in caches]
@@ -257,8 +285,16 @@ def prefill(model, input_ids, attention_mask, cache) -> tuple[torch.Tensor, floa
 
 
 def decode(
-    model, cache: PolicyCache, logits, attention_mask, max_new_tokens, settings: DecodeSettings, eos, forced_tokens,
-    return_logits: bool, progress: bool,
+    model,
+    cache: PolicyCache,
+    logits,
+    attention_mask,
+    max_new_tokens,
+    settings: DecodeSettings,
+    eos,
+    forced_tokens,
+    return_logits: bool,
+    progress: bool,
 ) -> GenerationOutput:
     """The decode loop from the prompt's last logits: one token per step through `cache` until EOS or the limit."""
     device = logits.device

@@ -68,7 +68,9 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as error:  # a damaged file fails anywhere in the parser, e.g. reshaping a truncated tensor
-        raise ModelError(f"cannot read {gguf} as a GGUF model ({_first_line(error)}); is it truncated or damaged?") from None
+        raise ModelError(
+            f"cannot read {gguf} as a GGUF model ({_first_line(error)}); is it truncated or damaged?"
+        ) from None
     _check_family(model.config)
     # save_pretrained refuses a model that still claims to be gguf-quantized; its weights are plain fp32 now.
     model.hf_quantizer = None

@@ -29,8 +29,13 @@ class Runtime:
     threads: int | None = None
 
 
-def check_runtime(dtype: str = "float32", device: str = "cpu", compile: bool = False, weight_layout: str = "stored",
-                  threads: int | None = None) -> Runtime:
+def check_runtime(
+    dtype: str = "float32",
+    device: str = "cpu",
+    compile: bool = False,
+    weight_layout: str = "stored",
+    threads: int | None = None,
+) -> Runtime:
     """The options checked: the dtype known, the device present here, the weight layout known, torch.compile
     working (if asked)."""
     if dtype not in DTYPES:

@@ -35,7 +35,7 @@ def check_weight_layout(layout: str) -> None:
 
 
 def set_weight_layout(model, layout: str) -> dict[str, str]:
-    """"stored": leave the weights as loaded ({}); "fastest": `fastest_layout`, whose choices are returned."""
+    """ "stored": leave the weights as loaded ({}); "fastest": `fastest_layout`, whose choices are returned."""
     check_weight_layout(layout)
     return fastest_layout(model) if layout == "fastest" else {}
 

@@ -56,7 +56,9 @@ class PartialPattern:
         check_kernel(self.kernel)
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
         if self.suffix_length >= self.prefix_length:
-            raise ValueError(f"suffix length S ({self.suffix_length}) must be below the prefix length L ({self.prefix_length})")
+            raise ValueError(
+                f"suffix length S ({self.suffix_length}) must be below the prefix length L ({self.prefix_length})"
+            )
         if self.budget >= self.prefix_length:
             raise ValueError(f"budget K ({self.budget}) must be below the prefix length L ({self.prefix_length})")
         if self.window > self.prefix_length:
@@ -69,7 +71,9 @@ class PartialPattern:
     def attend(self, query, key, value, scaling: float) -> torch.Tensor:
         """Attention output (B, L + S, Hq, D) for query (B, Hq, L + S, D) and key/value (B, Hkv, L + S, D)."""
         if key.shape[2] != self.length:
-            raise ValueError(f"the training pattern expects sequences of L + S = {self.length} tokens, got {key.shape[2]}")
+            raise ValueError(
+                f"the training pattern expects sequences of L + S = {self.length} tokens, got {key.shape[2]}"
+            )
         prefix = self.prefix_length
         prefix_out = prompt_attention(query[:, :, :prefix], key[:, :, :prefix], value[:, :, :prefix], None, scaling)
         index, visible = self.selection(query, key, scaling)
@@ -94,7 +98,9 @@ class PartialPattern:
         # Eviction rank among the selected: argmin over slots takes the lowest score, then the earliest slot.
         kept = scores.gather(-1, index)
         order = torch.sort(kept, dim=-1, stable=True).indices  # ascending score; ties keep slot (position) order
-        eviction_rank = torch.empty_like(order).scatter_(-1, order, torch.arange(budget, device=key.device).expand_as(order))
+        eviction_rank = torch.empty_like(order).scatter_(
+            -1, order, torch.arange(budget, device=key.device).expand_as(order)
+        )
         row = torch.arange(suffix, device=key.device)  # suffix token j = row + 1 has seen `row` evictions
         selected = eviction_rank.unsqueeze(2) >= row.view(1, 1, suffix, 1)  # (B, Hkv, S, K)
         local = torch.arange(suffix, device=key.device)

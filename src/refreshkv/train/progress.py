@@ -19,8 +19,9 @@ class TrainProgress(TrainerCallback):
         self.shown: dict[str, str] = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step",
-                        disable=not self.enabled)
+        self.bar = tqdm(
+            total=state.max_steps, initial=state.global_step, desc="train", unit="step", disable=not self.enabled
+        )
         self.started, self.first_step = time.perf_counter(), state.global_step
 
     def on_step_end(self, args, state, control, **kwargs):

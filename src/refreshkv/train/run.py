@@ -33,16 +33,19 @@ from transformers.utils import logging as hf_logging
 from ..core.attention import PATTERN_ARGUMENT, TRAINING_UNSUPPORTED
 from ..core.cache import layer_windows
 from ..core.policy import DEFAULT_BUDGET_RATIO
-from ..texts.documents import read_documents
 from ..eval.distributed import current_launch
-from .windows import cut_windows, split_documents, write_split
+from ..texts.documents import read_documents
 from .pattern import PartialPattern
 from .progress import TrainProgress
+from .windows import cut_windows, split_documents, write_split
 
 # The training argument that recomputes activations: `activation_checkpointing` since transformers 5.23, which
 # deprecates the older `gradient_checkpointing`.
-CHECKPOINTING = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
-                 else "gradient_checkpointing")
+CHECKPOINTING = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    else "gradient_checkpointing"
+)
 
 LOSS_ON = ("all", "suffix")
 SCHEDULES = ("linear", "cosine", "constant_with_warmup")
@@ -100,7 +103,9 @@ class TrainConfig:
     def pattern(self) -> PartialPattern:
         ratio = DEFAULT_BUDGET_RATIO if self.budget_ratio is None else self.budget_ratio
         budget = self.budget if self.budget is not None else max(1, math.ceil(ratio * self.prefix_length))
-        return PartialPattern(self.prefix_length, self.suffix_length, budget, self.kernel, self.window, self.aggregation)
+        return PartialPattern(
+            self.prefix_length, self.suffix_length, budget, self.kernel, self.window, self.aggregation
+        )
 
 
 class WindowDataset(torch.utils.data.Dataset):
@@ -142,8 +147,9 @@ def check_out_folder(out: Path, record: dict, resume: bool) -> None:
     previous = json.loads(run_file.read_text())
     if previous != record:
         changed = sorted(key for key in set(previous) | set(record) if previous.get(key) != record.get(key))
-        raise ValueError(f"--out {out} holds a different training run (differs in: {', '.join(changed)}); "
-                         "choose another folder")
+        raise ValueError(
+            f"--out {out} holds a different training run (differs in: {', '.join(changed)}); choose another folder"
+        )
     if not resume:
         raise ValueError(f"--out {out} already holds this training run; add --resume to continue it")
 
@@ -158,16 +164,26 @@ def prepare_data(config: TrainConfig, tokenizer, log) -> tuple[dict, dict[str, l
         if cut.skipped:
             log(f"{split}: skipped {cut.skipped} of {len(documents)} document(s) shorter than L + S = {length} tokens")
         if not cut.windows:
-            raise ValueError(f"no {split} document holds L + S = {length} tokens; "
-                             "give longer documents or a smaller --prefix-length")
+            raise ValueError(
+                f"no {split} document holds L + S = {length} tokens; give longer documents or a smaller --prefix-length"
+            )
         windows[split] = cut.windows
     dev = windows["dev"]
     windows["dev"] = dev[:: max(1, len(dev) // config.dev_windows)][: config.dev_windows]  # spread over the dev split
     return splits, windows
 
 
-def train(model, tokenizer, config: TrainConfig, out: str | Path, resume: bool = False, device: str = "cpu",
-          progress: bool = True, log=print, callbacks=()) -> dict:
+def train(
+    model,
+    tokenizer,
+    config: TrainConfig,
+    out: str | Path,
+    resume: bool = False,
+    device: str = "cpu",
+    progress: bool = True,
+    log=print,
+    callbacks=(),
+) -> dict:
     """Continued pre-training of `model` with the pattern; returns the final metrics (also in OUT/metrics.json).
 
     `callbacks` are added to the Trainer's (transformers `TrainerCallback`s).
@@ -241,7 +257,9 @@ def train(model, tokenizer, config: TrainConfig, out: str | Path, resume: bool =
             hf_logging.enable_progress_bar()
     elapsed = time.perf_counter() - started
     steps = trainer.state.global_step
-    last = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry and entry["step"] == steps]
+    last = [
+        entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry and entry["step"] == steps
+    ]
     metrics = {
         "dev_loss": last[-1] if last else trainer.evaluate()["eval_loss"],
         "steps": steps,

@@ -51,7 +51,9 @@ def cut_windows(tokenizer, documents: list[Document], length: int) -> Windows:
         ids = tokenizer.encode(document.text, add_special_tokens=False)
         if len(ids) < text_tokens:
             skipped += 1
-        windows += [prefix + ids[start : start + text_tokens] for start in range(0, len(ids) - text_tokens + 1, text_tokens)]
+        windows += [
+            prefix + ids[start : start + text_tokens] for start in range(0, len(ids) - text_tokens + 1, text_tokens)
+        ]
     return Windows(windows, skipped)
 
 

@@ -23,9 +23,9 @@ import random
 
 import yaml
 
+from refreshkv.eval.metrics import longproc_tsv_f1
 from refreshkv.eval.sources import data_dir as resolve_data_dir
 from refreshkv.eval.sources import data_file
-from refreshkv.eval.metrics import longproc_tsv_f1
 from refreshkv.eval.tasks.base import Example, count_tokens, example_id
 
 SPLITS = ("0.5k", "2k", "8k")

@@ -2,8 +2,8 @@
 
 Options: `paths` (UTF-8 text files, one document each, or JSONL files with a document per line in `text`, as
 `refreshkv train` writes its test split; required), `target_tokens` (default 256) and `sha256` (the files'
-SHA-256, one per path; recorded automatically, see `resolve_options` and `recorded_options`). Each example is a window of
-`length` context tokens followed by `target_tokens` scored tokens: `input_ids` holds the window and
+SHA-256, one per path; recorded automatically, see `resolve_options` and `recorded_options`). Each example is a
+window of `length` context tokens followed by `target_tokens` scored tokens: `input_ids` holds the window and
 `target_start` (= length) the index of the first scored token. The runner computes the losses;
 `score_losses` turns them into a perplexity.
 
@@ -14,8 +14,9 @@ Choices:
   is what StreamingLLM's sink tokens and BOS-trained models (Llama 3) rely on, whatever text it cuts
   into. Windows are not placed at chapter starts: chapters of the books we use hold about 1K (Bible)
   to 4K (Austen) tokens, so a 4K-token window runs past its chapter anyway, and chapter starts would
-  give few distinct windows and need a heading format per file. The embedded SmolLM2-Instruct's BOS is `<|im_start|>` (id 1, which opens every ChatML
-  turn); a model whose BOS is its EOS gets that token; a tokenizer without a BOS (Qwen2) gets none.
+  give few distinct windows and need a heading format per file. The embedded SmolLM2-Instruct's BOS is
+  `<|im_start|>` (id 1, which opens every ChatML turn); a model whose BOS is its EOS gets that token; a
+  tokenizer without a BOS (Qwen2) gets none.
 - Each window picks its document with probability proportional to the number of windows the
   document can hold, then a uniformly random start, both from `seed`; documents shorter than a
   window are skipped. Each document is encoded whole, once, without special tokens.
@@ -30,9 +31,9 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from refreshkv.texts.documents import read_documents
 from refreshkv.eval.sources import data_file
 from refreshkv.eval.tasks.base import Example, example_id
+from refreshkv.texts.documents import read_documents
 
 
 def _as_list(value: Sequence[str] | str) -> list[str]:

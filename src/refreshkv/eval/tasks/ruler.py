@@ -544,7 +544,9 @@ class RulerTask:
                 tokenizer,
                 length,
                 prompt.max_units,
-                count=lambda text: len(encode_user_turn(tokenizer, text, answer_prefix, chat)) + max_new_tokens,
+                count=lambda text, prefix=answer_prefix, new=max_new_tokens: (
+                    len(encode_user_turn(tokenizer, text, prefix, chat)) + new
+                ),
             )
             if units == prompt.max_units:  # the word lists or the QA set are exhausted
                 raise ValueError(f"{task} cannot reach {length} tokens: it runs out of filler text")

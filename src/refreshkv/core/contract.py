@@ -1,0 +1,76 @@
+"""`MethodLayer`: everything a method may read and write of the layer it works on, and nothing else.
+
+A method's hooks (`store_prompt`, `decode`, `select`, `score`, ...) receive one layer of the cache as a
+`MethodLayer`; `PolicyLayer` (cache.py) implements it. Methods use only these members (tests/test_method_contract.py
+reads every method's source to check it), so the cache's internals can change without touching a method.
+
+Shapes: B rows (left-padded), Hkv KV heads. Positions are indices into the padded input: a row's real tokens start
+at `pads[b]`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from .kvstore import LayerState
+
+
+class MethodLayer(Protocol):
+    layer_idx: int
+    """The model layer (0 = the bottom one)."""
+
+    state: LayerState | None
+    """What the method keeps for this layer: set by `store_prompt`, read and replaced by the method freely."""
+
+    @property
+    def seen(self) -> int:
+        """Tokens this layer has processed, left padding included: the newest token's position is `seen - 1`."""
+
+    @property
+    def step(self) -> int:
+        """Decode steps taken after the prompt: 0 while the prompt is stored, 1 at the first decoded token."""
+
+    @property
+    def budget(self) -> int:
+        """K, the tokens the method keeps (or attends to) per KV head, resolved for this generation from its
+        `budget`/`budget_ratio` and the longest prompt; 0 for a method without a budget."""
+
+    @property
+    def pads(self) -> torch.Tensor | None:
+        """(B,) left-padding tokens per row; None when no row is padded."""
+
+    @property
+    def max_pad(self) -> int:
+        """The largest entry of `pads` (0 without padding)."""
+
+    @property
+    def model_type(self) -> str:
+        """The model family (`llama`, `qwen2`, ...), for defaults that depend on it."""
+
+    @property
+    def rope_inv_freq(self) -> torch.Tensor | None:
+        """This layer's RoPE inverse frequencies, None where the package cannot undo the model's RoPE."""
+
+    def valid_positions(self, length: int, device) -> torch.Tensor | None:
+        """(B, 1, 1, length) bool: True at the real tokens among the first `length` positions; None without
+        padding (every position is real)."""
+
+    def positions(self, device) -> torch.Tensor:
+        """(B or 1,) RoPE position of the newest token in each row (0 at a row's first real token)."""
+
+    def capacity(self) -> int:
+        """Tokens a store needs to hold the prompt and every announced decoded token (stores grow beyond it)."""
+
+    def expected_new_tokens(self) -> int:
+        """Decoded tokens announced for this generation (`max_new_tokens`, or a guess when none was given)."""
+
+    def method_layers(self) -> list[MethodLayer]:
+        """The layers that run the method, bottom first (sliding-window layers whose window bites do not): a
+        method that shares a budget across layers (PyramidKV, DynamicKV) spans these."""
+
+    def record(self, full_fraction: float | torch.Tensor, attended_bytes: int) -> None:
+        """Once per decode step: the share of rows that attended to the whole cache (0.0-1.0, or a 0-d tensor
+        decided on the device) and the bytes of keys and values read."""

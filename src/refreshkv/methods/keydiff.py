@@ -1,0 +1,35 @@
+"""`keydiff` (Park et al., 2025, arXiv 2504.15364): keep the keys least like the average key, decided at prefill.
+
+Per KV head, the anchor is the mean of the prompt's unit-length keys (real tokens only); a token's score is minus
+the cosine of its key with the anchor, so the top K are the most distinctive keys. No attention is computed.
+Choices: the whole prompt is scored at once (the paper scores it block by block as it streams in); decoded tokens
+are appended without eviction, as `snapkv` does. The file is the scorer-layer example of docs/adding-a-method.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.nn.functional as F
+
+from ..core.policy import register
+from ..core.selection import SelectionPolicy
+
+
+@register
+@dataclasses.dataclass
+class KeyDiff(SelectionPolicy):
+    """KeyDiff: the K prompt keys least similar to the mean key, per KV head.
+
+    Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by default).
+    """
+
+    name = "keydiff"
+    summary = "keep the K prompt keys least similar (cosine) to the mean key, per KV head; no attention needed"
+
+    def score(self, layer, query, key, scaling, valid):
+        unit = F.normalize(key.float(), dim=-1)  # (B, Hkv, L, D)
+        if valid is not None:
+            unit = unit * valid.view(valid.shape[0], 1, -1, 1)  # pads add nothing to the anchor
+        anchor = F.normalize(unit.sum(dim=2, keepdim=True), dim=-1)
+        return -(unit * anchor).sum(-1)
