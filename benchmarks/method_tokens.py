@@ -37,7 +37,9 @@ def main() -> None:
     ids[0], mask[0] = torch.tensor(book[: args.length]), 1
     ids[1, -short:], mask[1, -short:] = torch.tensor(book[1000 : 1000 + short]), 1
     names = sorted(METHODS)
-    policies = [make_policy(n, **({"budget": args.budget} if "budget" in METHODS[n].parameters() else {})) for n in names]
+    policies = [
+        make_policy(n, **({"budget": args.budget} if "budget" in METHODS[n].parameters() else {})) for n in names
+    ]
     outs = generate_many(model, ids, mask, methods=policies, max_new_tokens=args.new_tokens, eos_token_id=[])
     print(json.dumps({name: out.tokens for name, out in zip(names, outs)}, indent=1))
 
