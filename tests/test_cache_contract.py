@@ -113,5 +113,5 @@ def test_an_empty_row_in_the_attention_mask_is_refused(llama):
     ids = random_prompt(8, batch=2)
     mask = torch.ones_like(ids)
     mask[1] = 0
-    with pytest.raises(ValueError, match="at least one real token"):
+    with pytest.raises(ValueError, match="needs a real token"):
         refreshkv.generate(llama, ids, mask, max_new_tokens=2)

@@ -295,31 +295,84 @@ def test_top_k_breaks_ties_toward_earlier_positions():
     assert top_k(transposed.transpose(0, 2), 3).tolist() == [[[0, 1, 4]], [[0, 1, 4]]]
 
 
-def test_methods_from_other_packages_are_registered_through_entry_points(monkeypatch):
-    import dataclasses
+def load_plugins(monkeypatch, plugins: dict[tuple[str, str], object]):
+    """Load fake installed entry points: {(entry name, distribution): what loading it gives (a callable raises)}."""
     from importlib.metadata import EntryPoint
 
     import refreshkv.methods as methods
-    from refreshkv import METHODS
+
+    entries = [
+        EntryPoint(name, f"{package}.mod:Cls", methods.ENTRY_POINT_GROUP)._for(type("D", (), {"name": package})())
+        for name, package in plugins
+    ]
+
+    def load(entry):
+        loaded = plugins[entry.name, entry.dist.name]
+        return loaded if isinstance(loaded, type) else loaded()
+
+    monkeypatch.setattr(EntryPoint, "load", load)
+    monkeypatch.setattr(methods, "entry_points", lambda group: entries)
+    methods.load_methods()
+
+
+@pytest.fixture
+def registry():
+    """The registry as it was, restored after the test."""
+    from refreshkv.core.policy import METHODS, PROVIDERS
+
+    saved = dict(METHODS), dict(PROVIDERS)
+    yield METHODS, PROVIDERS
+    METHODS.clear(), METHODS.update(saved[0])
+    PROVIDERS.clear(), PROVIDERS.update(saved[1])
+
+
+def test_methods_from_other_packages_are_registered_through_entry_points(monkeypatch, registry, caplog):
+    import dataclasses
+
+    methods, providers = registry
 
     @dataclasses.dataclass
     class Plugin(type(make_policy("full"))):
         name = "plugin-method"
 
-    good = EntryPoint("plugin-method", "somewhere:Plugin", methods.ENTRY_POINT_GROUP)
-    broken = EntryPoint("broken", "no_such_module_here:Nothing", methods.ENTRY_POINT_GROUP)
-    monkeypatch.setattr(
-        good.__class__,
-        "load",
-        lambda self: Plugin if self.name == "plugin-method" else __import__("no_such_module_here"),
+    def broken():
+        raise ImportError("No module named 'no_such_module_here'")
+
+    load_plugins(monkeypatch, {("plugin-method", "somepkg"): Plugin, ("broken", "brokenpkg"): broken})
+    assert methods["plugin-method"] is Plugin and providers["plugin-method"] == "somepkg"
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line == (
+        "warning: refreshkv: method plugin 'broken' of package brokenpkg failed to load: No module named "
+        "'no_such_module_here'"
     )
-    monkeypatch.setattr(methods, "entry_points", lambda group: [good, broken])
-    try:
-        with pytest.warns(UserWarning, match="method plugin 'broken'"):
-            methods.load_methods()
-        assert METHODS["plugin-method"] is Plugin
-    finally:
-        METHODS.pop("plugin-method", None)
+
+
+@pytest.mark.parametrize("replaces", [False, True])
+def test_a_plugin_never_replaces_full(monkeypatch, registry, caplog, replaces):
+    """A 16-token StreamingLLM named `full`, with or without `replaces`, is left out with one warning line."""
+    import dataclasses
+
+    methods, providers = registry
+    shadow = dataclasses.dataclass(
+        type("Shadow", (type(make_policy("streamingllm")),), {"name": "full", "replaces": replaces})
+    )
+    load_plugins(monkeypatch, {("full", "shadowpkg"): shadow})
+    assert methods["full"].__module__ == "refreshkv.methods.full" and providers["full"] == "refreshkv"
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "package shadowpkg was not registered" in line and "cannot be replaced" in line
+
+
+def test_a_plugin_replaces_a_built_in_only_when_it_says_so(monkeypatch, registry, caplog):
+    import dataclasses
+
+    methods, providers = registry
+    base = type(make_policy("snapkv"))
+    silent = dataclasses.dataclass(type("Silent", (base,), {"name": "snapkv"}))
+    load_plugins(monkeypatch, {("snapkv", "otherpkg"): silent})
+    assert methods["snapkv"] is base and "must set `replaces = True`" in caplog.records[0].getMessage()
+    declared = dataclasses.dataclass(type("Declared", (base,), {"name": "snapkv", "replaces": True}))
+    load_plugins(monkeypatch, {("snapkv", "otherpkg"): declared})
+    assert methods["snapkv"] is declared and providers["snapkv"] == "otherpkg"
 
 
 def test_pre_rope_query_undoes_the_rotary_embedding(llama):

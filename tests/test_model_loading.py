@@ -63,7 +63,8 @@ def test_unloadable_model_directories_are_one_line(tmp_path, contents, message):
     for name, text in contents.items():
         (tmp_path / name).write_text(config if text is None else text)
     with pytest.raises(
-        ModelError, match=rf"^cannot load the model in {tmp_path}: .*{message}.*model directory"
+        ModelError,
+        match=rf"^cannot load the (model|weights) in {tmp_path}.*: .*{message}.*(model directory|safetensors)",
     ) as error:
         load_model(tmp_path)
     assert "\n" not in str(error.value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -13,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from typer.exceptions import TyperException
 
+from ..runtime.inputs import SamplingSettings
 from ..runtime.prepare import check_runtime, load_checked
 from .demo import MAX_LENGTH as DEMO_MAX_LENGTH
 from .demo import MIN_LENGTH as DEMO_MIN_LENGTH
@@ -37,6 +39,7 @@ from .options import (
     method_params,
     parse_pairs,
 )
+from .tables import print_table
 from .train_commands import register as register_train_commands
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -84,6 +87,10 @@ def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
 def encode(tokenizer, text: str, chat: bool):
     import torch
 
+    if chat and not tokenizer.chat_template:
+        raise ValueError(
+            "this model has no chat template (a base model): leave out --chat to pass the prompt as plain text"
+        )
     if chat:
         messages = [{"role": "user", "content": text}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
@@ -96,7 +103,7 @@ def run_generations(
     model, tokenizer, ids, methods: list[tuple[str, dict]], max_new_tokens: int, **sampling
 ) -> list[dict]:
     """Each (method, parameters) on the same prompt, with one shared prefill (`generate_many`)."""
-    from ..core.policy import make_policy
+    from ..core.policy import BUILT_IN, PROVIDERS, make_policy
     from ..measure.budget_report import budget_report
     from ..runtime.generate import generate_many
 
@@ -111,6 +118,7 @@ def run_generations(
         results.append(
             {
                 "method": method,
+                "provider": PROVIDERS.get(method, BUILT_IN),
                 "params": params,
                 "text": tokenizer.decode(result.tokens[0], skip_special_tokens=True),
                 **{k: v[0] if k in ("new_tokens", "prompt_tokens") else v for k, v in stats.items()},
@@ -160,8 +168,8 @@ def show(results: list[dict], as_json: bool) -> None:
         out.rule(f"[bold]{result['method']}[/bold]")
         out.print(result["text"], markup=False, highlight=False)
         if len(set(result["budget_per_layer"])) > 1:  # layer-adaptive methods: show what each layer kept
-            out.print(budget_table(result, title=f"{result['method']}: kept prompt tokens"))
-    out.print(stats_table(results))
+            print_table(out, budget_table(result, title=f"{result['method']}: kept prompt tokens"))
+    print_table(out, stats_table(results))
 
 
 @app.command()
@@ -184,8 +192,10 @@ def generate(
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
     compare: Annotated[Optional[str], typer.Option(help="Also run this method (e.g. full) on the same prompt.")] = None,
     sample: Annotated[bool, typer.Option(help="Sample instead of greedy decoding.")] = False,
-    temperature: Annotated[float, typer.Option(min=1e-6)] = 1.0,
-    top_p: Annotated[Optional[float], typer.Option(min=0.0, max=1.0)] = None,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (> 0; with --sample).")] = 1.0,
+    top_p: Annotated[
+        Optional[float], typer.Option(help="Nucleus sampling: keep tokens up to this mass, in (0, 1] (with --sample).")
+    ] = None,
     seed: Annotated[Optional[int], typer.Option()] = None,
     eos_check_every: Annotated[
         Optional[int],
@@ -206,6 +216,7 @@ def generate(
     make_policy(method, **params)  # validate before loading anything
     if compare is not None:
         make_policy(compare)
+    SamplingSettings(do_sample=sample, temperature=temperature, top_p=top_p, seed=seed)  # the API's own rules
     text = read_prompt(prompt, prompt_file)
     lm, tokenizer, _ = load_checked(model, check_runtime(dtype, device, compile, weight_layout))
     ids = encode(tokenizer, text, chat)
@@ -344,7 +355,7 @@ def bench(
         )
     result["machine"]["weight_layout"] = layout or weight_layout
     for table in bench_tables(result):
-        out.print(table)
+        print_table(out, table)
     if json_out is not None:
         json_out.write_text(json.dumps(result, indent=1))
     if plot is not None:
@@ -414,22 +425,22 @@ def profile(
         table.add_column(column, justify="left" if column == "operator" else "right", no_wrap=column == "operator")
     for op in result["operators"]:
         table.add_row(op["name"], f"{op['self_cpu_ms']:.2f}", f"{100 * op['share']:.1f}%", str(op["calls"]))
-    out.print(table)
+    print_table(out, table)
 
 
 @app.command()
 def methods():
     """List the KV methods with their parameters and defaults."""
-    from ..core.policy import METHODS
+    from ..core.policy import BUILT_IN, METHODS, PROVIDERS
 
     table = Table(title="KV methods")
-    for column in ("method", "parameters (default)", "what it does"):
+    for column in ("method", "parameters (default)", "what it does", "package"):
         table.add_column(column)
     for name in sorted(METHODS):
         cls = METHODS[name]
         params = ", ".join(f"{k}={'-' if v is None else v}" for k, v in cls.parameters().items()) or "-"
-        table.add_row(name, params, cls.summary)
-    out.print(table)
+        table.add_row(name, params, cls.summary, PROVIDERS.get(name, BUILT_IN))
+    print_table(out, table)
 
 
 register_eval_commands(app, user_errors)
@@ -437,7 +448,9 @@ register_train_commands(app, user_errors)
 
 
 def main() -> None:
-    """Console entry point: usage errors (bad option values, unknown options) also end in one line, exit code 2."""
+    """Console entry point: usage errors (bad option values, unknown options) also end in one line, exit code 2;
+    a library's warning is one line too."""
+    warnings.formatwarning = lambda message, category, *args, **kwargs: f"warning: {message}\n"
     try:
         code = app(standalone_mode=False)
     except TyperException as error:  # typer's own click: usage errors carry exit code 2

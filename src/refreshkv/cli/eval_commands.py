@@ -29,6 +29,7 @@ from .options import (
     method_params,
     parse_pairs,
 )
+from .tables import print_table
 
 
 def register(app, user_errors) -> None:
@@ -171,5 +172,5 @@ def register(app, user_errors) -> None:
         paths = list(dict.fromkeys(found for path in results for found in (sweep_files(path) or [path])))
         groups, _, written = write_report(paths, out_dir, plots=plots)
         for table in rich_tables(groups):
-            console.print(table)
+            print_table(console, table)
         console.print(f"wrote {', '.join(str(p) for p in written)}", highlight=False)

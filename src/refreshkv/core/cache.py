@@ -25,7 +25,7 @@ from collections import Counter
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .policy import Policy, PolicyError
+from .policy import Policy, PolicyError, check_positive
 from .rope import inverse_frequencies
 from .sliding_window import SlidingWindow
 
@@ -270,6 +270,12 @@ class PolicyCache(Cache):
     """
 
     def __init__(self, policy: Policy, model_or_config, max_new_tokens: int | None = None):
+        if not isinstance(policy, Policy):
+            raise PolicyError(
+                f"PolicyCache takes a method object, e.g. make_policy('refreshkv', budget=1024); got "
+                f"{type(policy).__name__}"
+            )
+        check_positive("max_new_tokens", max_new_tokens, allow_none=True)
         if hasattr(model_or_config, "set_attn_implementation"):
             if model_or_config.config._attn_implementation != ATTENTION_NAME:
                 model_or_config.set_attn_implementation(ATTENTION_NAME)

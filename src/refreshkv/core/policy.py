@@ -36,6 +36,8 @@ class Policy:
     name: ClassVar[str]
     summary: ClassVar[str]
     shares_prefill: ClassVar[bool] = True  # the prompt's output is plain causal attention (see the module doc)
+    # A plugin's class that sets this replaces a registered method of the same name (never `full`).
+    replaces: ClassVar[bool] = False
 
     def store_prompt(self, layer: PolicyLayer, query, key, value, scaling: float) -> None:
         """Keep what the method needs of the prompt in `layer.state` (key/value: (B, Hkv, L, D), left-padded)."""
@@ -134,10 +136,32 @@ def check_choice(name: str, value, choices) -> None:
 
 
 METHODS: dict[str, type[Policy]] = {}
+PROVIDERS: dict[str, str] = {}  # method name -> the package that provides it ("refreshkv" for the built-in ones)
+BUILT_IN = "refreshkv"
+REFERENCE_METHOD = "full"  # every "vs full" figure is computed against it: never replaced
 
 
-def register(cls: type[Policy]) -> type[Policy]:
-    METHODS[cls.name] = cls
+def register(cls: type[Policy], provider: str = BUILT_IN) -> type[Policy]:
+    """Add a method to the registry under `cls.name`. A name already taken is refused (PolicyError), unless the class
+    says `replaces = True` (a plugin replacing a built-in, recorded in PROVIDERS); `full` is never replaced."""
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise PolicyError(f"{cls.__name__} has no method name (a class attribute `name`)")
+    registered = METHODS.get(name)
+    if registered is not None and registered is not cls:
+        if name == REFERENCE_METHOD:
+            raise PolicyError(
+                f"method '{name}' is the reference of every comparison and cannot be replaced "
+                f"({cls.__module__}.{cls.__qualname__} from {provider})"
+            )
+        if not cls.replaces:
+            raise PolicyError(
+                f"method '{name}' is already registered (from {PROVIDERS.get(name, BUILT_IN)}); "
+                f"{cls.__module__}.{cls.__qualname__} from {provider} must set `replaces = True` to "
+                "replace it"
+            )
+    METHODS[name] = cls
+    PROVIDERS[name] = provider
     return cls
 
 

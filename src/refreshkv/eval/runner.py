@@ -27,9 +27,10 @@ import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ..core.policy import make_policy
+from ..core.policy import BUILT_IN, PROVIDERS, make_policy
 from ..measure.budget_report import budget_report
 from ..runtime.generate import check_length, generate_many
+from ..runtime.models import DEFAULT_MODEL, NAMED_MODELS
 from .distributed import Launch, my_share
 from .perplexity import teacher_forced, teacher_forced_many
 from .recovery import RecoveryTask, probe_for, recovery_score
@@ -37,7 +38,7 @@ from .tasks import TASKS, get_task
 from .tasks.base import encode_user_turn
 from .tasks.ppl import PerplexityTask
 
-EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
+EMBEDDED_MODEL = NAMED_MODELS[DEFAULT_MODEL].identity
 EXTRA_TASKS = {"recovery": RecoveryTask()}
 TEACHER_FORCED = ("ppl", "recovery")
 
@@ -95,7 +96,13 @@ def is_number(value, integer: bool = False) -> bool:
 
 
 def model_identity(path: str | os.PathLike | None) -> str:
-    return EMBEDDED_MODEL if path is None else str(Path(path).resolve())
+    """What rows record as the model: a named model's identity (the default's when None), or the resolved path."""
+    named = (
+        NAMED_MODELS[DEFAULT_MODEL if path is None else str(path)]
+        if path is None or str(path) in NAMED_MODELS
+        else None
+    )
+    return named.identity if named else str(Path(path).resolve())
 
 
 def canonical(value) -> str:
@@ -288,6 +295,8 @@ def read_results(
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1
     torn = bool(data[end:].strip())
+    if torn:
+        _refuse_a_complete_non_row(path, data[end:], data[:end].count(b"\n") + 1)
     rows = []
     for number, line in enumerate(data[:end].split(b"\n")[:-1], 1):
         if not line.strip():
@@ -308,6 +317,23 @@ def read_results(
     if torn and warn:
         print(f"warning: {path}:{len(rows) + 1}: ignoring an incomplete last line (a cut-short write)", file=sys.stderr)
     return rows, end, torn
+
+
+JSON_KINDS = {list: "array", str: "string", bool: "boolean", type(None): "null"}
+
+
+def _refuse_a_complete_non_row(path: Path, tail: bytes, number: int) -> None:
+    """A last line without its newline is a cut-short write, unless it is complete JSON that is no row (a JSON array
+    or a pretty-printed object written by something else): that is refused, naming its line."""
+    try:
+        value = json.loads(tail)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return
+    if not isinstance(value, dict):
+        raise ResultsError(
+            f"{path}:{number}: malformed JSONL row (a JSON {JSON_KINDS.get(type(value), 'number')}, not an object); a "
+            "results file holds one JSON object per line"
+        )
 
 
 class ResultsFile:
@@ -411,6 +437,7 @@ def row_for(config: RunConfig, run: str, item: Prepared, measured: dict) -> dict
         "task": config.task,
         "example_task": example["task"],
         "method": config.method,
+        "provider": PROVIDERS.get(config.method, BUILT_IN),  # the package behind the name (plugins may replace one)
         "params": config.params,
         "length": config.length,
         "seed": config.seed,

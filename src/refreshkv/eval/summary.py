@@ -45,6 +45,10 @@ def load_results(paths) -> list[dict]:
     """Rows of every file, checked; a row repeated across files (same config and id) counts once (the last)."""
     rows: dict[tuple, dict] = {}
     for path in paths:
+        if Path(path).is_dir():
+            raise ValueError(
+                f"{path} is a directory; give the JSONL results file(s) in it, e.g. {Path(path) / '*.jsonl'}"
+            )
         if not Path(path).is_file():
             raise ValueError(f"results file {path} does not exist")
         for row in read_results(path, required=ROW_FIELDS, numbers=NUMBER_FIELDS)[0]:

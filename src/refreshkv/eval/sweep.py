@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import sys
 from pathlib import Path
 
 from ..core.policy import METHODS, make_policy
+from ..runtime.models import named_model
 from ..runtime.prepare import DTYPES
 from .distributed import Launch, rank_file, sweep_files
 from .recovery import RecoveryTask
@@ -144,6 +146,28 @@ def _beside(options: dict, folder: Path) -> dict:
     return {**options, "paths": [resolve(p) for p in paths] if isinstance(paths, list) else resolve(paths)}
 
 
+MAX_CONFIGURATIONS = 10_000  # a sweep's configurations are all checked and listed before the first row runs
+
+
+def _unique_keys_loader():
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last one silently)."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key '{key}' is given twice in one mapping", key_node.start_mark
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeys
+
+
 def load_sweep(path: str | Path, out: str | Path | None = None, model: str | None = None) -> Sweep:
     """Read and validate a sweep file (every error is one line starting with the file name).
 
@@ -156,7 +180,7 @@ def load_sweep(path: str | Path, out: str | Path | None = None, model: str | Non
     if not path.is_file():
         raise SweepError(f"sweep file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_unique_keys_loader())
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
@@ -180,7 +204,7 @@ def load_sweep(path: str | Path, out: str | Path | None = None, model: str | Non
         model = data.get("model")
         if model is not None and not isinstance(model, str):
             raise SweepError(f"{where}: 'model' must be a path or null, got {model!r}")
-        if model is not None and not Path(model).is_absolute():
+        if model is not None and not Path(model).is_absolute() and not named_model(model):
             model = str(path.parent / model)
     chat = data.get("chat", True)
     if not isinstance(chat, bool):
@@ -208,11 +232,19 @@ def load_sweep(path: str | Path, out: str | Path | None = None, model: str | Non
             tasks.append((name, options))
 
     methods = []
-    for name, parts in _entries(data["methods"], "methods", where, ("params", "grid")):
-        grid = parts["grid"]
-        for key, values in grid.items():
+    entries = _entries(data["methods"], "methods", where, ("params", "grid"))
+    for name, parts in entries:
+        for key, values in parts["grid"].items():
             if not isinstance(values, list) or not values:
                 raise SweepError(f"{where}: method {name}: grid '{key}' must be a non-empty list, got {values!r}")
+    size = len(lengths) * len(tasks) * len(seeds) * sum(math.prod(map(len, p["grid"].values())) for _, p in entries)
+    if size > MAX_CONFIGURATIONS:
+        raise SweepError(
+            f"{where}: {size:,} configurations (lengths x tasks x seeds x method grids); at most "
+            f"{MAX_CONFIGURATIONS:,} per sweep file: split it or shorten the grids"
+        )
+    for name, parts in entries:
+        grid = parts["grid"]
         overlap = sorted(set(grid) & set(parts["params"]))
         if overlap:
             raise SweepError(f"{where}: method {name}: {', '.join(overlap)} is both in params and grid")

@@ -7,31 +7,35 @@ declaring, in its pyproject.toml,
     [project.entry-points."refreshkv.methods"]
     my_method = "my_package.my_module:MyPolicy"
 
-where `MyPolicy` is a `Policy` subclass (registered here if its module did not already apply `@register`) or a module
-whose import registers its methods.
+where `MyPolicy` is a `Policy` subclass (registered here) or a module whose import registers its methods. A plugin
+cannot take a registered name unless its class sets `replaces = True` (then `refreshkv methods` and every result row
+name the package that provides it), and `full` can never be replaced. A plugin that fails to load or collides is
+left out with one warning naming its package; the package goes on without it.
 """
 
 import importlib
 import inspect
+import logging
 import pkgutil
-import warnings
 from importlib.metadata import entry_points
 
-from ..core.policy import Policy, register
+from ..core.policy import Policy, PolicyError, register
 
 ENTRY_POINT_GROUP = "refreshkv.methods"
+LOG = logging.getLogger("refreshkv")
 
 
 def load_methods() -> None:
     for module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{module.name}")
     for entry in entry_points(group=ENTRY_POINT_GROUP):
+        package = entry.dist.name if entry.dist is not None else entry.value.split(":")[0].split(".")[0]
         try:
             loaded = entry.load()
+            if inspect.isclass(loaded) and issubclass(loaded, Policy):
+                register(loaded, provider=package)
         except Exception as error:  # a broken plugin must not break the package: say so and go on without it
-            warnings.warn(
-                f"refreshkv: method plugin '{entry.name}' ({entry.value}) failed to load: {error}", stacklevel=2
-            )
-            continue
-        if inspect.isclass(loaded) and issubclass(loaded, Policy):
-            register(loaded)
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            verb = "was not registered" if isinstance(error, PolicyError) else "failed to load"
+            # one line on stderr (logging's last-resort handler, or the application's own logging configuration)
+            LOG.warning(f"warning: refreshkv: method plugin '{entry.name}' of package {package} {verb}: {reason}")

@@ -21,6 +21,14 @@ from ..core.cache_argument import with_cache
 from ..core.policy import Policy, check_positive, make_policy
 from ..core.shared_prefill import SharedPrefill
 from .compiled import check_compile_works, compiled_forward, runs_eagerly
+from .inputs import (
+    SamplingSettings,
+    check_attention_mask,
+    check_eos,
+    check_new_tokens,
+    check_token_ids,
+    vocabulary_size,
+)
 
 
 @dataclasses.dataclass
@@ -122,16 +130,18 @@ def check_length(model, prompt_length: int, max_new_tokens: int) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeSettings:
-    """How each step picks its token, and how often the loop checks whether every row has ended."""
+class DecodeSettings(SamplingSettings):
+    """How each step picks its token (checked by `SamplingSettings`), how often the loop checks whether every row
+    has ended, and whether decode steps are compiled."""
 
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
     eos_check_every: int = 1
     compile: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive("eos_check_every", self.eos_check_every)
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be True or False, got {self.compile!r}")
 
 
 @torch.inference_mode()
@@ -217,26 +227,20 @@ def generate_many(
     if not methods:
         raise ValueError("methods must name at least one method")
     policies = [m if isinstance(m, Policy) else make_policy(m) for m in methods]
-    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
-        raise ValueError("input_ids must be a non-empty (batch, length) tensor")
+    check_token_ids("input_ids", input_ids, vocabulary_size(model))
     if forced_tokens is not None:
+        check_token_ids("forced_tokens", forced_tokens, vocabulary_size(model))
         max_new_tokens, eos_token_id = forced_tokens.shape[1], []
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_new_tokens(max_new_tokens)
     if eos_check_every is None:
         eos_check_every = default_eos_check_every(input_ids.device)
-    check_positive("eos_check_every", eos_check_every)
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    if not bool(attention_mask.any(dim=-1).all()):
-        raise ValueError(
-            "every row of attention_mask needs at least one real token (a row of zeros is an empty prompt)"
-        )
+    settings = DecodeSettings(do_sample, temperature, top_k, top_p, seed, eos_check_every, compile)
+    attention_mask = check_attention_mask(attention_mask, input_ids)
     check_length(model, int(attention_mask.sum(-1).max()), max_new_tokens)
+    check_eos(eos_token_id)
     if eos_token_id is None:
         eos_token_id = model.generation_config.eos_token_id
     eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=input_ids.device).flatten()
-    settings = DecodeSettings(do_sample, temperature, top_k, top_p, seed, eos_check_every, compile)
     if compile:
         check_compile_works()
 

