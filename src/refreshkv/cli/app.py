@@ -16,7 +16,6 @@ from typer.exceptions import TyperException
 
 from ..runtime.inputs import SamplingSettings
 from ..runtime.prepare import check_runtime, load_checked
-from .demo import MAX_LENGTH as DEMO_MAX_LENGTH
 from .demo import MIN_LENGTH as DEMO_MIN_LENGTH
 from .eval_commands import register as register_eval_commands
 from .options import (
@@ -141,6 +140,7 @@ STAT_ROWS = (
     ("full-step fraction", "full_step_fraction"),
     ("KV MB held", "kv_bytes_full"),
     ("KV MB attended/step", "kv_bytes_attended_mean"),
+    ("finds the number", "finds_the_number"),  # the demo's needle
 )
 
 
@@ -150,6 +150,8 @@ def stats_table(results: list[dict]) -> Table:
     for result in results:
         table.add_column(result["method"], justify="right")
     for label, key in STAT_ROWS:
+        if key not in results[0]:
+            continue
         values = [r[key] for r in results]
         if key.startswith("kv_bytes"):
             values = [f"{v / 2**20:.1f}" for v in values]
@@ -236,23 +238,29 @@ def generate(
 @user_errors
 def demo(
     length: Annotated[
-        int,
-        typer.Option(min=DEMO_MIN_LENGTH, max=DEMO_MAX_LENGTH, help="Prompt length in tokens (book text + question)."),
+        int, typer.Option(min=DEMO_MIN_LENGTH, help="Prompt length in tokens (book text with the needle + question).")
     ] = 4096,
-    max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 16,
     budget: BudgetOpt = None,
+    model: ModelOpt = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ):
-    """The main job on the embedded model: a long book prompt decoded with `full` and with `refreshkv`."""
+    """The main job: a 7-digit number hidden in a long book passage, asked for with `full`, `refreshkv`, `snapkv`
+    and `streamingllm` (K = L/8 unless --budget); each answer beside its decode time and KV memory."""
     from ..core.policy import make_policy
-    from ..runtime.loading import load_model
-    from .demo import demo_prompt
+    from ..runtime.generate import check_length
+    from .demo import METHODS, demo_prompt, found
 
-    params = {} if budget is None else {"budget": budget}
-    make_policy("refreshkv", **params)  # validate before loading anything (and before the `full` run)
-    lm, tokenizer = load_model()
+    methods = [(name, {} if budget is None or name == "full" else {"budget": budget}) for name in METHODS]
+    for name, params in methods:
+        make_policy(name, **params)  # validate before loading anything
+    lm, tokenizer, _ = load_checked(model, check_runtime())
     ids = demo_prompt(tokenizer, length)
-    show(run_generations(lm, tokenizer, ids, [("full", {}), ("refreshkv", params)], max_new_tokens), as_json)
+    check_length(lm, ids.shape[1], max_new_tokens)
+    results = run_generations(lm, tokenizer, ids, methods, max_new_tokens)
+    for result in results:
+        result["finds_the_number"] = found(result["text"])
+    show(results, as_json)
 
 
 def bench_methods(names: str, budget: int, param: list[str]) -> dict[str, dict]:
@@ -440,6 +448,21 @@ def methods():
         cls = METHODS[name]
         params = ", ".join(f"{k}={'-' if v is None else v}" for k, v in cls.parameters().items()) or "-"
         table.add_row(name, params, cls.summary, PROVIDERS.get(name, BUILT_IN))
+    print_table(out, table)
+
+
+@app.command()
+def models():
+    """List the named models (--model NAME): installed or not, context, layers, the layers the methods act on."""
+    from ..runtime.models import DEFAULT_MODEL, NAMED_MODELS
+
+    table = Table(title="named models (--model NAME; a local model folder or a .gguf file works too)")
+    for column in ("name", "installed", "context", "layers", "the methods act on", "what it is"):
+        table.add_column(column)
+    for name, model in NAMED_MODELS.items():
+        installed = "yes" if model.installed() else f"no: {model.install}"
+        label = f"{name} (default)" if name == DEFAULT_MODEL else name
+        table.add_row(label, installed, f"{model.context:,}", str(model.layers), model.method_layers, model.summary)
     print_table(out, table)
 
 

@@ -1,29 +1,50 @@
-"""The demo prompt: the opening chapters of Pride and Prejudice (public domain, packaged) and a question on them."""
+"""The demo: a 7-digit number hidden in the middle of a long book passage, asked for at the end.
+
+The passage is the packaged opening of Pride and Prejudice (public domain), repeated to the length asked for; the
+needle sentence sits at half depth. A chat model gets the passage and the question as a user turn and the answer's
+opening words as the start of its reply; a base model (no chat template, e.g. Gemma 3 270M) gets the same text as a
+completion. Every method's answer is shown beside its cost, so quality and speed are seen together.
+"""
 
 from __future__ import annotations
 
+from ..eval.tasks.base import encode_user_turn, fit_to_length
 from ..texts import book_text
 
-QUESTION = (
-    "\n\nQuestion: what is the name of the young man who has taken Netherfield Park, and how much does he earn a year?"
-)
-# The lengths demo_prompt accepts with the embedded tokenizer, for `refreshkv demo --length`: the chat template and
-# question take 57 tokens, at least 16 book tokens follow them, and the packaged text holds 6577.
-MIN_LENGTH, MAX_LENGTH = 73, 6634
+NUMBER = "7290413"
+NEEDLE = f"The special magic number is {NUMBER}."
+QUESTION = "\n\nQuestion: what is the special magic number mentioned in the text above?"
+ANSWER_PREFIX = "The special magic number mentioned in the text above is"
+METHODS = ("full", "refreshkv", "snapkv", "streamingllm")
+MIN_LENGTH = 128  # prompt tokens: the question, the answer prefix and some text around the needle
+
+
+def passage(words: int) -> str:
+    """`words` words of the book (repeated as needed) with the needle sentence after the sentence at half length."""
+    book = book_text().split()
+    text = [book[i % len(book)] for i in range(words)]
+    middle = next((i + 1 for i in range(words // 2, words) if text[i].endswith(".")), words)
+    return " ".join(text[:middle] + [NEEDLE] + text[middle:])
 
 
 def demo_prompt(tokenizer, length: int):
-    """Chat-formatted token ids of about `length` tokens: as much of the book as fits, then the question."""
-    book = tokenizer.encode(book_text(), add_special_tokens=False)
-    overhead = len(_chat_ids(tokenizer, QUESTION)[0])
-    if length - overhead < 16:
-        raise ValueError(f"demo length must be at least {overhead + 16} tokens")
-    if length - overhead > len(book):
-        raise ValueError(f"demo length must be at most {len(book) + overhead} tokens (the packaged text's size)")
-    excerpt = tokenizer.decode(book[: length - overhead])
-    return _chat_ids(tokenizer, excerpt + QUESTION)
+    """(1, n) token ids, n <= `length`: as much passage as fits, then the question and the answer's opening words
+    (chat-templated where the tokenizer has a template)."""
+    import torch
+
+    chat = getattr(tokenizer, "chat_template", None) is not None
+    answer = ANSWER_PREFIX if chat else "\n" + ANSWER_PREFIX  # a reply starts its own turn; a completion a new line
+
+    def count(prompt: str) -> int:
+        return len(encode_user_turn(tokenizer, prompt, answer, chat))
+
+    if length < MIN_LENGTH:
+        raise ValueError(f"demo length must be at least {MIN_LENGTH} tokens, got {length}")
+    _, prompt = fit_to_length(lambda words: passage(words) + QUESTION, tokenizer, length, 10 * length, count)
+    if NUMBER not in prompt:
+        raise ValueError(f"demo length must be at least {MIN_LENGTH} tokens (the needle did not fit in {length})")
+    return torch.tensor([encode_user_turn(tokenizer, prompt, answer, chat)])
 
 
-def _chat_ids(tokenizer, text: str):
-    messages = [{"role": "user", "content": text}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
+def found(answer: str) -> bool:
+    return NUMBER in answer.replace(" ", "")

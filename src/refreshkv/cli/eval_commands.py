@@ -61,7 +61,13 @@ def register(app, user_errors) -> None:
         num_examples: Annotated[int, typer.Option(min=1, help="Examples to run.")] = 10,
         seed: Annotated[int, typer.Option(help="Seed of the example generator.")] = 0,
         model: ModelOpt = None,
-        chat: Annotated[bool, typer.Option(help="Wrap prompts in the model's chat template.")] = True,
+        chat: Annotated[
+            bool,
+            typer.Option(
+                help="Wrap prompts in the model's chat template where it has one (a base model gets the "
+                "task's base form; rows record prompt_form)."
+            ),
+        ] = True,
         dtype: DtypeOpt = "float32",
         device: DeviceOpt = "cpu",
     ):
@@ -97,7 +103,7 @@ def register(app, user_errors) -> None:
         config: Annotated[Path, typer.Argument(help="Sweep YAML file (schema in docs/evaluation.md).")],
         out: Annotated[Optional[Path], typer.Option(help="JSONL results file (overrides `out` in the YAML).")] = None,
         model: Annotated[
-            Optional[str], typer.Option(help="Model directory or .gguf (overrides `model` in the YAML).")
+            Optional[str], typer.Option(help="Named model, model directory or .gguf (overrides `model` in the YAML).")
         ] = None,
         device: DeviceOpt = "cpu",
         share_prefill: Annotated[

@@ -9,7 +9,11 @@ from typing import Annotated, Optional
 import typer
 
 ModelOpt = Annotated[
-    Optional[str], typer.Option(help="Local model directory or .gguf file (default: embedded SmolLM2-135M-Instruct).")
+    Optional[str],
+    typer.Option(
+        help="A named model (smollm2-135m, the default; gemma3-270m: see `refreshkv models`), a local model "
+        "directory or a .gguf file."
+    ),
 ]
 MethodOpt = Annotated[str, typer.Option(help="KV method (see `refreshkv methods`).")]
 BudgetOpt = Annotated[Optional[int], typer.Option(help="Tokens kept/attended per layer and KV head (K).")]

@@ -167,6 +167,13 @@ class RunConfig:
 class Prepared:
     example: dict
     input_ids: list[int]
+    prompt_form: str = "chat"  # "chat": the model's chat template; "base": the task's text and answer prefix
+
+
+def uses_chat(tokenizer, requested: bool) -> bool:
+    """Prompts are chat-templated when the run asks for it and the model has a template; a base model (no
+    template, e.g. Gemma 3 270M) gets the task's base form, as RULER prompts base models."""
+    return requested and getattr(tokenizer, "chat_template", None) is not None
 
 
 def encode_prompt(tokenizer, example: dict, chat: bool) -> list[int]:
@@ -179,18 +186,19 @@ def prepare(model, tokenizer, config: RunConfig, num_examples: int) -> list[Prep
     config.validate(model)
     task = find_task(config.task)
     options = dict(config.task_options)
+    chat = uses_chat(tokenizer, config.chat)
     if "chat" in inspect.signature(task.build).parameters:  # its length budget counts the chat template
-        options["chat"] = config.chat
+        options["chat"] = chat
     examples = task.build(tokenizer, config.length, num_examples, config.seed, **options)
     prepared = []
     for example in examples:
         if task_kind(task) == "generation":
-            ids = encode_prompt(tokenizer, example, config.chat)
+            ids = encode_prompt(tokenizer, example, chat)
             check_length(model, len(ids), example["max_new_tokens"])
         else:
             ids = list(example["input_ids"])
             check_length(model, example["target_start"], len(ids) - example["target_start"])  # as `generate` checks
-        prepared.append(Prepared(example, ids))
+        prepared.append(Prepared(example, ids, "chat" if chat else "base"))
     return prepared
 
 
@@ -444,6 +452,7 @@ def row_for(config: RunConfig, run: str, item: Prepared, measured: dict) -> dict
         "task_options": config.fields()["task_options"],
         "model": config.model,
         "chat": config.chat,
+        "prompt_form": item.prompt_form,
         "dtype": config.dtype,
         "id": example["id"],
     }
