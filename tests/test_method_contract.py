@@ -21,6 +21,8 @@ def small_budget(name: str) -> dict:
     chosen = {"budget": 8} if "budget" in params else {}
     if "window" in params:
         chosen["window"] = 4
+    if "page_size" in params:
+        chosen["page_size"] = 4  # two pages of the budget
     return chosen
 
 

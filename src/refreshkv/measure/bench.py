@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from ..core.cache_argument import with_cache
-from ..core.policy import make_policy
+from ..core.policy import METHODS, make_policy
 from ..runtime.generate import check_length, generate, generate_many, synchronize
 from ..texts import book_text
 
@@ -175,7 +175,9 @@ def run_round(
 def run_from(method: str, ids, new_tokens: int, result, peak_bytes: int | None) -> Run:
     stats = result.stats()
     full_steps, partial_steps = split_steps(
-        result.step_s, result.cache.stats.per_step(result.cache.step), result.cache.num_layers
+        result.step_s,
+        result.cache.stats.per_step(result.cache.step, [layer.layer_idx for layer in result.cache.method_layers()]),
+        len(result.cache.method_layers()),
     )
     return Run(
         method=method,
@@ -234,8 +236,11 @@ def summarize(runs: list[Run], weights: int, bandwidth: float) -> dict:
     floor = (weights + attended) / bandwidth
     peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
     prefill = statistics.median(r.prefill_s for r in runs)
+    method = METHODS.get(method_of(runs[0].method))
     return {
         "method": runs[0].method,
+        # a quality reference that reads the whole cache to choose (oracle) is labelled, never read as a speed-up
+        "label": runs[0].method + (" (ceiling)" if method is not None and method.ceiling else ""),
         "length": runs[0].length,
         "rounds": len(runs),
         "prefill_s": prefill,

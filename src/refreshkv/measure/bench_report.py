@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.table import Table
 
 SPEED = (
-    ("method", "method", "{}"),
+    ("method", "label", "{}"),
     ("prefill s", "prefill_s", "{:.2f}"),
     ("prefill tok/s", "prefill_tokens_per_s", "{:.0f}"),
     ("ms/tok", "decode_ms_per_token", "{:.1f}"),
@@ -18,7 +18,7 @@ SPEED = (
     ("full share", "full_step_fraction", "{:.3f}"),  # of layer-steps
 )
 STEPS = (  # full steps (most layers attended fully: refreshes, fixed-stride steps) against partial steps
-    ("method", "method", "{}"),
+    ("method", "label", "{}"),
     ("full steps", "full_steps", "{}"),
     ("full step ms", "full_step_ms", "{:.1f}"),
     ("full p90", "full_step_p90_ms", "{:.1f}"),
@@ -28,7 +28,7 @@ STEPS = (  # full steps (most layers attended fully: refreshes, fixed-stride ste
     ("partial p90", "partial_step_p90_ms", "{:.1f}"),
 )
 MEMORY = (
-    ("method", "method", "{}"),
+    ("method", "label", "{}"),
     ("KV MB held", "kv_bytes_held", "mb"),
     ("held/full", "kv_held_vs_full", "{:.3f}"),
     ("KV MB read/step", "kv_bytes_attended", "mb"),
@@ -78,9 +78,10 @@ def bench_tables(result: dict) -> list[Table]:
             )
             for label, key, _ in columns:
                 table.add_column(
-                    label, justify="right", no_wrap=key == "method", min_width=14 if key == "method" else None
+                    label, justify="right", no_wrap=key == "label", min_width=14 if key == "label" else None
                 )
             for row in (r for r in result["rows"] if r["length"] == length):
+                row = {"label": row["method"], **row}  # results written before labels existed
                 table.add_row(*(_cell(row.get(key), fmt) for _, key, fmt in columns))
             tables.append(table)
     return tables
@@ -91,7 +92,7 @@ def markdown_table(result: dict) -> str:
     header = ["context", *(label for label, _, _ in COLUMNS)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in result["rows"]:
-        cells = [str(row["length"])] + [_cell(row.get(k), fmt) for (_, k, fmt) in COLUMNS]
+        cells = [str(row["length"])] + [_cell({"label": row["method"], **row}.get(k), fmt) for (_, k, fmt) in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

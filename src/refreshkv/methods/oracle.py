@@ -1,0 +1,75 @@
+"""`oracle`: at every decode step each KV head attends to exactly the K tokens the current query attends to most.
+
+The ceiling of every method that attends to K tokens per step (RefreshKV's partial steps, Quest): no stale
+selection, no pooling, no page granularity. It computes the current query's attention over the whole cache to
+choose, so it reads everything and is never faster than `full`: a quality reference, not a method to deploy
+(`bench` and `report` label it so).
+
+Choices:
+- The ranking is by the current query's attention probabilities, aggregated over the query heads of a GQA group
+  (`aggregation`, max as in refreshkv and snapkv); for one query head this is the order of its logits. The newest
+  token is always attended to, besides the K chosen (as in refreshkv's partial cache: K + the new token).
+- The chosen tokens' attention is renormalised over them alone (softmax over the K + 1 logits), as a method that
+  held only those tokens would compute it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from ..core.attention_math import AGGREGATIONS, aggregate_group, logits_of, pack_queries, top_k, unpack_output
+from ..core.kvstore import FullStore
+from ..core.policy import BudgetPolicy, check_choice, register
+
+
+@register
+@dataclasses.dataclass
+class Oracle(BudgetPolicy):
+    """Oracle top-K: every step, per KV head, the K tokens with the highest attention of the current query (over
+    the whole cache) plus the newest token. A quality ceiling: it reads the whole cache.
+
+    Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
+    default); `aggregation` (max) of the probabilities over the query heads of a GQA group.
+    """
+
+    name = "oracle"
+    summary = "quality ceiling: each step attends to the exact top-K tokens of the current query (reads everything)"
+    ceiling: ClassVar[bool] = True
+
+    aggregation: str = "max"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice("aggregation", self.aggregation, AGGREGATIONS)
+
+    def store_prompt(self, layer, query, key, value, scaling):
+        layer.state = FullStore(key, layer.capacity())
+        layer.state.append(key, value)
+
+    def crop(self, layer, tokens):
+        layer.state.crop(tokens)
+
+    def decode(self, layer, query, key, value, scaling):
+        store: FullStore = layer.state
+        store.append(key, value)
+        keys, values = store.view()
+        n = store.length
+        layer.record(0.0, store.attended_bytes())
+        packed = pack_queries(query, keys.shape[1])  # (B, Hkv, G, D)
+        logits = logits_of(packed, keys, scaling)  # (B, Hkv, G, n) float32
+        valid = layer.valid_positions(n, key.device)  # (B, 1, 1, n) or None
+        if valid is not None:
+            logits = logits.masked_fill(~valid, torch.finfo(torch.float32).min)
+        if layer.budget + 1 < n:
+            ranking = aggregate_group(logits.softmax(dim=-1), self.aggregation)[..., : n - 1]  # the newest is kept
+            chosen = top_k(
+                ranking, layer.budget, None if valid is None else valid.view(valid.shape[0], 1, -1)[..., :-1]
+            )
+            keep = torch.zeros_like(logits[:, :, :1], dtype=torch.bool).scatter(-1, chosen.unsqueeze(2), True)
+            keep[..., -1] = True
+            logits = logits.masked_fill(~keep, float("-inf"))
+        output = torch.matmul(logits.softmax(dim=-1).to(values.dtype), values)  # (B, Hkv, G, D)
+        return unpack_output(output, query.shape[1])

@@ -1,0 +1,177 @@
+"""`quest` (Tang et al., 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", arXiv
+2406.10774): the full cache in pages; at every decode step the current query picks the pages to attend to.
+
+Per the paper (§3, Alg. 1): the cache is cut into pages of `page_size` (16) consecutive tokens; each page keeps, per
+KV head and channel, the minimum and the maximum of its keys. At a decode step, a page's criticality is an upper
+bound of the query-key product of its tokens: per channel the larger of q * min and q * max, summed over channels.
+The top K / page_size pages by that bound, plus the page being written, are attended to; nothing is evicted. The
+page metadata is updated as each token is appended. The first `dense_layers` (2) layers attend fully, as the paper
+keeps its first two layers dense.
+
+Choices where the paper is silent:
+- GQA (the paper's models have one query head per KV head): the query heads sharing a KV head select together; a
+  page's bound is the largest of their bounds (`aggregation="max"`; `mean` averages them), so one gather serves
+  the group.
+- Pages start at position 0 of the (left-padded) input; the prompt's last partial page is "the page being
+  written": decoded tokens fill it, and it is always attended to (it is not counted in K). Pads never enter a
+  page's minimum or maximum, and a page of pads only is never selected.
+- When every page fits (at most K / page_size + 1), the step attends to the whole cache directly (so a budget that
+  keeps everything equals `full`).
+- Bytes read per step: the selected pages' keys and values plus every page's minimum and maximum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from ..core.attention_math import AGGREGATIONS, aggregate_group, decode_attention, pack_queries, top_k
+from ..core.kvstore import FullStore, LayerState, every_position, gather_tokens
+from ..core.policy import DEFAULT_BUDGET_RATIO, BudgetPolicy, PolicyError, check_choice, check_positive, register
+
+
+class PagedStore(LayerState):
+    """Every token (a `FullStore`) and, per page of `page_size` tokens and KV head, its keys' channel-wise minimum
+    and maximum (B, Hkv, pages, D). Pages are counted from each row's first real token (a row's page j holds its real
+    tokens j * page_size ...), so a left-padded row pages its tokens as it would alone; pages not yet reached hold
+    +inf / -inf."""
+
+    def __init__(self, key: torch.Tensor, capacity: int, page_size: int, pads: torch.Tensor | None):
+        self.full = FullStore(key, capacity)
+        self.page_size = page_size
+        self.pads = torch.zeros(key.shape[0], dtype=torch.long, device=key.device) if pads is None else pads.clone()
+        self.fewest_pads = int(self.pads.min())  # read once, at the prompt: decode steps read nothing on the host
+        pages = -(-capacity // page_size)
+        self.lows = key.new_full((*key.shape[:2], pages, key.shape[3]), float("inf"))
+        self.highs = key.new_full((*key.shape[:2], pages, key.shape[3]), float("-inf"))
+
+    @property
+    def pages(self) -> int:
+        """Pages holding at least one token, in the row with the most."""
+        return -(-(self.full.length - self.fewest_pads) // self.page_size)
+
+    def load_prompt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The prompt (B, Hkv, L, D, left-padded): stored, and its pages' ranges from each row's real tokens."""
+        self.full.append(keys, values)
+        batch, heads, length, dim = keys.shape
+        aligned = torch.arange(length, device=keys.device) + self.pads.view(-1, 1)  # (B, L) padded position
+        real = aligned < length  # the row's real tokens, moved to the front
+        index = aligned.clamp(max=length - 1).view(batch, 1, length, 1).expand(-1, heads, -1, dim)
+        moved = keys.gather(2, index)
+        pages = -(-length // self.page_size)
+        shape = (batch, heads, pages, self.page_size, dim)
+        padding = (0, 0, 0, pages * self.page_size - length)
+        mask = ~real.view(batch, 1, length, 1)
+        low = F.pad(moved.masked_fill(mask, float("inf")), padding, value=float("inf")).view(shape).amin(3)
+        high = F.pad(moved.masked_fill(mask, float("-inf")), padding, value=float("-inf")).view(shape).amax(3)
+        self.lows[:, :, :pages], self.highs[:, :, :pages] = low, high
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """One decoded token (B, Hkv, 1, D): stored, and its page's range widened (each row's own page)."""
+        self.full.append(key, value)
+        if self.pages > self.lows.shape[2]:  # more tokens than the capacity announced: double
+            self.lows = torch.cat([self.lows, torch.full_like(self.lows, float("inf"))], dim=2)
+            self.highs = torch.cat([self.highs, torch.full_like(self.highs, float("-inf"))], dim=2)
+        page = ((self.full.length - 1 - self.pads) // self.page_size).view(-1, 1, 1, 1).expand_as(key)
+        self.lows.scatter_reduce_(2, page, key, "amin")
+        self.highs.scatter_reduce_(2, page, key, "amax")
+
+    def current_pages(self) -> torch.Tensor:
+        """(B,) the page each row is writing (its last token's)."""
+        return (self.full.length - 1 - self.pads) // self.page_size
+
+    def metadata_bytes(self) -> int:
+        """Bytes of the pages' minima and maxima (read in full at every step)."""
+        return 2 * self.lows[:, :, : self.pages].numel() * self.lows.element_size()
+
+    def nbytes(self) -> int:
+        return self.full.nbytes() + self.metadata_bytes()
+
+    def kept(self, pads: torch.Tensor | None) -> torch.Tensor:
+        return every_position(self.full.length, self.full.keys, pads)
+
+
+@register
+@dataclasses.dataclass
+class Quest(BudgetPolicy):
+    """Quest: per decode step, the top K / `page_size` pages of the full cache by an upper bound of the query-key
+    product (from each page's channel-wise key minimum and maximum), plus the page being written.
+
+    Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
+    default), at least one page; `page_size` (16) tokens per page; `dense_layers` (2) bottom layers that attend
+    fully; `aggregation` (max) of the page bounds over the query heads of a GQA group.
+    """
+
+    name = "quest"
+    summary = "full cache in pages; each step attends to the top K/page_size pages by a query-aware upper bound"
+
+    page_size: int = 16
+    dense_layers: int = 2
+    aggregation: str = "max"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive("page_size", self.page_size)
+        if not isinstance(self.dense_layers, int) or isinstance(self.dense_layers, bool) or self.dense_layers < 0:
+            raise PolicyError(f"dense_layers must be an integer >= 0, got {self.dense_layers!r}")
+        check_choice("aggregation", self.aggregation, tuple(a for a in AGGREGATIONS if a != "first"))
+        if self.budget is not None and self.budget < self.page_size:
+            raise PolicyError(f"budget ({self.budget}) must hold at least one page (page_size {self.page_size} tokens)")
+
+    def budget_for(self, prompt_length: int) -> int:
+        budget = super().budget_for(prompt_length)
+        if budget < self.page_size:
+            raise PolicyError(
+                f"budget ({budget} tokens, from budget_ratio {self.budget_ratio or DEFAULT_BUDGET_RATIO}) must hold at "
+                f"least one page "
+                f"(page_size {self.page_size} tokens)"
+            )
+        return budget
+
+    def store_prompt(self, layer, query, key, value, scaling):
+        store = PagedStore(key, layer.capacity(), self.page_size, layer.pads)
+        store.load_prompt(key, value)
+        layer.state = store
+
+    def decode(self, layer, query, key, value, scaling):
+        store: PagedStore = layer.state
+        store.append(key, value)
+        full = store.full
+        selected_pages = layer.budget // self.page_size
+        if layer.layer_idx < self.dense_layers or store.pages <= selected_pages + 1:
+            keys, values = full.view()
+            layer.record(1.0 if layer.layer_idx < self.dense_layers else 0.0, full.attended_bytes())
+            return decode_attention(query, keys, values, scaling, layer.valid_positions(full.length, key.device))
+        index, chosen = self.selected_tokens(store, query, selected_pages)  # (B, Hkv, k) each
+        # the page being written runs past the tokens held: gather within the storage, mask what is not a token
+        keys, values = gather_tokens(index.clamp(max=full.keys.shape[2] - 1), full.keys, full.values)
+        valid = chosen & (index < full.length)
+        # storage past the last token is uninitialised (it may hold NaN, which a masked weight of 0 would not cancel)
+        keys, values = keys.masked_fill(~valid[..., None], 0), values.masked_fill(~valid[..., None], 0)
+        token_bytes = full.keys.element_size() * full.keys.shape[-1] * 2 * index.shape[0] * index.shape[1]
+        layer.record(0.0, token_bytes * index.shape[-1] + store.metadata_bytes())
+        return decode_attention(query, keys, values, scaling, valid)
+
+    def selected_tokens(self, store: PagedStore, query, selected_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, Hkv, (selected_pages + 1) * page_size) padded positions, each row's top pages by their bound (page
+        order) then the page it is writing, and whether each belongs to a chosen page (a row with fewer pages than
+        selected_pages fills up with pages it does not have); positions past a row's last token: the caller."""
+        pages, current = store.pages, store.current_pages()  # current: (B,)
+        lows, highs = store.lows[:, :, :pages], store.highs[:, :, :pages]
+        index = torch.arange(pages, device=lows.device)
+        # pages that compete: before the row's current page, holding a token (a page reached has a finite minimum)
+        competing = (index < current.view(-1, 1, 1)) & torch.isfinite(lows[..., 0])
+        lows, highs = lows.masked_fill(~competing[..., None], 0.0), highs.masked_fill(~competing[..., None], 0.0)
+        packed = pack_queries(query, store.full.keys.shape[1])  # (B, Hkv, G, D)
+        bounds = torch.matmul(packed.clamp(min=0), highs.transpose(-1, -2)) + torch.matmul(
+            packed.clamp(max=0), lows.transpose(-1, -2)
+        )  # (B, Hkv, G, pages): per channel q * max where q >= 0, q * min where q < 0
+        bounds = aggregate_group(bounds.float(), self.aggregation)
+        top = top_k(bounds, min(selected_pages, pages), competing)
+        chosen = torch.cat([top, current.view(-1, 1, 1).expand(-1, top.shape[1], 1)], dim=-1)
+        kept = torch.cat([competing.gather(-1, top), torch.ones_like(top[..., :1], dtype=torch.bool)], dim=-1)
+        offsets = torch.arange(self.page_size, device=chosen.device)
+        aligned = (chosen.unsqueeze(-1) * self.page_size + offsets).flatten(-2)
+        return aligned + store.pads.view(-1, 1, 1), kept.repeat_interleave(self.page_size, dim=-1)
