@@ -433,22 +433,27 @@ def test_bench_runs_variants_of_a_method_with_their_own_parameters(no_model, mon
 def test_demo_checks_its_budget_and_length_before_loading(no_model, monkeypatch, capsys):
     code, _, err = cli(monkeypatch, capsys, "demo", "--budget", "0")
     assert_one_line_error(code, err, "budget")
-    code, _, err = cli(monkeypatch, capsys, "demo", "--length", "72")
-    assert_one_line_error(code, err, "--length", "73")
+    code, _, err = cli(monkeypatch, capsys, "demo", "--length", "127")
+    assert_one_line_error(code, err, "--length", "128")
 
 
 @pytest.mark.embedded
-def test_the_demo_length_range_is_the_one_of_the_embedded_tokenizer():
+def test_the_demo_prompt_fits_its_length_and_holds_the_needle_once():
+    """From the shortest length to beyond the packaged text (which repeats), on the embedded tokenizer."""
     from transformers import AutoTokenizer
 
-    from refreshkv.cli.demo import MAX_LENGTH, MIN_LENGTH, demo_prompt
+    from refreshkv.cli.demo import MIN_LENGTH, NUMBER, demo_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir())
-    assert demo_prompt(tokenizer, MIN_LENGTH).shape[1] >= MIN_LENGTH - 1
-    demo_prompt(tokenizer, MAX_LENGTH)
-    for length in (MIN_LENGTH - 1, MAX_LENGTH + 1):
-        with pytest.raises(ValueError, match="demo length must be"):
-            demo_prompt(tokenizer, length)
+    for length in (MIN_LENGTH, 4096, 12000):
+        ids = demo_prompt(tokenizer, length)
+        assert length - 40 <= ids.shape[1] <= length
+        text = tokenizer.decode(ids[0])
+        assert text.count(NUMBER) == 1 and text.rstrip().endswith(
+            "The special magic number mentioned in the text above is"
+        )
+    with pytest.raises(ValueError, match="demo length must be at least 128"):
+        demo_prompt(tokenizer, MIN_LENGTH - 1)
 
 
 def test_prompt_files_that_are_folders_or_not_utf8_are_named(tmp_path, no_model, monkeypatch, capsys):
@@ -666,3 +671,33 @@ def test_a_named_model_that_fails_its_checksum_leaves_nothing_in_the_cache(tmp_p
     with pytest.raises(ModelError, match="^cannot assemble model 'gemma3-270m' .*sha256 did not match.*reinstall"):
         resolve_model_dir("gemma3-270m")
     assert [p.name for p in (tmp_path / "cache").iterdir()] == []  # no GGUF, no lock, no conversion
+
+
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        ("missing", "questions file '{q}' does not exist"),
+        ("empty", "questions file '{q}' holds no question"),
+        ("folder", "questions file '{q}' is a directory"),
+        ("out exists", "--out {out} exists"),
+        ("unused param", "no method of full takes budget"),
+    ],
+)
+def test_chat_bad_input_is_one_line_before_loading(tmp_path, no_model, monkeypatch, capsys, setup, message):
+    document, questions, out = tmp_path / "doc.txt", tmp_path / "q.txt", tmp_path / "out.jsonl"
+    document.write_text("some text")
+    questions.write_text("a question?\n")
+    args = ["chat", "--prompt-file", document, "--questions", questions, "--out", out, "--method", "full"]
+    if setup == "missing":
+        questions.unlink()
+    elif setup == "empty":
+        questions.write_text("\n  \n")
+    elif setup == "folder":
+        questions.unlink()
+        questions.mkdir()
+    elif setup == "out exists":
+        out.write_text("")
+    else:
+        args += ["--budget", "8"]
+    code, _, err = cli(monkeypatch, capsys, *args)
+    assert_one_line_error(code, err, message.format(q=questions, out=out))

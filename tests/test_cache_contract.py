@@ -42,13 +42,18 @@ def test_assisted_decoding_with_full(llama):
     plain = hf_generate(llama, ids)
     out = hf_generate(llama, ids, make_policy("full"), assistant_model=assistant)
     assert torch.equal(out, plain)
+    # refreshkv keeps every token in C_f, so it takes drafted tokens (one full step) and forgets the rejected ones
+    kept = hf_generate(llama, ids, make_policy("refreshkv", budget=4096), assistant_model=assistant)
+    assert torch.equal(kept, plain)
 
 
 def test_crop_is_refused_by_a_method_that_drops_tokens(llama):
     cache = PolicyCache(make_policy("snapkv", budget=4, window=2), llama, max_new_tokens=2)
     with torch.no_grad():
         llama(random_prompt(20), **with_cache(llama, cache))
-    with pytest.raises(PolicyError, match="cannot crop") as error:
+    with pytest.raises(
+        PolicyError, match="cannot forget its last tokens .*methods that can: full, oracle, recycled, refreshkv"
+    ) as error:
         cache.crop(-2)
     assert "\n" not in str(error.value)
 

@@ -16,6 +16,7 @@ from typer.exceptions import TyperException
 
 from ..runtime.inputs import SamplingSettings
 from ..runtime.prepare import check_runtime, load_checked
+from .chat_command import register as register_chat_command
 from .demo import MIN_LENGTH as DEMO_MIN_LENGTH
 from .eval_commands import register as register_eval_commands
 from .options import (
@@ -37,6 +38,7 @@ from .options import (
     WindowOpt,
     method_params,
     parse_pairs,
+    read_prompt,
 )
 from .tables import print_table
 from .train_commands import register as register_train_commands
@@ -65,22 +67,6 @@ def user_errors(command):
             fail(str(error).splitlines()[0] if str(error) else type(error).__name__)
 
     return wrapper
-
-
-def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
-    if (prompt is None) == (prompt_file is None):
-        raise ValueError("give exactly one of --prompt TEXT or --prompt-file FILE")
-    if prompt_file is not None:
-        if not prompt_file.is_file():
-            problem = "is not a file" if prompt_file.exists() else "does not exist"
-            raise ValueError(f"prompt file '{prompt_file}' {problem}; give a UTF-8 text file")
-        try:
-            prompt = prompt_file.read_text(encoding="utf-8")
-        except UnicodeDecodeError as error:
-            raise ValueError(f"prompt file '{prompt_file}' is not UTF-8 text (byte {error.start})") from None
-    if not prompt.strip():
-        raise ValueError("the prompt is empty")
-    return prompt
 
 
 def encode(tokenizer, text: str, chat: bool):
@@ -466,6 +452,7 @@ def models():
     print_table(out, table)
 
 
+register_chat_command(app, user_errors)
 register_eval_commands(app, user_errors)
 register_train_commands(app, user_errors)
 

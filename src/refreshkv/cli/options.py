@@ -4,6 +4,7 @@ runtime/prepare.py)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -101,3 +102,19 @@ def method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, wi
         name = both[0]
         raise ValueError(f"{name} is given both as --{name.replace('_', '-')} and as --param {name}; give it once")
     return {**given, **extra}
+
+
+def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
+    if (prompt is None) == (prompt_file is None):
+        raise ValueError("give exactly one of --prompt TEXT or --prompt-file FILE")
+    if prompt_file is not None:
+        if not prompt_file.is_file():
+            problem = "is not a file" if prompt_file.exists() else "does not exist"
+            raise ValueError(f"prompt file '{prompt_file}' {problem}; give a UTF-8 text file")
+        try:
+            prompt = prompt_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"prompt file '{prompt_file}' is not UTF-8 text (byte {error.start})") from None
+    if not prompt.strip():
+        raise ValueError("the prompt is empty")
+    return prompt

@@ -81,6 +81,7 @@ class PolicyLayer(CacheLayerMixin):
         self.window = None  # the layer's sliding window, if it has one
         self.pending = None
         self.recorded = False
+        self.record_share = 1.0  # below 1 while several new tokens share one step (`decode_each`)
 
     @property
     def is_croppable(self) -> bool:
@@ -130,15 +131,30 @@ class PolicyLayer(CacheLayerMixin):
                 f"the generation went past layer {self.layer_idx}'s sliding window ({self.window} tokens) after "
                 f"fewer new tokens were announced; give max_new_tokens to the cache (PolicyCache(..., max_new_tokens))"
             )
-        if query.shape[2] != 1 and not self.is_croppable:
-            raise PolicyError(
-                f"method '{policy.name}' decodes one token per step after the prompt, got {query.shape[2]}"
-            )
         self.recorded = False
-        output = policy.decode(self, query, key, value, scaling)
+        step = policy.decode if query.shape[2] == 1 else policy.extend
+        output = step(self, query, key, value, scaling)
         if not self.recorded:
             raise RuntimeError(f"method '{policy.name}' decoded without calling layer.record(...)")
         return output
+
+    def decode_each(self, decode, query, key, value, scaling):
+        """`decode` for each of several new tokens in turn, as if they came one per step (`Policy.extend`'s
+        default): `seen` counts up token by token, and the step's statistics are the mean over the tokens."""
+        count, end = query.shape[2], self.seen
+        outputs = []
+        self.record_share = 1 / count
+        try:
+            for i in range(count):
+                self.seen = end - count + i + 1
+                self.recorded = False
+                one = slice(i, i + 1)
+                outputs.append(decode(self, query[:, :, one], key[:, :, one], value[:, :, one], scaling))
+                if not self.recorded:
+                    raise RuntimeError(f"method '{self.policy.name}' decoded without calling layer.record(...)")
+        finally:
+            self.seen, self.record_share = end, 1.0
+        return torch.cat(outputs, dim=1)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
@@ -218,7 +234,7 @@ class PolicyLayer(CacheLayerMixin):
     def record(self, full_fraction: float | torch.Tensor, attended_bytes: int) -> None:
         """Statistics of one decode step of this layer: share of rows that attended fully (a 0-d tensor when rows
         decided on the device), bytes of K/V read. Kept in device tensors: recording never waits for the device."""
-        self.cache.stats.add(self.layer_idx, self.cache.step, full_fraction, attended_bytes)
+        self.cache.stats.add(self.layer_idx, self.cache.step, full_fraction * self.record_share, attended_bytes)
         self.recorded = True
 
 
@@ -254,9 +270,10 @@ class DecodeStats:
         """Steps that attended fully, per layer."""
         return torch.stack(self.full).sum(1).tolist()
 
-    def per_step(self, steps: int) -> list[float]:
-        """Layers that attended fully, per decode step."""
-        return torch.stack([full[:steps] for full in self.full]).sum(0).tolist()
+    def per_step(self, steps: int, layers: list[int] | None = None) -> list[float]:
+        """Layers that attended fully (of `layers`, default all), per decode step."""
+        chosen = self.full if layers is None else [self.full[i] for i in layers]
+        return torch.stack([full[:steps] for full in chosen]).sum(0).tolist()
 
     def attended_bytes(self) -> int:
         return int(sum(self.attended))
@@ -391,7 +408,14 @@ class PolicyCache(Cache):
         return dict(total)
 
     def full_step_fraction(self) -> float:
-        return sum(self.stats.per_layer()) / (self.num_layers * self.step) if self.step else 0.0
+        """Share of the method's layer-steps that attended fully. Sliding-window layers whose window bites attend to
+        their window whatever the method (Gemma's 15 of 18): they are left out, so the share says what the method
+        did (on a model without them, every layer counts)."""
+        layers = [layer.layer_idx for layer in self.method_layers()]
+        if not self.step or not layers:
+            return 0.0
+        per_layer = self.stats.per_layer()
+        return sum(per_layer[i] for i in layers) / (len(layers) * self.step)
 
     def attended_bytes_mean(self) -> float:
         return self.stats.attended_bytes() / self.step if self.step else 0.0

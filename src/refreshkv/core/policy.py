@@ -38,6 +38,8 @@ class Policy:
     shares_prefill: ClassVar[bool] = True  # the prompt's output is plain causal attention (see the module doc)
     # A plugin's class that sets this replaces a registered method of the same name (never `full`).
     replaces: ClassVar[bool] = False
+    # A quality reference that reads the whole cache to choose (`oracle`): labelled so by bench and report.
+    ceiling: ClassVar[bool] = False
 
     def store_prompt(self, layer: PolicyLayer, query, key, value, scaling: float) -> None:
         """Keep what the method needs of the prompt in `layer.state` (key/value: (B, Hkv, L, D), left-padded)."""
@@ -50,6 +52,14 @@ class Policy:
 
     def decode(self, layer: PolicyLayer, query, key, value, scaling: float) -> torch.Tensor:
         raise NotImplementedError
+
+    def extend(self, layer: PolicyLayer, query, key, value, scaling: float) -> torch.Tensor:
+        """Several new tokens after the prompt in one forward (a conversation's next question, drafted tokens):
+        their attention outputs (B, q, Hq, D). By default they go through `decode` one at a time, each seeing the
+        ones before it, exactly as if they had been decoded one per step (the method's own rule applies to each:
+        StreamingLLM slides, H2O accumulates, SnapKV appends). A method that treats a block of new tokens otherwise
+        overrides this and says so in its docstring (refreshkv: one full step that rebuilds C_p)."""
+        return layer.decode_each(self.decode, query, key, value, scaling)
 
     def decides_on_host(self, step: int) -> bool:
         """Whether decode step `step` (counted from 1) takes a decision from device values (`refreshkv`'s QC steps).
@@ -65,8 +75,12 @@ class Policy:
         on it (e.g. a window longer than the prompt); called once per generation, before any layer's prefill."""
 
     def crop(self, layer: PolicyLayer, tokens: int) -> None:
-        """Forget the last `tokens` tokens (transformers' assisted decoding); only a method that never evicts can."""
-        raise PolicyError(f"method '{self.name}' cannot crop its cache (it drops tokens); only 'full' can")
+        """Forget the last `tokens` tokens (assisted decoding, a conversation that drops its answers); only a method
+        that keeps every token can."""
+        raise PolicyError(
+            f"method '{self.name}' cannot forget its last tokens (it drops tokens as it goes); methods "
+            f"that can: {', '.join(croppable_methods())}"
+        )
 
     @classmethod
     def keep_everything(cls) -> dict[str, object]:
@@ -163,6 +177,11 @@ def register(cls: type[Policy], provider: str = BUILT_IN) -> type[Policy]:
     METHODS[name] = cls
     PROVIDERS[name] = provider
     return cls
+
+
+def croppable_methods() -> list[str]:
+    """The registered methods that can forget their last tokens (`crop`)."""
+    return sorted(name for name, cls in METHODS.items() if cls.crop is not Policy.crop)
 
 
 def make_policy(name: str, **params) -> Policy:

@@ -1,7 +1,7 @@
 """`full`: vanilla attention over the whole KV cache (the reference every method is compared with).
 
-It never drops a token, so it can also take several new tokens at once and forget the last ones (`crop`), which is
-what transformers' assisted decoding does with drafted tokens.
+It never drops a token, so it takes several new tokens in one step (each attends causally to the ones before it) and
+can forget the last ones (`crop`), which is what transformers' assisted decoding does with drafted tokens.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ class Full(Policy):
         keys, values = store.view()
         layer.record(1.0, store.attended_bytes())
         return decode_attention(query, keys, values, scaling, layer.valid_positions(store.length, key.device))
+
+    def extend(self, layer, query, key, value, scaling):
+        return self.decode(layer, query, key, value, scaling)  # several tokens attend causally, as in one decode
 
     def crop(self, layer, tokens):
         layer.state.crop(tokens)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ..core.attention_math import (
     AGGREGATIONS,
+    POOLINGS,
     attend_with_probs,
     attention_probs,
     decode_attention,
@@ -97,7 +98,8 @@ class RefreshKV(BudgetPolicy):
     Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
     default); `stride` a full step every S decode steps (fixed schedule; excludes the next two);
     `qc_stride` (10) steps between query checks and `threshold` (0.85; 0.95 for Qwen2) the cosine below which a
-    layer refreshes (dynamic schedule); `kernel` (7) max-pooling kernel, `window` (1) last prompt tokens whose
+    layer refreshes (dynamic schedule); `kernel` (7) max-pooling kernel and `pooling` (centered; forward: 1 token
+    before a peak and kernel - 2 after), `window` (1) last prompt tokens whose
     attention selects at prefill, `aggregation` (max) over a GQA group; `query` (pre_rope) the space the check
     compares queries in; `full_cache` (dense) how C_f is held (int8/int4/int2, offload) and `group_size` (32) its
     quantization groups.
@@ -110,6 +112,7 @@ class RefreshKV(BudgetPolicy):
     qc_stride: int | None = None
     threshold: float | None = None
     kernel: int = 7
+    pooling: str = "centered"
     window: int = 1
     aggregation: str = "max"
     query: str = "pre_rope"
@@ -125,6 +128,7 @@ class RefreshKV(BudgetPolicy):
         if self.stride is not None and (self.qc_stride is not None or self.threshold is not None):
             raise PolicyError("stride (fixed schedule) excludes qc_stride and threshold (dynamic schedule)")
         check_kernel(self.kernel)
+        check_choice("pooling", self.pooling, POOLINGS)
         check_positive("window", self.window)
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
         check_choice("query", self.query, QUERY_SPACES)
@@ -165,7 +169,9 @@ class RefreshKV(BudgetPolicy):
         layer.state = RefreshState(full, partial, anchor)
         valid = layer.valid_positions(length, key.device)
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
-        self._refresh(layer.state, selection_scores(probs, self.kernel, self.aggregation), valid, (key, value))
+        self._refresh(
+            layer.state, selection_scores(probs, self.kernel, self.aggregation, self.pooling), valid, (key, value)
+        )
 
     # -- decode ----------------------------------------------------------------------------------------------------
     def decode(self, layer, query, key, value, scaling):
@@ -183,6 +189,39 @@ class RefreshKV(BudgetPolicy):
         full_out = self._full_step(layer, query, scaling, rows=need)
         layer.record(need.float().mean(), state.partial.nbytes() + state.full.attended_bytes())
         return torch.where(need.view(-1, 1, 1, 1), full_out, partial_out)
+
+    def extend(self, layer, query, key, value, scaling):
+        """A block of new tokens (a conversation's next question) is one full step: appended to C_f, attended over
+        all of C_f (each token causally), and C_p rebuilt from the last `window` of them as at prefill, so the next
+        answer is read from a selection made for the new question."""
+        state: RefreshState = layer.state
+        state.full.append(key, value)
+        keys, values = state.full.view()
+        valid = layer.valid_positions(state.full.length, keys.device)
+        layer.record(1.0, state.full.attended_bytes())
+        output = decode_attention(query, keys, values, scaling, valid)
+        window = min(self.window, query.shape[2])
+        probs = attention_probs(query[:, :, -window:], keys, scaling, valid, causal_tail=True)
+        self._refresh(
+            state, selection_scores(probs, self.kernel, self.aggregation, self.pooling), valid, (keys, values)
+        )
+        if self.stride is None:
+            state.anchor = self.compared_query(layer, query)
+        return output
+
+    def crop(self, layer, tokens):
+        """Forget the last `tokens` tokens: from C_f (dense only) and from C_p, whose emptied slots decoded tokens
+        fill first."""
+        state: RefreshState = layer.state
+        if not isinstance(state.full, FullStore) or type(state.full).crop is not FullStore.crop:
+            raise PolicyError(f"method '{self.name}' forgets tokens only with full_cache='dense'")
+        state.full.crop(tokens)
+        partial = state.partial
+        gone = partial.store.positions >= state.full.length
+        partial.store.positions.masked_fill_(gone, -1)
+        partial.scores.masked_fill_(gone, float("-inf"))
+        partial.filled = 0  # some slots are empty now: mask until refilled
+        partial.empty = int((partial.store.positions < 0).sum(-1).min())
 
     def _scheduled(self, step: int) -> bool:
         """A full step of the fixed schedule, or a QC step of the dynamic one."""
@@ -224,7 +263,7 @@ class RefreshKV(BudgetPolicy):
         keys, values = state.full.view()
         valid = layer.valid_positions(state.full.length, keys.device)
         output, probs = attend_with_probs(query, keys, values, scaling, valid)
-        scores = selection_scores(probs.unsqueeze(3), self.kernel, self.aggregation)
+        scores = selection_scores(probs.unsqueeze(3), self.kernel, self.aggregation, self.pooling)
         self._refresh(state, scores, valid, (keys, values), rows)
         if self.stride is None:
             current = self.compared_query(layer, query)
@@ -261,7 +300,7 @@ class Recycled(RefreshKV):
 
     Parameters: as `refreshkv` (`budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest
     prompt, 1/8 by default); `stride`; `qc_stride` and `threshold` unused unless `stride` is None;
-    `kernel`, `window`, `aggregation`, `query`, `full_cache`, `group_size`).
+    `kernel`, `pooling`, `window`, `aggregation`, `query`, `full_cache`, `group_size`).
     """
 
     name = "recycled"
