@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import random_prompt, tiny_model
 
-from refreshkv import PolicyError, generate
+from refreshkv import PolicyError, generate, make_policy
 from refreshkv.core.attention_math import ranked, top_k
 from refreshkv.core.contract import MethodLayer
 from refreshkv.core.policy import METHODS
@@ -119,3 +119,15 @@ def test_every_registered_method_class_documents_its_parameters():
         for name, cls in METHODS.items()
     }
     assert {name: params for name, params in missing.items() if params} == {}
+
+
+def test_forward_pooling_lifts_one_token_before_a_peak_and_kernel_minus_two_after():
+    from refreshkv.core.attention_math import pool
+
+    scores = torch.zeros(1, 12)
+    scores[0, 3] = 1.0
+    assert pool(scores, 5, "forward")[0].tolist() == [0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0]  # 2 .. 3 + 5 - 2
+    assert pool(scores, 5)[0].tolist() == [0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0]  # centered: 3 - 2 .. 3 + 2
+    assert pool(scores, 1, "forward").equal(scores)
+    with pytest.raises(PolicyError, match="unknown pooling 'backward'; choose from: centered, forward"):
+        make_policy("refreshkv", pooling="backward")

@@ -28,13 +28,16 @@ METHODS = """
 """
 
 
-def write_sweep(folder: Path, doc: Path, model: str = "tiny", out: str = "results.jsonl", examples: int = 2) -> Path:
+def write_sweep(
+    folder: Path, doc: Path, model: str = "tiny", out: str = "results.jsonl", examples: int = 2, fidelity: bool = False
+) -> Path:
     spec = folder / f"{out}.yaml"
     spec.write_text(
         textwrap.dedent(f"""
         out: {out}
         model: {model}
         chat: false
+        fidelity: {str(fidelity).lower()}
         num_examples: {examples}
         lengths: [300]
         tasks:
@@ -92,6 +95,26 @@ def test_shared_prefill_sweep_equals_one_prefill_per_method(tmp_path):
         assert (row["prefill_shared_by"], apart[key]["prefill_shared_by"]) == (3, 1)
 
 
+def test_fidelity_rows_are_the_same_with_one_prefill_or_one_per_method(tmp_path):
+    """Every generation row but full's compares the method with full on full's answer; alone, full runs unseen."""
+    model, doc = tiny_model("llama", layers=3, seed=0), text_file(tmp_path / "doc.txt")
+    shared = load_sweep(write_sweep(tmp_path, doc, out="shared.jsonl", fidelity=True))
+    run_sweep(shared, model, TOKENIZER, progress=False)
+    alone = load_sweep(write_sweep(tmp_path, doc, out="alone.jsonl", fidelity=True))
+    run_sweep(alone, model, TOKENIZER, progress=False, share_prefill=1)
+    together, apart = rows_of([shared.out]), rows_of([alone.out])
+    generation = [key for key, row in together.items() if row["task"] != "ppl"]
+    assert generation
+    for key in generation:
+        row = together[key]
+        assert row["kl_to_full"] == pytest.approx(apart[key]["kl_to_full"], abs=1e-5)
+        assert row["top1_agreement"] == apart[key]["top1_agreement"]
+        assert row["first_divergence"] == apart[key]["first_divergence"]
+        if row["method"] == "full":
+            assert (row["kl_to_full"], row["top1_agreement"], row["first_divergence"]) == (0.0, 1.0, None)
+        assert row["prefill_shared_by"] == 3 and apart[key]["prefill_shared_by"] == 1
+
+
 def test_a_method_with_its_own_prefill_runs_alone_with_a_note(tmp_path, capsys):
     from test_shared_prefill import OwnPrefill
 
@@ -101,7 +124,7 @@ def test_a_method_with_its_own_prefill_runs_alone_with_a_note(tmp_path, capsys):
     try:
         spec = tmp_path / "own.yaml"
         spec.write_text(
-            f"out: own.jsonl\nchat: false\nnum_examples: 1\nlengths: [300]\ntasks: [{NIAH}]\n"
+            f"out: own.jsonl\nchat: false\nfidelity: false\nnum_examples: 1\nlengths: [300]\ntasks: [{NIAH}]\n"
             "methods: [full, own-prefill, {name: snapkv, params: {budget: 16, window: 4}}]\n"
         )
         run_sweep(load_sweep(spec), tiny_model("llama", layers=3, seed=0), TOKENIZER, progress=False)

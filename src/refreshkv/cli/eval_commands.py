@@ -70,6 +70,13 @@ def register(app, user_errors) -> None:
         ] = True,
         dtype: DtypeOpt = "float32",
         device: DeviceOpt = "cpu",
+        fidelity: Annotated[
+            bool,
+            typer.Option(
+                help="Also feed the method full's answer and record its KL to full, top-1 agreement and first "
+                "divergence (a second cache from the same prefill; full runs unseen when the method is not full)."
+            ),
+        ] = True,
     ):
         """Run one task x method configuration over examples into a resumable JSONL file."""
         from ..eval.runner import ResultsFile, RunConfig, model_identity, run_eval
@@ -90,7 +97,7 @@ def register(app, user_errors) -> None:
         runtime = check_runtime(dtype, device)
         with ResultsFile(out, run=config.key()) as results:  # refuses a foreign, busy or unwritable file first
             lm, tokenizer, _ = load_checked(model, runtime)
-            counts = run_eval(lm, tokenizer, config, num_examples, results)
+            counts = run_eval(lm, tokenizer, config, num_examples, results, fidelity=fidelity)
         console.print(
             f"{counts['ran']} example(s) run, {counts['done_before']} already in {out}; "
             f"config {config.key()} ({config.label()}). Summarise with: refreshkv report {out}",

@@ -16,6 +16,10 @@ import torch
 import torch.nn.functional as F
 
 AGGREGATIONS = ("max", "mean", "first")
+# How max-pooling spreads an attention peak over positions: `centered` (SnapKV's and the seeds' kernel: kernel // 2
+# tokens either side) or `forward` (1 token before the peak and kernel - 2 after it: the rest of a span the peak
+# starts, e.g. a number read digit by digit).
+POOLINGS = ("centered", "forward")
 # Finite, so that a pad query whose keys are all masked gets a uniform row instead of NaN.
 _MASKED = torch.finfo(torch.float32).min
 # One query token over at least this many keys on the CPU: two matrix products and a float32 softmax take 0.5-0.9x
@@ -136,12 +140,17 @@ def attention_probs(
     return logits.softmax(dim=-1)
 
 
-def pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
-    """Max-pool over positions (last dim), same length, so a selected token brings its neighbours (SnapKV)."""
+def pool(scores: torch.Tensor, kernel: int, pooling: str = "centered") -> torch.Tensor:
+    """Max-pool over positions (last dim), same length, so a selected token brings its neighbours (SnapKV); with
+    `forward` pooling a peak at p lifts p - 1 .. p + kernel - 2 (see POOLINGS)."""
     if kernel == 1:
         return scores
     shape = scores.shape
-    pooled = F.max_pool1d(scores.reshape(-1, 1, shape[-1]), kernel_size=kernel, stride=1, padding=kernel // 2)
+    flat = scores.reshape(-1, 1, shape[-1])
+    if pooling == "forward":
+        pooled = F.max_pool1d(F.pad(flat, (kernel - 2, 1), value=float("-inf")), kernel_size=kernel, stride=1)
+    else:
+        pooled = F.max_pool1d(flat, kernel_size=kernel, stride=1, padding=kernel // 2)
     return pooled.view(shape)
 
 
@@ -156,7 +165,7 @@ def aggregate_group(scores: torch.Tensor, how: str) -> torch.Tensor:
     raise ValueError(f"unknown aggregation '{how}'; choose from: {', '.join(AGGREGATIONS)}")
 
 
-def selection_scores(probs: torch.Tensor, kernel: int, how: str) -> torch.Tensor:
+def selection_scores(probs: torch.Tensor, kernel: int, how: str, pooling: str = "centered") -> torch.Tensor:
     """Token importance per KV head from window probabilities (B, Hkv, G, w, n).
 
     Order (a choice the papers leave open): average over the observation window per query head, max-pool over
@@ -165,8 +174,8 @@ def selection_scores(probs: torch.Tensor, kernel: int, how: str) -> torch.Tensor
     """
     window_mean = probs[:, :, :, 0] if probs.shape[3] == 1 else probs.mean(dim=3)  # a decode step's one query: a view
     if how in ("max", "first"):
-        return pool(aggregate_group(window_mean, how), kernel)
-    return aggregate_group(pool(window_mean, kernel), how)
+        return pool(aggregate_group(window_mean, how), kernel, pooling)
+    return aggregate_group(pool(window_mean, kernel, pooling), how)
 
 
 # Below the ordering key of every float32 value, -inf included: where `valid` excludes a position.

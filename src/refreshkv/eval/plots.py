@@ -100,6 +100,37 @@ def score_vs_decode_summary(groups: list[Group], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def frontier(groups: list[Group], path: Path) -> Path | None:
+    """Quality against the KV bytes read per decode step, one curve per method over the budgets it ran: its score
+    relative to full (perplexity ratio for ppl) and its KL to full on full's answers, per (kind, length)."""
+    summaries = [s for s in method_summaries(groups) if len({r["budget_share"] for r in s.rows} - {None}) > 1]
+    if not summaries:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(summaries), 2, figsize=(12, 4.5 * len(summaries)), squeeze=False)
+    for (left, right), s in zip(axes, summaries):
+        curves: dict[str, list[dict]] = {}
+        for row in s.rows:
+            if row["kv_read_mb"] is not None:
+                curves.setdefault(row["base"], []).append(row)
+        for method, rows in sorted(curves.items()):
+            rows.sort(key=lambda r: r["kv_read_mb"])
+            for ax, key in ((left, "vs_full"), (right, "kl_to_full")):
+                points = [(r["kv_read_mb"], r[key]) for r in rows if r[key] is not None]
+                if points:
+                    ax.plot(*zip(*points), "*" if method == "full" else "o-", label=method, markersize=7)
+        left.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        left.set_ylabel("perplexity / full's" if s.kind == "ppl" else "score / full's score (same examples)")
+        right.set_ylabel("KL(full || method) per answer token, nats")
+        for ax in (left, right):
+            ax.set_xlabel("KV MB read per decode step")
+            ax.set_title(f"{s.kind}, L = {s.length}", fontsize=9)
+            ax.grid(alpha=0.3)
+        left.legend(fontsize=7)
+    fig.suptitle("Budget frontiers: quality against what a decode step reads")
+    return _save(fig, path)
+
+
 def ppl_ratio(groups: list[Group], path: Path) -> Path | None:
     curves = [(g, g.ppl_ratio_by_position()) for g in groups if not g.is_reference]
     curves = [(g, c) for g, c in curves if c]
@@ -199,6 +230,7 @@ PLOTS = (
     ("score_vs_decode.png", score_vs_decode),
     ("score_vs_decode_summary.png", score_vs_decode_summary),
     ("ppl_ratio_by_position.png", ppl_ratio),
+    ("frontier.png", frontier),
     ("effective_stride.png", effective_stride),
     ("recovery.png", recovery),
     ("budget_per_layer.png", budget_per_layer),

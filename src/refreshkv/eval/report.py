@@ -33,7 +33,16 @@ import os
 from pathlib import Path
 
 from . import stats
-from .summary import Group, group_rows, load_results, mean, method_summaries, shown_options
+from .summary import (
+    FRONTIER_TARGET,
+    Group,
+    budget_frontier,
+    group_rows,
+    load_results,
+    mean,
+    method_summaries,
+    shown_options,
+)
 
 # ---- tables ----------------------------------------------------------------------------------------------------
 
@@ -53,6 +62,8 @@ METRICS = (
     ("KV vs full", "kv_vs_full", "{:.3f}"),
     ("kept", "budget_ratio", "{:.3f}"),
     ("full steps", "full_step_fraction", "{:.3f}"),
+    ("KL to full", "kl_to_full", "{:.4f}"),  # nats per answer token, on full's answer
+    ("top-1 vs full", "top1_agreement", "{:.3f}"),
 )
 COLUMNS = (
     ("task", "task", "{}"),
@@ -181,6 +192,24 @@ def markdown_summary(groups: list[Group], sources, plots: list[Path]) -> str:
             *(f"- {s.note}" for s in summaries),
             "",
             LEGEND,
+            "",
+        ]
+    frontiers = [(s, budget_frontier(s)) for s in summaries]
+    frontiers = [(s, f) for s, f in frontiers if any(len(row["shares"]) > 1 for row in f)]
+    for s, frontier in frontiers:
+        lines += [
+            f"## Budget frontier: {s.kind} at {s.length} tokens",
+            "",
+            f"The smallest K (as a share of L) at which each method keeps {FRONTIER_TARGET:.0%} of full's score"
+            + (" (a perplexity within 1/0.95 of full's)" if s.kind == "ppl" else "")
+            + ", over the budgets run.",
+            "",
+            "| method | K / L run | smallest K at 95% of full |",
+            "|---|---|---|",
+            *(
+                f"| {row['method']} | {', '.join(f'{x:.4g}' for x in row['shares'])} | {row['text']} |"
+                for row in frontier
+            ),
             "",
         ]
     lines += ["## Score by task", "", score_by_task(groups), ""]

@@ -221,7 +221,7 @@ def cache_fields(cache) -> dict:
     }
 
 
-def run_examples(model, tokenizer, configs: list[RunConfig], item: Prepared) -> list[dict]:
+def run_examples(model, tokenizer, configs: list[RunConfig], item: Prepared, fidelity: bool = True) -> list[dict]:
     """The measured part of each configuration's row (everything but the identifying fields) on one example.
 
     The configurations differ only in method and parameters: one prefill serves them all (`generate_many`).
@@ -236,9 +236,24 @@ def run_examples(model, tokenizer, configs: list[RunConfig], item: Prepared) -> 
     policies = [make_policy(config.method, **config.params) for config in configs]
     if kind == "generation":
         ids = torch.tensor([item.input_ids], device=model.device)
-        outs = generate_many(model, ids, methods=policies, max_new_tokens=example["max_new_tokens"])
-        rows = []
+        # Fidelity: every method but full is also fed full's answer from the same prefill; full runs unseen when
+        # the group does not hold it (`reference`).
+        at = next((i for i, config in enumerate(configs) if is_full(config)), None)
+        order = ([] if at is None else [at]) + [i for i in range(len(configs)) if i != at]
+        reference = [make_policy("full")] if fidelity and at is None else []
+        methods = reference + [policies[i] for i in order]
+        outs = generate_many(
+            model,
+            ids,
+            methods=methods,
+            max_new_tokens=example["max_new_tokens"],
+            fidelity=fidelity and len(methods) > 1,
+        )[len(reference) :]
+        outs = [out for _, out in sorted(zip(order, outs), key=lambda pair: pair[0])]
         for out in outs:
+            out.prefill_shared_by -= len(reference)
+        rows = []
+        for config, out in zip(configs, outs):
             prediction = tokenizer.decode(out.tokens[0], skip_special_tokens=True)
             rows.append(
                 {
@@ -249,11 +264,19 @@ def run_examples(model, tokenizer, configs: list[RunConfig], item: Prepared) -> 
                     "new_tokens": len(out.tokens[0]),
                     **timing_fields(out),
                     **cache_fields(out.cache),
+                    **((FULL_FIDELITY if is_full(config) else out.fidelity) if fidelity else {}),
                 }
             )
         return rows
     forced = teacher_forced_many(model, item.input_ids, example["target_start"], policies)
     return [{**forced_fields(example, one), "score": PerplexityTask.score_losses(one.losses)} for one in forced]
+
+
+FULL_FIDELITY = {"kl_to_full": 0.0, "top1_agreement": 1.0, "first_divergence": None}  # full against itself
+
+
+def is_full(config: RunConfig) -> bool:
+    return config.method == "full" and not config.params
 
 
 def timing_fields(out) -> dict:
@@ -491,6 +514,7 @@ def run_jobs(
     on_row: Callable[[dict], None] | None = None,
     share_prefill: int | None = None,
     launch: Launch = Launch(),
+    fidelity: bool = True,
 ) -> dict:
     """Run every (configuration, example) not yet in `results`; returns counts {done_before, ran}.
 
@@ -519,7 +543,7 @@ def run_jobs(
             configs = [config for config, _ in group]
             item = group[0][1]
             bar.set_postfix_str(f"{configs[0].task} L={configs[0].length} x{len(configs)} methods", refresh=False)
-            for config, measured in zip(configs, run_examples(model, tokenizer, configs, item)):
+            for config, measured in zip(configs, run_examples(model, tokenizer, configs, item, fidelity)):
                 row = row_for(config, results.run, item, measured)
                 results.append(row)
                 if on_row is not None:
@@ -535,8 +559,10 @@ def run_eval(
     num_examples: int,
     out: str | os.PathLike | ResultsFile,
     progress: bool = True,
+    fidelity: bool = True,
 ) -> dict:
-    """`refreshkv eval`: one configuration; the file's `run` is the configuration key."""
+    """`refreshkv eval`: one configuration; the file's `run` is the configuration key. `fidelity`: each example's
+    rows also compare the method with `full` on full's answer (a second, teacher-forced cache; runtime/fidelity.py)."""
     if not isinstance(num_examples, int) or num_examples < 1:
         raise ValueError(f"num_examples must be a positive integer, got {num_examples!r}")
     config.validate(model)
@@ -544,4 +570,4 @@ def run_eval(
     results = out if isinstance(out, ResultsFile) else ResultsFile(out, run=config.key())
     with results:
         items = prepare(model, tokenizer, config, num_examples)
-        return run_jobs(model, tokenizer, [Job(config, items)], results, progress)
+        return run_jobs(model, tokenizer, [Job(config, items)], results, progress, fidelity=fidelity)

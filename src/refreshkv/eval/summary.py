@@ -10,6 +10,7 @@ import math
 import sys
 from pathlib import Path
 
+from ..core.policy import METHODS
 from . import stats
 from .runner import canonical, read_results
 
@@ -77,8 +78,11 @@ def warn_non_finite(rows) -> None:
 
 
 def method_label(row: dict) -> str:
+    """`method(param=value,...)`; a quality reference that reads the whole cache (oracle) says `(ceiling)`."""
     params = ",".join(f"{k}={v}" for k, v in sorted((row.get("params") or {}).items()))
-    return f"{row['method']}({params})" if params else row["method"]
+    label = f"{row['method']}({params})" if params else row["method"]
+    method = METHODS.get(row["method"])
+    return f"{label} (ceiling)" if method is not None and method.ceiling else label
 
 
 def is_reference(row: dict) -> bool:
@@ -219,6 +223,9 @@ def aggregate(members: list[Group]) -> dict:
 
     score = stats.macro_mean([[r["score"] for r in g.rows] for g in members])
     vs_full = stats.macro_ratio([[(r["score"], f["score"]) for r, f in p] for p in pairs])
+    # fidelity to full on full's own answer (runtime/fidelity.py): already paired, example by example
+    kl = stats.macro_mean([[r.get("kl_to_full") for r in g.rows] for g in members])
+    agreement = stats.macro_mean([[r.get("top1_agreement") for r in g.rows] for g in members])
     reference = any(g.is_reference for g in members)  # full against itself: 1 by construction, no interval to show
     return {
         "score": score.value,
@@ -233,6 +240,10 @@ def aggregate(members: list[Group]) -> dict:
         "kv_vs_full": ratio(*paired("kv_bytes_full")),
         "budget_ratio": mine("budget_ratio"),
         "full_step_fraction": mine("full_step_fraction"),
+        "kl_to_full": kl.value,
+        "kl_to_full_ci": None if reference else kl.interval,
+        "top1_agreement": agreement.value,
+        "top1_agreement_ci": None if reference else agreement.interval,
     }
 
 
@@ -289,6 +300,46 @@ def shown_options(options: str) -> str:
     return canonical(shown)
 
 
+def budget_share(row: dict) -> float | None:
+    """K / L of a row: its `budget_ratio` parameter, or its `budget` over its length; for a method without a budget
+    (refreekv) the share of prompt tokens it kept; None for full."""
+    params = row.get("params") or {}
+    if "budget_ratio" in params:
+        return params["budget_ratio"]
+    if "budget" in params:
+        return params["budget"] / row["length"]
+    return None if is_reference(row) else row.get("budget_ratio")
+
+
+FRONTIER_TARGET = 0.95  # of full's score (a perplexity within 1 / 0.95 of full's)
+
+
+def budget_frontier(summary: MethodSummary) -> list[dict]:
+    """Per method of one (model, kind, length): the smallest K / L at which it keeps 95% of full's score."""
+    by_method: dict[str, list[dict]] = {}
+    for row in summary.rows:
+        if row["budget_share"] is not None and row["vs_full"] is not None:
+            by_method.setdefault(row["base"], []).append(row)
+    frontier = []
+    for method, rows in sorted(by_method.items()):
+        rows.sort(key=lambda r: r["budget_share"])
+        reached = [
+            r
+            for r in rows
+            if (r["vs_full"] <= 1 / FRONTIER_TARGET if summary.kind == "ppl" else r["vs_full"] >= FRONTIER_TARGET)
+        ]
+        largest = rows[-1]["budget_share"]
+        frontier.append(
+            {
+                "method": method,
+                "shares": [r["budget_share"] for r in rows],
+                "smallest": reached[0]["budget_share"] if reached else None,
+                "text": f"L/{1 / reached[0]['budget_share']:.3g}" if reached else f"not within L/{1 / largest:.3g}",
+            }
+        )
+    return frontier
+
+
 def method_summaries(groups: list[Group]) -> list[MethodSummary]:
     sets: dict[tuple, dict[str, dict[str, Group]]] = {}
     for g in groups:
@@ -307,6 +358,8 @@ def method_summaries(groups: list[Group]) -> list[MethodSummary]:
                 "method": label,
                 "n_tasks": len(shared),
                 "n": sum(len(by_method[label][t].rows) for t in shared),
+                "base": next(iter(by_method[label].values())).method,
+                "budget_share": budget_share(next(iter(by_method[label].values())).rows[0]),
                 **aggregate([by_method[label][t] for t in sorted(shared)]),
             }
             for label in sorted(by_method, key=lambda label: (label != "full", label))

@@ -3,8 +3,9 @@
 Schema (see docs/evaluation.md for an example):
 
     out: results.jsonl          # required unless --out is given; relative to the YAML file's folder
-    model: null                 # local model directory or .gguf; null/absent = embedded SmolLM2
-    chat: true                  # chat template (default true)
+    model: null                 # a named model (gemma3-270m), a model directory or .gguf; null = smollm2-135m
+    chat: true                  # chat template where the model has one (default true)
+    fidelity: true              # rows also compare each method with full on full's answer (default true)
     dtype: float32              # float32 or bfloat16
     seed: 0                     # int or list of ints
     num_examples: 10
@@ -37,7 +38,7 @@ from .distributed import Launch, rank_file, sweep_files
 from .recovery import RecoveryTask
 from .runner import RunConfig, check_task_options, find_task, model_identity, short_hash
 
-TOP_KEYS = ("out", "model", "chat", "dtype", "seed", "num_examples", "lengths", "tasks", "methods")
+TOP_KEYS = ("out", "model", "chat", "dtype", "seed", "num_examples", "lengths", "tasks", "methods", "fidelity")
 
 
 class SweepError(ValueError):
@@ -57,6 +58,7 @@ class Sweep:
     tasks: list[tuple[str, dict]]
     methods: list[tuple[str, dict]]  # expanded: one entry per parameter combination
     task_examples: dict[str, int] = dataclasses.field(default_factory=dict)  # per-task num_examples, by task_key
+    fidelity: bool = True  # generation rows also compare each method with full on full's answer (runtime/fidelity.py)
 
     def examples_for(self, task: str, options: dict) -> int:
         return self.task_examples.get(task_key(task, options), self.num_examples)
@@ -209,6 +211,9 @@ def load_sweep(path: str | Path, out: str | Path | None = None, model: str | Non
     chat = data.get("chat", True)
     if not isinstance(chat, bool):
         raise SweepError(f"{where}: 'chat' must be true or false, got {chat!r}")
+    fidelity = data.get("fidelity", True)
+    if not isinstance(fidelity, bool):
+        raise SweepError(f"{where}: 'fidelity' must be true or false, got {fidelity!r}")
     dtype = data.get("dtype", "float32")
     if dtype not in DTYPES:
         raise SweepError(f"{where}: unknown dtype {dtype!r}; choose from: {', '.join(DTYPES)}")
@@ -258,7 +263,9 @@ def load_sweep(path: str | Path, out: str | Path | None = None, model: str | Non
                 methods.append((name, params))
     if any(isinstance(find_task(t), RecoveryTask) for t, _ in tasks) and any(m != "full" for m, _ in methods):
         raise SweepError(f"{where}: task 'recovery' measures attention under 'full' only; put it in its own sweep")
-    return Sweep(path, out_path, model, chat, dtype, seeds, num_examples, lengths, tasks, methods, task_examples)
+    return Sweep(
+        path, out_path, model, chat, dtype, seeds, num_examples, lengths, tasks, methods, task_examples, fidelity
+    )
 
 
 def open_results(sweep: Sweep, launch: Launch = Launch()):
@@ -304,4 +311,13 @@ def run_sweep(
             if shared not in built:
                 built[shared] = prepare(model, tokenizer, config, sweep.examples_for(config.task, config.task_options))
             jobs.append(Job(config, built[shared]))
-        return run_jobs(model, tokenizer, jobs, results, progress, share_prefill=share_prefill, launch=launch)
+        return run_jobs(
+            model,
+            tokenizer,
+            jobs,
+            results,
+            progress,
+            share_prefill=share_prefill,
+            launch=launch,
+            fidelity=sweep.fidelity,
+        )

@@ -133,7 +133,8 @@ class DynamicKV(SnapKV):
 
     Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
     default), the mean per layer, window included; `window` (16) observation window; `kernel` (7)
-    max-pooling kernel; `aggregation` (max) over a GQA group; `r_max` (5.0) a layer's cap as a multiple of the mean
+    max-pooling kernel, `pooling` (centered); `aggregation` (max) over a GQA group; `r_max` (5.0) a layer's cap as a
+    multiple of the mean
     selected budget; `interval` (4) layers between reallocations.
     """
 

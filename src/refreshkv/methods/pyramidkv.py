@@ -81,7 +81,8 @@ class PyramidKV(SnapKV):
     """PyramidKV: SnapKV with per-layer budgets decreasing linearly from the bottom layer, same total.
 
     Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
-    default), the mean per layer, window included; `window` (32), `kernel` (7), `aggregation` (max) as
+    default), the mean per layer, window included; `window` (32), `kernel` (7), `pooling` (centered), `aggregation`
+    (max) as
     in snapkv; `beta` (20) the top layer's budget is the mean / beta.
     """
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..core.attention_math import AGGREGATIONS, attention_probs, selection_scores
+from ..core.attention_math import AGGREGATIONS, POOLINGS, attention_probs, selection_scores
 from ..core.policy import PolicyError, check_choice, check_kernel, check_positive, check_window, register
 from ..core.selection import SelectionPolicy
 
@@ -29,7 +29,8 @@ class SnapKV(SelectionPolicy):
 
     Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
     default), window included; `window` (32) last prompt tokens whose attention selects (1 in the
-    RefreshKV paper's setting); `kernel` (7) max-pooling kernel; `aggregation` (max) over a GQA group.
+    RefreshKV paper's setting); `kernel` (7) max-pooling kernel and `pooling` (centered; forward: 1 token
+    before a peak, kernel - 2 after); `aggregation` (max) over a GQA group.
     """
 
     name = "snapkv"
@@ -37,12 +38,14 @@ class SnapKV(SelectionPolicy):
 
     window: int = 32
     kernel: int = 7
+    pooling: str = "centered"
     aggregation: str = "max"
 
     def __post_init__(self):
         super().__post_init__()
         check_positive("window", self.window)
         check_kernel(self.kernel)
+        check_choice("pooling", self.pooling, POOLINGS)
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
 
     def check_prompt(self, shortest):
@@ -60,7 +63,7 @@ class SnapKV(SelectionPolicy):
     def score(self, layer, query, key, scaling, valid):
         """The observation window's attention averaged, max-pooled and aggregated over the group."""
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
-        return selection_scores(probs, self.kernel, self.aggregation)
+        return selection_scores(probs, self.kernel, self.aggregation, self.pooling)
 
     def kept_tokens(self, layer) -> int:
         return self.layer_budget(layer) + self.window

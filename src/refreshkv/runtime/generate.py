@@ -21,6 +21,7 @@ from ..core.cache_argument import with_cache
 from ..core.policy import Policy, check_positive, make_policy
 from ..core.shared_prefill import SharedPrefill
 from .compiled import check_compile_works, compiled_forward, runs_eagerly
+from .fidelity import fidelity as fidelity_to
 from .inputs import (
     SamplingSettings,
     check_attention_mask,
@@ -42,6 +43,7 @@ class GenerationOutput:
     step_s: list[float] = dataclasses.field(default_factory=list)  # wall time of each decode forward
     logits: list[torch.Tensor] | None = None  # per step (B, vocab), if asked for
     prefill_shared_by: int = 1  # methods prefilled by the same forward pass (generate_many)
+    fidelity: dict | None = None  # to the first method's answer (`generate_many(..., fidelity=True)`; fidelity.py)
 
     @property
     def decode_ms_per_token(self) -> float:
@@ -215,6 +217,7 @@ def generate_many(
     forced_tokens: torch.Tensor | None = None,
     eos_check_every: int | None = None,
     compile: bool = False,
+    fidelity: bool = False,
 ) -> list[GenerationOutput]:
     """`generate` under several methods for the price of one prefill, e.g.
     `generate_many(model, ids, methods=["full", "snapkv", make_policy("refreshkv", qc_stride=5)])`.
@@ -223,6 +226,10 @@ def generate_many(
     on its own, so every output equals what `generate` gives for that method alone (sampling included: each decode
     draws from its own generator seeded with `seed`). Their caches exist together: memory grows with the number of
     methods. A method that computes its own prefill (`shares_prefill = False`) is prefilled alone.
+
+    `fidelity=True` (greedy, one row): every method after the first also gets a second cache, prefilled by the same
+    forward, that is fed the first method's answer (teacher forcing); its output's `fidelity` compares the two
+    next-token distributions step by step (runtime/fidelity.py). The first method is the reference (`full`).
     """
     if not methods:
         raise ValueError("methods must name at least one method")
@@ -244,16 +251,34 @@ def generate_many(
     if compile:
         check_compile_works()
 
+    if fidelity and (do_sample or forced_tokens is not None or input_ids.shape[0] != 1 or len(policies) < 2):
+        raise ValueError(
+            "fidelity compares greedy answers of one prompt (a batch of 1) with the first method's: "
+            "give two methods or more, no sampling, no forced tokens"
+        )
     caches = [PolicyCache(policy, model, max_new_tokens) for policy in policies]
-    shared = [cache for cache in caches if cache.policy.shares_prefill]
+    followers = [PolicyCache(policy, model, max_new_tokens) for policy in policies[1:]] if fidelity else []
+    shared = [cache for cache in caches + followers if cache.policy.shares_prefill]
     groups = [shared] if len(shared) > 1 else []  # a lone method prefills through its own cache, as in `generate`
-    groups += [[cache] for cache in caches if not (len(shared) > 1 and cache.policy.shares_prefill)]
+    groups += [[cache] for cache in caches + followers if not (len(shared) > 1 and cache.policy.shares_prefill)]
+    follows = dict(zip(map(id, followers), caches[1:]))  # a follower cache -> the method's own cache
+    groups.sort(key=lambda group: caches[0] not in group)  # the reference answers before anyone follows it
     outputs = {}
     for group in groups:
         logits, prefill_s = prefill(
             model, input_ids, attention_mask, group[0] if len(group) == 1 else SharedPrefill(group)
         )
         for cache in group:
+            if id(cache) in follows:  # fed the reference's answer, compared with it, then dropped
+                reference = outputs[id(caches[0])]
+                forced = torch.tensor(reference.tokens, device=input_ids.device)
+                out = decode(
+                    model, cache, logits, attention_mask, forced.shape[1], settings, eos[:0], forced, True, progress
+                )
+                outputs[id(follows[id(cache)])].fidelity = fidelity_to(
+                    reference.logits, out.logits, reference.tokens[0]
+                )
+                continue
             out = decode(
                 model,
                 cache,
@@ -263,10 +288,11 @@ def generate_many(
                 settings,
                 eos,
                 forced_tokens,
-                return_logits,
+                return_logits or (fidelity and cache is caches[0]),
                 progress,
             )
-            out.prefill_s, out.prefill_shared_by = prefill_s, len(group)
+            # the methods that shared the prefill (a teacher-forced second cache is no method of its own)
+            out.prefill_s, out.prefill_shared_by = prefill_s, sum(id(c) not in follows for c in group)
             outputs[id(cache)] = out
     return [outputs[id(cache)] for cache in caches]
 
