@@ -135,3 +135,18 @@ def test_model_generate_continues_a_carried_cache_for_every_method(llama):
         if name == "full":
             fresh = llama.generate(history, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
             assert torch.equal(again, fresh)
+
+
+def test_refreshkv_whose_budget_holds_every_token_decodes_as_full(llama):
+    """K >= prompt + announced tokens: no partial cache, full's tokens and bytes; more tokens than announced: a
+    partial cache from then on."""
+    prompt = ids(40, 5)
+    full = generate(llama, prompt, method="full", max_new_tokens=8, eos_token_id=[])
+    everything = generate(llama, prompt, method="refreshkv", budget=64, max_new_tokens=8, eos_token_id=[])
+    assert everything.tokens == full.tokens and everything.cache.layers[0].state.partial is None
+    assert everything.stats()["kv_bytes_attended_mean"] == full.stats()["kv_bytes_attended_mean"]
+    cache = PolicyCache(make_policy("refreshkv", budget=44), llama, max_new_tokens=2)  # 40 + 2 fit; 10 come
+    tokens = llama.generate(
+        prompt, **with_cache(llama, cache), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    assert tokens.shape[1] == 50 and cache.layers[0].state.partial is not None

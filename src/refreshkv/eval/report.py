@@ -42,6 +42,7 @@ from .summary import (
     mean,
     method_summaries,
     shown_options,
+    turn_summary,
 )
 
 # ---- tables ----------------------------------------------------------------------------------------------------
@@ -209,6 +210,20 @@ def markdown_summary(groups: list[Group], sources, plots: list[Path]) -> str:
             *(
                 f"| {row['method']} | {', '.join(f'{x:.4g}' for x in row['shares'])} | {row['text']} |"
                 for row in frontier
+            ),
+            "",
+        ]
+    turns = turn_summary([row for g in groups for row in g.rows])
+    if turns:
+        lines += [
+            "## Conversations: turn 1 against the later turns",
+            "",
+            "| task | L | method | conversations | turn 1 | turns 2..N | later / turn 1 |",
+            "|---|---|---|---|---|---|---|",
+            *(
+                f"| {r['task']} | {r['length']} | {r['method']} | {r['conversations']} | {cell(r['turn_1'], '{:.3f}')} "
+                f"| {cell(r['later_turns'], '{:.3f}')} | {cell(r['later_vs_turn_1'], '{:.3f}')} |"
+                for r in turns
             ),
             "",
         ]

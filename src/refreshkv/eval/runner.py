@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ..core.policy import BUILT_IN, PROVIDERS, make_policy
 from ..measure.budget_report import budget_report
+from ..runtime.conversation import Conversation, TurnFormat
 from ..runtime.generate import check_length, generate_many
 from ..runtime.models import DEFAULT_MODEL, NAMED_MODELS
 from .distributed import Launch, my_share
@@ -36,6 +37,7 @@ from .perplexity import teacher_forced, teacher_forced_many
 from .recovery import RecoveryTask, probe_for, recovery_score
 from .tasks import TASKS, get_task
 from .tasks.base import encode_user_turn
+from .tasks.multi_turn import MultiTurnTask
 from .tasks.ppl import PerplexityTask
 
 EMBEDDED_MODEL = NAMED_MODELS[DEFAULT_MODEL].identity
@@ -65,6 +67,8 @@ def task_kind(task) -> str:
         return "recovery"
     if isinstance(task, PerplexityTask):
         return "ppl"
+    if isinstance(task, MultiTurnTask):
+        return "conversation"
     return "generation"
 
 
@@ -195,6 +199,21 @@ def prepare(model, tokenizer, config: RunConfig, num_examples: int) -> list[Prep
         if task_kind(task) == "generation":
             ids = encode_prompt(tokenizer, example, chat)
             check_length(model, len(ids), example["max_new_tokens"])
+        elif task_kind(task) == "conversation":
+            form = TurnFormat(tokenizer, chat)
+            ids = form.context(example["prompt"])[0].tolist()
+            total = len(ids) + sum(
+                form.question(turn["question"], i == 0, answer_prefix=turn["answer_prefix"]).shape[1]
+                + turn["max_new_tokens"]
+                + 1
+                for i, turn in enumerate(example["turns"])
+            )
+            limit = model.config.max_position_embeddings
+            if total > limit:
+                raise ValueError(
+                    f"task '{config.task}': a conversation of {total} tokens (context, questions and "
+                    f"answers) exceeds the model's context of {limit} tokens; give a smaller length"
+                )
         else:
             ids = list(example["input_ids"])
             check_length(model, example["target_start"], len(ids) - example["target_start"])  # as `generate` checks
@@ -234,6 +253,8 @@ def run_examples(model, tokenizer, configs: list[RunConfig], item: Prepared, fid
     if kind == "recovery":
         return [recovery_row(model, config, item) for config in configs]
     policies = [make_policy(config.method, **config.params) for config in configs]
+    if kind == "conversation":
+        return conversation_rows(model, tokenizer, configs, policies, item, task)
     if kind == "generation":
         ids = torch.tensor([item.input_ids], device=model.device)
         # Fidelity: every method but full is also fed full's answer from the same prefill; full runs unseen when
@@ -270,6 +291,42 @@ def run_examples(model, tokenizer, configs: list[RunConfig], item: Prepared, fid
         return rows
     forced = teacher_forced_many(model, item.input_ids, example["target_start"], policies)
     return [{**forced_fields(example, one), "score": PerplexityTask.score_losses(one.losses)} for one in forced]
+
+
+def conversation_rows(model, tokenizer, configs, policies, item: Prepared, task) -> list[list[dict]]:
+    """Per configuration, one row per turn: the context prefilled once for all (question-agnostic), then every
+    turn's question appended and its answer decoded, in every configuration's own conversation."""
+    import torch
+
+    form = TurnFormat(tokenizer, item.prompt_form == "chat")
+    context = torch.tensor([item.input_ids], device=model.device)
+    conversations = Conversation.several(model, context, policies)
+    rows = [[] for _ in configs]
+    turns = item.example["turns"]
+    for number, turn in enumerate(turns, 1):
+        for per_config, conversation in zip(rows, conversations):
+            previous = conversation.turns[-1].tokens if conversation.turns else []
+            ids = form.question(turn["question"], number == 1, previous, turn["answer_prefix"]).to(model.device)
+            asked = conversation.ask(ids, turn["max_new_tokens"])
+            prediction = tokenizer.decode(asked.tokens, skip_special_tokens=True)
+            per_config.append(
+                {
+                    "turn": number,
+                    "turns": len(turns),
+                    "prediction": prediction,
+                    "reference": turn["reference"],
+                    "score": task.score_turn(prediction, turn),
+                    "prompt_tokens": conversation.tokens_held,
+                    "question_tokens": asked.question_tokens,
+                    "new_tokens": len(asked.tokens),
+                    "prefill_s": round(conversation.context_prefill_s, 4),
+                    "time_to_first_token_s": round(asked.time_to_first_token_s, 4),
+                    "decode_ms_per_token": round(asked.decode_ms_per_token, 3),
+                    "kv_bytes_full": asked.kv_bytes_held,
+                    "kv_bytes_attended_mean": round(asked.kv_bytes_read_per_step),
+                }
+            )
+    return rows
 
 
 FULL_FIDELITY = {"kl_to_full": 0.0, "top1_agreement": 1.0, "first_divergence": None}  # full against itself
@@ -367,6 +424,11 @@ def _refuse_a_complete_non_row(path: Path, tail: bytes, number: int) -> None:
         )
 
 
+def done_key(row: dict) -> tuple:
+    """What a row marks done: its configuration and example (a conversation's turns share their example)."""
+    return row["config"], row.get("conversation", row["id"])
+
+
 class ResultsFile:
     """The JSONL output of one run, locked from opening to closing: the rows already done, and whole-line appends.
 
@@ -395,7 +457,7 @@ class ResultsFile:
                 f"{path} holds results of another configuration (run {others[0]}, this run is {self.run}); "
                 "choose another output file, nothing was written"
             )
-        return {(row["config"], row["id"]) for row in rows}
+        return {done_key(row) for row in rows}
 
     def include_done(self, paths: Iterable[Path]) -> None:
         """Count the rows of other files of this run (a sweep's rank files) as done; they are read, never written."""
@@ -431,16 +493,17 @@ class ResultsFile:
         except FileNotFoundError:
             return False
 
-    def append(self, row: dict) -> None:
+    def append(self, *rows: dict) -> None:
+        """Whole lines at the end of the file, in one write (a conversation's turns land together or not at all)."""
         if self._torn:  # cut the torn tail read under this lock, so that the next row starts on its own line
             os.ftruncate(self._fd, self._end)
             self._torn = False
-        data = (json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
-        written = os.write(self._fd, data)  # O_APPEND: one write of the whole line at the end of the file
+        data = "".join(json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n" for row in rows).encode()
+        written = os.write(self._fd, data)  # O_APPEND: one write of the whole lines at the end of the file
         if written != len(data):
             raise OSError(f"short write to {self.path} ({written} of {len(data)} bytes)")
         os.fsync(self._fd)
-        self.done.add((row["config"], row["id"]))
+        self.done.update(done_key(row) for row in rows)
 
     def close(self) -> None:
         if self._fd is None:
@@ -481,6 +544,8 @@ def row_for(config: RunConfig, run: str, item: Prepared, measured: dict) -> dict
     }
     if "source_id" in example:
         head["source_id"] = example["source_id"]
+    if "turn" in measured:  # one row per turn of a conversation
+        head["conversation"], head["id"] = example["id"], f"{example['id']}/turn{measured['turn']}"
     return {**head, **measured, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
@@ -544,9 +609,12 @@ def run_jobs(
             item = group[0][1]
             bar.set_postfix_str(f"{configs[0].task} L={configs[0].length} x{len(configs)} methods", refresh=False)
             for config, measured in zip(configs, run_examples(model, tokenizer, configs, item, fidelity)):
-                row = row_for(config, results.run, item, measured)
-                results.append(row)
-                if on_row is not None:
+                rows = [
+                    row_for(config, results.run, item, m)
+                    for m in (measured if isinstance(measured, list) else [measured])
+                ]
+                results.append(*rows)  # a conversation's turns in one write: a kill keeps all or none
+                for row in rows if on_row is not None else ():
                     on_row(row)
                 bar.update()
     return {"done_before": len(rows) - len(left), "ran": len(todo)}

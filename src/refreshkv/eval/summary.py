@@ -251,7 +251,8 @@ def group_rows(rows: list[dict]) -> list[Group]:
     references = {example_key(r): r for r in rows if is_reference(r)}
     groups: dict[tuple, Group] = {}
     for row in rows:
-        key = (row["model"], row["task"], canonical(row.get("task_options") or {}), row["length"], method_label(row))
+        task = row["task"] + (f" turn {row['turn']}" if "turn" in row else "")  # a conversation: each turn apart
+        key = (row["model"], task, canonical(row.get("task_options") or {}), row["length"], method_label(row))
         if key not in groups:
             groups[key] = Group(*key, rows=[], references=[])
         groups[key].rows.append(row)
@@ -298,6 +299,33 @@ def shown_options(options: str) -> str:
         shown["paths"] = [Path(path).name for path in paths]
     shown.pop("sha256", None)
     return canonical(shown)
+
+
+def turn_summary(rows: list[dict]) -> list[dict]:
+    """Per conversation task, length and method: the mean score of turn 1 and of turns 2..N, over the same
+    conversations, and the later turns' score relative to turn 1's."""
+    table: dict[tuple, dict[str, list[float]]] = {}
+    for row in rows:
+        if "turn" in row and row.get("score") is not None:
+            key = (row["task"], row["length"], method_label(row))
+            table.setdefault(key, {"first": [], "later": []})["first" if row["turn"] == 1 else "later"].append(
+                row["score"]
+            )
+    summary = []
+    for (task, length, label), scores in sorted(table.items()):
+        first, later = mean(scores["first"]), mean(scores["later"])
+        summary.append(
+            {
+                "task": task,
+                "length": length,
+                "method": label,
+                "conversations": len(scores["first"]),
+                "turn_1": first,
+                "later_turns": later,
+                "later_vs_turn_1": ratio(later, first),
+            }
+        )
+    return summary
 
 
 def budget_share(row: dict) -> float | None:

@@ -32,6 +32,22 @@ from ..core.kvstore import FullStore, LayerState, every_position, gather_tokens
 from ..core.policy import DEFAULT_BUDGET_RATIO, BudgetPolicy, PolicyError, check_choice, check_positive, register
 
 
+class ZeroedStore(FullStore):
+    """A `FullStore` whose slots past the last token hold zeros, not uninitialised memory: a step that gathers whole
+    pages reads the unwritten tail of the page being written, masked, and a masked NaN would still poison the
+    output (0 x NaN)."""
+
+    def __init__(self, like: torch.Tensor, capacity: int):
+        super().__init__(like, capacity)
+        self.keys.zero_()
+        self.values.zero_()
+
+    def _grow(self, capacity: int) -> None:
+        super()._grow(capacity)
+        self.keys[:, :, self.length :] = 0
+        self.values[:, :, self.length :] = 0
+
+
 class PagedStore(LayerState):
     """Every token (a `FullStore`) and, per page of `page_size` tokens and KV head, its keys' channel-wise minimum
     and maximum (B, Hkv, pages, D). Pages are counted from each row's first real token (a row's page j holds its real
@@ -39,10 +55,12 @@ class PagedStore(LayerState):
     +inf / -inf."""
 
     def __init__(self, key: torch.Tensor, capacity: int, page_size: int, pads: torch.Tensor | None):
-        self.full = FullStore(key, capacity)
+        self.full = ZeroedStore(key, capacity)
         self.page_size = page_size
         self.pads = torch.zeros(key.shape[0], dtype=torch.long, device=key.device) if pads is None else pads.clone()
-        self.fewest_pads = int(self.pads.min())  # read once, at the prompt: decode steps read nothing on the host
+        # read once, at the prompt (decode steps read nothing on the host): with equal padding every row pages alike
+        self.fewest_pads = int(self.pads.min())
+        self.uniform = self.fewest_pads == int(self.pads.max())
         pages = -(-capacity // page_size)
         self.lows = key.new_full((*key.shape[:2], pages, key.shape[3]), float("inf"))
         self.highs = key.new_full((*key.shape[:2], pages, key.shape[3]), float("-inf"))
@@ -147,31 +165,36 @@ class Quest(BudgetPolicy):
         index, chosen = self.selected_tokens(store, query, selected_pages)  # (B, Hkv, k) each
         # the page being written runs past the tokens held: gather within the storage, mask what is not a token
         keys, values = gather_tokens(index.clamp(max=full.keys.shape[2] - 1), full.keys, full.values)
-        valid = chosen & (index < full.length)
-        # storage past the last token is uninitialised (it may hold NaN, which a masked weight of 0 would not cancel)
-        keys, values = keys.masked_fill(~valid[..., None], 0), values.masked_fill(~valid[..., None], 0)
+        valid = index < full.length if chosen is None else chosen & (index < full.length)
         token_bytes = full.keys.element_size() * full.keys.shape[-1] * 2 * index.shape[0] * index.shape[1]
         layer.record(0.0, token_bytes * index.shape[-1] + store.metadata_bytes())
         return decode_attention(query, keys, values, scaling, valid)
 
-    def selected_tokens(self, store: PagedStore, query, selected_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def selected_tokens(self, store: PagedStore, query, selected_pages: int):
         """(B, Hkv, (selected_pages + 1) * page_size) padded positions, each row's top pages by their bound (page
-        order) then the page it is writing, and whether each belongs to a chosen page (a row with fewer pages than
-        selected_pages fills up with pages it does not have); positions past a row's last token: the caller."""
-        pages, current = store.pages, store.current_pages()  # current: (B,)
-        lows, highs = store.lows[:, :, :pages], store.highs[:, :, :pages]
-        index = torch.arange(pages, device=lows.device)
-        # pages that compete: before the row's current page, holding a token (a page reached has a finite minimum)
-        competing = (index < current.view(-1, 1, 1)) & torch.isfinite(lows[..., 0])
-        lows, highs = lows.masked_fill(~competing[..., None], 0.0), highs.masked_fill(~competing[..., None], 0.0)
+        order) then the page it is writing, and whether each belongs to a chosen page (None: all do; a padded row
+        with fewer pages than selected_pages fills up with pages it does not have); positions past a row's last
+        token: the caller."""
+        pages = store.pages
+        if store.uniform:  # every row writes page pages - 1: the pages before it compete, all of them written
+            current = torch.full((query.shape[0],), pages - 1, dtype=torch.long, device=query.device)
+            lows, highs, competing = store.lows[:, :, : pages - 1], store.highs[:, :, : pages - 1], None
+        else:  # per row: the pages before its current page (a row with more pads has fewer)
+            current = store.current_pages()
+            lows, highs = store.lows[:, :, :pages], store.highs[:, :, :pages]
+            competing = torch.arange(pages, device=lows.device) < current.view(-1, 1, 1)
+            # unreached pages hold +-inf, and 0 x inf would be NaN in the products below
+            lows, highs = lows.masked_fill(~competing[..., None], 0.0), highs.masked_fill(~competing[..., None], 0.0)
         packed = pack_queries(query, store.full.keys.shape[1])  # (B, Hkv, G, D)
         bounds = torch.matmul(packed.clamp(min=0), highs.transpose(-1, -2)) + torch.matmul(
             packed.clamp(max=0), lows.transpose(-1, -2)
         )  # (B, Hkv, G, pages): per channel q * max where q >= 0, q * min where q < 0
         bounds = aggregate_group(bounds.float(), self.aggregation)
-        top = top_k(bounds, min(selected_pages, pages), competing)
+        top = top_k(bounds, min(selected_pages, bounds.shape[-1]), competing)
         chosen = torch.cat([top, current.view(-1, 1, 1).expand(-1, top.shape[1], 1)], dim=-1)
-        kept = torch.cat([competing.gather(-1, top), torch.ones_like(top[..., :1], dtype=torch.bool)], dim=-1)
         offsets = torch.arange(self.page_size, device=chosen.device)
-        aligned = (chosen.unsqueeze(-1) * self.page_size + offsets).flatten(-2)
-        return aligned + store.pads.view(-1, 1, 1), kept.repeat_interleave(self.page_size, dim=-1)
+        aligned = (chosen.unsqueeze(-1) * self.page_size + offsets).flatten(-2) + store.pads.view(-1, 1, 1)
+        if competing is None:
+            return aligned, None
+        kept = torch.cat([competing.gather(-1, top), torch.ones_like(top[..., :1], dtype=torch.bool)], dim=-1)
+        return aligned, kept.repeat_interleave(self.page_size, dim=-1)

@@ -74,15 +74,15 @@ def default_threshold(model_type: str) -> float:
 @dataclasses.dataclass
 class RefreshState(LayerState):
     full: FullStore  # C_f (or a store with its interface: quantized, offloaded; core/full_cache.py)
-    partial: SelectionState  # C_p: K slots + the newest token
+    partial: SelectionState | None  # C_p: K slots + the newest token; None while K holds every token (see decode)
     anchor: torch.Tensor | None  # (B, D) compared query of the last full step (dynamic schedule only)
 
     def nbytes(self) -> int:
-        return self.full.nbytes() + self.partial.nbytes()
+        return self.full.nbytes() + (self.partial.nbytes() if self.partial is not None else 0)
 
     def nbytes_by_device(self) -> dict[str, int]:
         total = Counter(self.full.nbytes_by_device())
-        total.update(self.partial.nbytes_by_device())
+        total.update(self.partial.nbytes_by_device() if self.partial is not None else {})
         return dict(total)
 
     def kept(self, pads: torch.Tensor | None) -> torch.Tensor:
@@ -164,8 +164,11 @@ class RefreshKV(BudgetPolicy):
         check_group_size(self.full_cache, self.group_size, key.shape[-1])
         full = make_full_store(key, layer.capacity(), self.full_cache, self.group_size)
         full.append(key, value)
-        partial = SelectionState.empty_like(key, min(layer.budget, layer.capacity()) + 1)
         anchor = self.compared_query(layer, query) if self.stride is None else None
+        if layer.budget >= layer.capacity():  # K holds the prompt and every announced token: C_p would copy C_f
+            layer.state = RefreshState(full, None, anchor)
+            return
+        partial = SelectionState.empty_like(key, layer.budget + 1)
         layer.state = RefreshState(full, partial, anchor)
         valid = layer.valid_positions(length, key.device)
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
@@ -177,6 +180,17 @@ class RefreshKV(BudgetPolicy):
     def decode(self, layer, query, key, value, scaling):
         state: RefreshState = layer.state
         state.full.append(key, value)
+        if state.partial is None:  # K holds every token: a step of `full`, no second copy, no selection
+            if state.full.length <= layer.budget + 1:
+                layer.record(1.0, state.full.attended_bytes())
+                keys, values = state.full.view()
+                return decode_attention(
+                    query, keys, values, scaling, layer.valid_positions(state.full.length, key.device)
+                )
+            # more tokens came than were announced: from here on a partial cache, first filled by a full step
+            state.partial = SelectionState.empty_like(key, layer.budget + 1)
+            layer.record(1.0, state.full.attended_bytes())
+            return self._full_step(layer, query, scaling)
         need = self._needs_full(layer, query)
         if need is False:
             layer.record(0.0, state.partial.nbytes())
@@ -200,6 +214,10 @@ class RefreshKV(BudgetPolicy):
         valid = layer.valid_positions(state.full.length, keys.device)
         layer.record(1.0, state.full.attended_bytes())
         output = decode_attention(query, keys, values, scaling, valid)
+        if state.partial is None:
+            if state.full.length <= layer.budget + 1:
+                return output
+            state.partial = SelectionState.empty_like(key, layer.budget + 1)
         window = min(self.window, query.shape[2])
         probs = attention_probs(query[:, :, -window:], keys, scaling, valid, causal_tail=True)
         self._refresh(
@@ -217,6 +235,8 @@ class RefreshKV(BudgetPolicy):
             raise PolicyError(f"method '{self.name}' forgets tokens only with full_cache='dense'")
         state.full.crop(tokens)
         partial = state.partial
+        if partial is None:
+            return
         gone = partial.store.positions >= state.full.length
         partial.store.positions.masked_fill_(gone, -1)
         partial.scores.masked_fill_(gone, float("-inf"))

@@ -167,9 +167,9 @@ class TurnFormat:
     """The text around a conversation's parts: the model's chat template (the document and the first question in
     one user message, later questions as new user turns), or plain `Question: ... Answer:` text for a base model."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, chat: bool = True):
         self.tokenizer = tokenizer
-        self.chat = getattr(tokenizer, "chat_template", None) is not None
+        self.chat = chat and getattr(tokenizer, "chat_template", None) is not None
         if self.chat:
             doc, question, answer, later = "\x00D\x00", "\x00Q\x00", "\x00A\x00", "\x00L\x00"
             first = self._render([{"role": "user", "content": doc + "\n\nQuestion: " + question}])
@@ -196,13 +196,14 @@ class TurnFormat:
             return torch.tensor([self.tokenizer.encode(self.before_context + document, add_special_tokens=False)])
         return torch.tensor([self.tokenizer.encode(document)])  # a base model's BOS first
 
-    def question(self, text: str, first: bool, after: list[int] = ()) -> torch.Tensor:
-        """A question's tokens; `after`, the previous answer, whose end-of-sequence token already closes its turn."""
+    def question(self, text: str, first: bool, after: list[int] = (), answer_prefix: str = "") -> torch.Tensor:
+        """A question's tokens, then the answer's opening words if given; `after`, the previous answer, whose
+        end-of-sequence token already closes its turn."""
         if not text.strip():
             raise ValueError("the question is empty")
         frame = self.first_question if first else self.next_question
-        rendered = frame.replace("{question}", text)
-        eos = self.tokenizer.eos_token
+        rendered = frame.replace("{question}", text) + (answer_prefix if self.chat else " " + answer_prefix).rstrip()
+        eos = getattr(self.tokenizer, "eos_token", None)
         if after and eos and after[-1] == self.tokenizer.eos_token_id and rendered.startswith(eos):
             rendered = rendered[len(eos) :]
         return torch.tensor([self.tokenizer.encode(rendered, add_special_tokens=False)])

@@ -20,6 +20,7 @@ class Example(TypedDict):
     input_ids: NotRequired[list[int]]  # ppl only: context followed by the tokens to score
     target_start: NotRequired[int]  # ppl only: index of the first scored token in input_ids
     source_id: NotRequired[str]  # the benchmark's own id of the item, when it has one
+    turns: NotRequired[list[dict]]  # a conversation's questions (question, answer_prefix, reference, max_new_tokens)
 
 
 class Task(Protocol):

@@ -1,0 +1,68 @@
+"""The conversation tasks: one context, its questions asked turn by turn over one cache, one row per turn."""
+
+import pytest
+from conftest import tiny_model
+from test_eval_runner import TOKENIZER
+
+from refreshkv.eval.report import write_report
+from refreshkv.eval.runner import Job, ResultsFile, RunConfig, prepare, read_results, run_jobs
+from refreshkv.eval.summary import turn_summary
+from refreshkv.eval.tasks import get_task
+
+LENGTH = 600
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", layers=3, seed=0)
+
+
+@pytest.mark.parametrize("kind", ["niah", "chain"])
+def test_a_conversation_holds_its_needles_once_and_asks_one_per_turn(kind):
+    task = get_task(f"multiturn/{kind}")
+    [example] = task.build(TOKENIZER, LENGTH, 1, seed=3, needles=4)
+    assert len(example["turns"]) == 4 and len(TOKENIZER.encode(example["prompt"])) <= LENGTH
+    for turn in example["turns"]:
+        sentence = turn["reference"] if kind == "niah" else f"is {turn['reference']}."
+        assert example["prompt"].count(sentence) == 1
+    if kind == "chain":  # later questions name no key: they depend on the previous answer
+        assert [t["question"].count("-") for t in example["turns"]] == [1, 0, 0, 0]
+    assert task.score_turn(f"It is {example['turns'][0]['reference'].upper()}.", example["turns"][0]) == 1.0
+    assert task.score_turn("no idea", example["turns"][0]) == 0.0
+
+
+def configs(methods):
+    return [
+        RunConfig(
+            task="multiturn/niah", method=m, length=LENGTH, seed=0, params=p, chat=False, task_options={"needles": 3}
+        )
+        for m, p in methods
+    ]
+
+
+def test_each_turn_is_a_row_and_a_killed_run_resumes_whole_conversations(model, tmp_path):
+    runs = configs([("full", {}), ("snapkv", {"budget": 32, "window": 4})])
+    items = prepare(model, TOKENIZER, runs[0], 2)
+    out = tmp_path / "turns.jsonl"
+    with ResultsFile(out, run="r") as results:
+        counts = run_jobs(model, TOKENIZER, [Job(c, items) for c in runs], results, progress=False)
+    assert counts == {"done_before": 0, "ran": 4}  # (configuration, conversation) pairs
+    rows = read_results(out)[0]
+    assert len(rows) == 2 * 2 * 3 and len({r["id"] for r in rows if r["method"] == "full"}) == 6
+    assert {r["turn"] for r in rows} == {1, 2, 3} and all(r["turns"] == 3 and r["conversation"] for r in rows)
+    first = [r for r in rows if r["turn"] == 1]
+    assert all(r["time_to_first_token_s"] < r["prefill_s"] for r in first)  # a turn prefills its question only
+    with ResultsFile(out, run="r") as results:
+        assert run_jobs(model, TOKENIZER, [Job(c, items) for c in runs], results, progress=False)["ran"] == 0
+    summary = turn_summary(rows)
+    assert [s["method"] for s in summary] == ["full", "snapkv(budget=32,window=4)"]
+    assert all(s["conversations"] == 2 for s in summary)
+    groups, _, written = write_report([out], tmp_path / "report", plots=False)
+    assert {g.task for g in groups} == {"multiturn/niah turn 1", "multiturn/niah turn 2", "multiturn/niah turn 3"}
+    assert "turn 1 against the later turns" in (tmp_path / "report" / "summary.md").read_text()
+
+
+def test_a_conversation_too_long_for_the_model_is_refused_before_running(model):
+    run = RunConfig(task="multiturn/niah", method="full", length=1000, seed=0, chat=False, task_options={"needles": 8})
+    with pytest.raises(ValueError, match="a conversation of .* exceeds the model's context of 1024"):
+        prepare(model, TOKENIZER, run, 1)
