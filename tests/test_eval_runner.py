@@ -271,7 +271,9 @@ def test_length_beyond_the_context_and_unknown_task_are_refused(tmp_path, model)
     out = tmp_path / "r.jsonl"
     with pytest.raises(ValueError, match="length 2000 exceeds the model's context of 1024 tokens"):
         run_eval(model, TOKENIZER, config(length=2000), 1, out, progress=False)
-    with pytest.raises(ValueError, match=r"unknown task 'nope'; choose from: .*ppl, recovery"):
+    with pytest.raises(
+        ValueError, match=r"unknown task 'nope'; choose from: .*ppl, multiturn/niah, multiturn/chain, recovery"
+    ):
         run_eval(model, TOKENIZER, config(task="nope"), 1, out, progress=False)
     assert not out.exists()
 

@@ -159,6 +159,12 @@ class SlotStore(LayerState):
             as_bits(store).scatter_(2, index.unsqueeze(-1).expand_as(token), as_bits(token))
         self.positions.scatter_(2, index, torch.full_like(index, position))  # a tensor: torch.compile takes it
 
+    def put_at(self, slot: int, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:
+        """Write one token (B, H, 1, D) into slot `slot` of every row and head (a plain copy, no scatter)."""
+        self.keys[:, :, slot : slot + 1] = keys
+        self.values[:, :, slot : slot + 1] = values
+        self.positions[:, :, slot] = position
+
     def valid(self, pads: torch.Tensor | None) -> torch.Tensor:
         """(B, H, slots) bool: the slot holds a real token (not empty, not left padding)."""
         return self.positions >= (0 if pads is None else pads.view(-1, 1, 1))

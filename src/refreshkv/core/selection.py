@@ -102,8 +102,26 @@ class SelectionState(LayerState):
         self.filled = kept if not ragged or bool((index >= 0).all()) else 0
         self.empty = self.store.slots - kept
 
+    @property
+    def used(self) -> int:
+        """Slots written (from the start) where no ragged selection left holes (`contiguous`)."""
+        return self.store.slots - self.empty
+
+    @property
+    def contiguous(self) -> bool:
+        """The held tokens fill slots 0 .. used - 1 in every row and head (no hole left by a ragged selection)."""
+        return self.filled == self.used
+
     def put(self, eviction_scores: torch.Tensor, key, value, position: int, score: float) -> None:
         """Write one token into each head's lowest-scored slot (an empty one while there is room)."""
+        # While slots are free and none is a hole, the lowest is the first free slot everywhere: a plain write (not
+        # under torch.compile, where a slot that moves every step would recompile the step)
+        if self.empty and self.contiguous and not torch.compiler.is_compiling():
+            slot = self.used
+            self.store.put_at(slot, key, value, position)
+            self.scores[:, :, slot : slot + 1] = torch.full_like(self.scores[:, :, :1], score)
+            self.filled, self.empty = self.filled + 1, self.empty - 1
+            return
         slot = eviction_scores.argmin(dim=-1)
         self.store.put(slot, key, value, position)
         # The score as a tensor: under torch.compile a score computed from the step count is symbolic, which
@@ -203,9 +221,15 @@ class SelectionPolicy(BudgetPolicy):
     def decode(self, layer, query, key, value, scaling):
         self.append(layer, key, value)
         state: SelectionState = layer.state
+        observes = type(self).observe is not SelectionPolicy.observe
+        plain = layer.pads is None and state.contiguous and not observes and not torch.compiler.is_compiling()
+        if plain:  # the tokens held, as a plain cache holds them (a length that grows: not in a compiled step)
+            used, store = state.used, state.store
+            layer.record(0.0, store.nbytes() * used // store.slots)
+            return decode_attention(query, store.keys[:, :, :used], store.values[:, :, :used], scaling)
         layer.record(0.0, state.store.nbytes())
         valid = state.valid(layer.pads)
-        if type(self).observe is SelectionPolicy.observe:
+        if not observes:
             return decode_attention(query, state.store.keys, state.store.values, scaling, valid)
         output, probs = attend_with_probs(query, state.store.keys, state.store.values, scaling, valid)
         self.observe(layer, probs)

@@ -609,12 +609,12 @@ def run_jobs(
             item = group[0][1]
             bar.set_postfix_str(f"{configs[0].task} L={configs[0].length} x{len(configs)} methods", refresh=False)
             for config, measured in zip(configs, run_examples(model, tokenizer, configs, item, fidelity)):
-                rows = [
+                written = [
                     row_for(config, results.run, item, m)
                     for m in (measured if isinstance(measured, list) else [measured])
                 ]
-                results.append(*rows)  # a conversation's turns in one write: a kill keeps all or none
-                for row in rows if on_row is not None else ():
+                results.append(*written)  # a conversation's turns in one write: a kill keeps all or none
+                for row in written if on_row is not None else ():
                     on_row(row)
                 bar.update()
     return {"done_before": len(rows) - len(left), "ran": len(todo)}

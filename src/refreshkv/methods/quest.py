@@ -196,5 +196,8 @@ class Quest(BudgetPolicy):
         aligned = (chosen.unsqueeze(-1) * self.page_size + offsets).flatten(-2) + store.pads.view(-1, 1, 1)
         if competing is None:
             return aligned, None
-        kept = torch.cat([competing.gather(-1, top), torch.ones_like(top[..., :1], dtype=torch.bool)], dim=-1)
+        kept = torch.cat(
+            [competing.expand(-1, top.shape[1], -1).gather(-1, top), torch.ones_like(top[..., :1], dtype=torch.bool)],
+            dim=-1,
+        )
         return aligned, kept.repeat_interleave(self.page_size, dim=-1)

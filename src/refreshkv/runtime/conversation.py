@@ -202,7 +202,8 @@ class TurnFormat:
         if not text.strip():
             raise ValueError("the question is empty")
         frame = self.first_question if first else self.next_question
-        rendered = frame.replace("{question}", text) + (answer_prefix if self.chat else " " + answer_prefix).rstrip()
+        opening = (answer_prefix if self.chat else " " + answer_prefix) if answer_prefix else ""
+        rendered = frame.replace("{question}", text) + opening
         eos = getattr(self.tokenizer, "eos_token", None)
         if after and eos and after[-1] == self.tokenizer.eos_token_id and rendered.startswith(eos):
             rendered = rendered[len(eos) :]
