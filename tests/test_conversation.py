@@ -150,3 +150,22 @@ def test_refreshkv_whose_budget_holds_every_token_decodes_as_full(llama):
         prompt, **with_cache(llama, cache), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
     )
     assert tokens.shape[1] == 50 and cache.layers[0].state.partial is not None
+
+
+def tensors_in(value, depth: int = 3) -> list[torch.Tensor]:
+    """The tensors an object holds, a few attributes deep (a layer's state, its stores)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth == 0 or not hasattr(value, "__dict__"):
+        return []
+    return [t for item in vars(value).values() for t in tensors_in(item, depth - 1)]
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_the_context_prefill_keeps_no_autograd_graph(llama, together):
+    """A prefill outside inference mode holds every layer's activations for a backward pass (GBs at 4K)."""
+    context = ids(40, 4)
+    talks = Conversation.several(llama, context, ["full", "h2o"]) if together else [Conversation(llama, context)]
+    for talk in talks:
+        held = [t for layer in talk.cache.layers for t in tensors_in(layer.state)]
+        assert held and not any(t.requires_grad for t in held)

@@ -101,6 +101,7 @@ class Conversation:
         """Tokens that have gone through the cache (context, questions and answers)."""
         return self.cache.get_seq_length()
 
+    @torch.inference_mode()  # without it autograd keeps every layer's activations of the context (GBs at 4K)
     def _prefill(self, cache) -> tuple[torch.Tensor, float]:
         """The pending tokens through `cache` as a prompt: (last logits, seconds)."""
         ids, self.pending = self.pending, None
