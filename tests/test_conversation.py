@@ -169,3 +169,21 @@ def test_the_context_prefill_keeps_no_autograd_graph(llama, together):
     for talk in talks:
         held = [t for layer in talk.cache.layers for t in tensors_in(layer.state)]
         assert held and not any(t.requires_grad for t in held)
+
+
+def test_each_turn_reports_its_own_decode_time_per_step(llama, monkeypatch):
+    """The cache counts the steps of every turn; a turn's ms/token divides its decode time by its own steps."""
+    import refreshkv.runtime.conversation as conversation
+
+    real = conversation.decode
+
+    def ten_ms_a_step(model, cache, *args):
+        before = cache.step
+        out = real(model, cache, *args)
+        out.decode_s = 0.010 * (cache.step - before)
+        return out
+
+    monkeypatch.setattr(conversation, "decode", ten_ms_a_step)
+    talk = Conversation(llama, ids(50, 5), "refreshkv", budget=16, window=4, eos_token_id=[])
+    turns = [talk.ask(ids(6, seed), NEW) for seed in (6, 7, 8)]
+    assert [round(turn.decode_ms_per_token, 6) for turn in turns] == [10.0, 10.0, 10.0]

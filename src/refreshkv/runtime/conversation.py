@@ -156,7 +156,7 @@ class Conversation:
             question_tokens=question_ids.shape[1],
             tokens=answer,
             time_to_first_token_s=first_token_s,
-            decode_ms_per_token=out.decode_ms_per_token,
+            decode_ms_per_token=1000 * out.decode_s / steps if steps else 0.0,  # the cache counts every turn's steps
             kv_bytes_held=sum(self.cache.nbytes_per_layer()),
             kv_bytes_read_per_step=(self.cache.stats.attended_bytes() - read_before) / steps if steps else 0.0,
         )
