@@ -141,6 +141,8 @@ def stats_table(results: list[dict]) -> Table:
         values = [r[key] for r in results]
         if key.startswith("kv_bytes"):
             values = [f"{v / 2**20:.1f}" for v in values]
+        if key == "budget":  # 0: the method has no budget (full)
+            values = [v or "-" for v in values]
         table.add_row(label, *map(str, values))
     return table
 
