@@ -80,3 +80,25 @@ def test_a_conversation_too_long_for_the_model_is_refused_before_running(model, 
     run = RunConfig(task="multiturn/niah", method="full", length=1000, seed=0, chat=False, task_options={"needles": 8})
     with pytest.raises(ValueError, match="a conversation of .* exceeds the model's context of 1024"):
         prepare(model, TOKENIZER, run, 1)
+
+
+def test_turn_summary_pairs_each_conversations_first_and_later_turns():
+    scores = {"a": [1.0, 0.0, 1.0], "b": [0.0, 1.0, 1.0]}  # turn 1, 2, 3 of two conversations
+    rows = [
+        {
+            "task": "multiturn/niah",
+            "length": 600,
+            "method": "full",
+            "params": {},
+            "conversation": c,
+            "turn": t + 1,
+            "score": s,
+        }
+        for c, turns in scores.items()
+        for t, s in enumerate(turns)
+    ]
+    [summary] = turn_summary(rows)
+    assert summary["conversations"] == 2
+    assert (summary["turn_1"], summary["later_turns"], summary["later_vs_turn_1"]) == (0.5, 0.75, 1.5)
+    low, high = summary["later_vs_turn_1_ci"]
+    assert low <= 1.5 <= high and low < high  # resampled over conversations

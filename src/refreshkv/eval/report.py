@@ -221,8 +221,9 @@ def markdown_summary(groups: list[Group], sources, plots: list[Path]) -> str:
             "| task | L | method | conversations | turn 1 | turns 2..N | later / turn 1 |",
             "|---|---|---|---|---|---|---|",
             *(
-                f"| {r['task']} | {r['length']} | {r['method']} | {r['conversations']} | {cell(r['turn_1'], '{:.3f}')} "
-                f"| {cell(r['later_turns'], '{:.3f}')} | {cell(r['later_vs_turn_1'], '{:.3f}')} |"
+                f"| {r['task']} | {r['length']} | {r['method']} | {r['conversations']} | "
+                + " | ".join(render(r, key, "{:.2f}") for key in ("turn_1", "later_turns", "later_vs_turn_1"))
+                + " |"
                 for r in turns
             ),
             "",

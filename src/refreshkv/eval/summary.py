@@ -302,28 +302,30 @@ def shown_options(options: str) -> str:
 
 
 def turn_summary(rows: list[dict]) -> list[dict]:
-    """Per conversation task, length and method: the mean score of turn 1 and of turns 2..N, over the same
-    conversations, and the later turns' score relative to turn 1's."""
-    table: dict[tuple, dict[str, list[float]]] = {}
+    """Per conversation task, length and method: the mean score of turn 1 and of turns 2..N over the same
+    conversations, and the later turns' score relative to turn 1's, each with a bootstrap interval over
+    conversations (paired: a conversation's turn 1 and its later turns are resampled together)."""
+    table: dict[tuple, dict[str, dict[int, float]]] = {}
     for row in rows:
         if "turn" in row and row.get("score") is not None:
             key = (row["task"], row["length"], method_label(row))
-            table.setdefault(key, {"first": [], "later": []})["first" if row["turn"] == 1 else "later"].append(
-                row["score"]
-            )
+            table.setdefault(key, {}).setdefault(row["conversation"], {})[row["turn"]] = row["score"]
     summary = []
-    for (task, length, label), scores in sorted(table.items()):
-        first, later = mean(scores["first"]), mean(scores["later"])
+    for (task, length, label), conversations in sorted(table.items()):
+        pairs = [
+            (mean([s for turn, s in turns.items() if turn > 1]), turns[1])
+            for turns in conversations.values()
+            if 1 in turns and len(turns) > 1
+        ]
+        estimates = {
+            "turn_1": stats.macro_mean([[first for _, first in pairs]]),
+            "later_turns": stats.macro_mean([[later for later, _ in pairs]]),
+            "later_vs_turn_1": stats.macro_ratio([pairs]),
+        }
         summary.append(
-            {
-                "task": task,
-                "length": length,
-                "method": label,
-                "conversations": len(scores["first"]),
-                "turn_1": first,
-                "later_turns": later,
-                "later_vs_turn_1": ratio(later, first),
-            }
+            {"task": task, "length": length, "method": label, "conversations": len(pairs)}
+            | {key: estimate.value for key, estimate in estimates.items()}
+            | {f"{key}_ci": estimate.interval for key, estimate in estimates.items()}
         )
     return summary
 
