@@ -133,7 +133,7 @@ class Conversation:
         synchronize(question_ids.device)
         first_token_s = time.perf_counter() - start
         self.pending = None
-        held_before, read_before, steps_before = self.tokens_held, self.cache.stats.attended_bytes(), self.cache.step
+        held_before, read_before = self.tokens_held, self.cache.stats.attended_bytes()
         out = decode(
             self.model,
             self.cache,
@@ -146,7 +146,6 @@ class Conversation:
             False,
             False,
         )
-        steps = self.cache.step - steps_before
         answer = out.tokens[0]
         if self.keep_answers:
             self.pending = torch.tensor([answer[-1:]], device=question_ids.device)  # chosen, not yet fed
@@ -156,9 +155,11 @@ class Conversation:
             question_tokens=question_ids.shape[1],
             tokens=answer,
             time_to_first_token_s=first_token_s,
-            decode_ms_per_token=1000 * out.decode_s / steps if steps else 0.0,  # the cache counts every turn's steps
+            decode_ms_per_token=out.decode_ms_per_token,
             kv_bytes_held=sum(self.cache.nbytes_per_layer()),
-            kv_bytes_read_per_step=(self.cache.stats.attended_bytes() - read_before) / steps if steps else 0.0,
+            kv_bytes_read_per_step=(self.cache.stats.attended_bytes() - read_before) / out.decode_steps
+            if out.decode_steps
+            else 0.0,
         )
         self.turns.append(turn)
         return turn

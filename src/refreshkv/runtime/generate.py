@@ -336,6 +336,7 @@ def decode(
     timer = StepTimer(device)
     forward = compiled_forward(model) if settings.compile else model
     bar = tqdm(total=max_new_tokens, desc=f"{cache.policy.name}: decode", unit="tok", disable=not progress, leave=False)
+    first_step = cache.step  # a cache carried over (a conversation's next turn) has counted earlier steps
     start = time.perf_counter()
     for step in range(max_new_tokens):
         bar.update()
@@ -367,7 +368,7 @@ def decode(
         prompt_tokens=attention_mask.sum(-1).tolist(),
         prefill_s=0.0,
         decode_s=decode_s,
-        decode_steps=cache.step,
+        decode_steps=cache.step - first_step,
         cache=cache,
         step_s=timer.seconds(),
         logits=all_logits if return_logits else None,
