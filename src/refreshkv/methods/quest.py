@@ -12,9 +12,9 @@ Choices where the paper is silent:
 - GQA (the paper's models have one query head per KV head): the query heads sharing a KV head select together; a
   page's bound is the largest of their bounds (`aggregation="max"`; `mean` averages them), so one gather serves
   the group.
-- Pages start at position 0 of the (left-padded) input; the prompt's last partial page is "the page being
-  written": decoded tokens fill it, and it is always attended to (it is not counted in K). Pads never enter a
-  page's minimum or maximum, and a page of pads only is never selected.
+- Pages start at each row's first real token (a left-padded row pages its tokens as it would alone); the prompt's
+  last partial page is "the page being written": decoded tokens fill it, and it is always attended to (it is not
+  counted in K). Pads never enter a page's minimum or maximum, and a page of pads only is never selected.
 - When every page fits (at most K / page_size + 1), the step attends to the whole cache directly (so a budget that
   keeps everything equals `full`).
 - Bytes read per step: the selected pages' keys and values plus every page's minimum and maximum.
@@ -92,7 +92,7 @@ class PagedStore(LayerState):
         if self.pages > self.lows.shape[2]:  # more tokens than the capacity announced: double
             self.lows = torch.cat([self.lows, torch.full_like(self.lows, float("inf"))], dim=2)
             self.highs = torch.cat([self.highs, torch.full_like(self.highs, float("-inf"))], dim=2)
-        page = ((self.full.length - 1 - self.pads) // self.page_size).view(-1, 1, 1, 1).expand_as(key)
+        page = self.current_pages().view(-1, 1, 1, 1).expand_as(key)
         self.lows.scatter_reduce_(2, page, key, "amin")
         self.highs.scatter_reduce_(2, page, key, "amax")
 
