@@ -106,3 +106,23 @@ def test_shared_prefill_refuses_used_caches(llama):
     with pytest.raises(PolicyError, match="empty caches"):
         SharedPrefill([cache, PolicyCache(make_policy("full"), llama)])
     assert torch.is_tensor(cache.layers[0].state.view()[0])
+
+
+def test_members_with_equal_score_keys_score_each_layer_once(llama, monkeypatch):
+    """h2o's cumulative attention does not depend on K: a budget grid (and the copies fidelity adds) score once per
+    layer; snapkv's scores depend on its window, so two windows score twice. Tokens equal each method alone."""
+    calls = []
+    for method in (refreshkv.methods.h2o.H2O, refreshkv.methods.snapkv.SnapKV):
+        original = method.score
+        monkeypatch.setattr(
+            method, "score", lambda self, *args, original=original: calls.append(self.name) or original(self, *args)
+        )
+    ids = random_prompt(40, seed=8)
+    methods = [make_policy("h2o", budget=b) for b in (8, 16, 24)]
+    methods += [make_policy("snapkv", budget=8, window=w) for w in (1, 2)]
+    outs = refreshkv.generate_many(llama, ids, methods=["full", *methods], max_new_tokens=NEW, fidelity=True)
+    layers = llama.config.num_hidden_layers
+    assert calls.count("h2o") == layers and calls.count("snapkv") == 2 * layers
+    for policy, out in zip(methods, outs[1:]):
+        alone = refreshkv.generate(llama, ids, method=policy, max_new_tokens=NEW)
+        assert out.tokens == alone.tokens, policy

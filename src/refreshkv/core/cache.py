@@ -82,6 +82,7 @@ class PolicyLayer(CacheLayerMixin):
         self.pending = None
         self.recorded = False
         self.record_share = 1.0  # below 1 while several new tokens share one step (`decode_each`)
+        self.prompt_scores = None  # during a shared prefill: its members' prompt scores at this layer, by score_key
 
     @property
     def is_croppable(self) -> bool:

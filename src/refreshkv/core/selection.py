@@ -152,6 +152,12 @@ class SelectionPolicy(BudgetPolicy):
         computed from attention must mask them among the keys (`valid`, as in `select`)."""
         raise NotImplementedError(f"method '{self.name}' implements neither score() nor select()")
 
+    def score_key(self) -> str:
+        """What `score()` depends on besides the prompt: the methods of one shared prefill with equal keys score
+        each layer once (a method and the copy that fidelity feeds `full`'s answer; a budget grid of a method whose
+        scores do not depend on K, which says so by leaving the budget out). By default every parameter."""
+        return repr(self)
+
     def kept_tokens(self, layer) -> int:
         """Prompt tokens to keep per KV head (fewer when the prompt is shorter): K, the cache's budget."""
         return layer.budget
@@ -167,7 +173,13 @@ class SelectionPolicy(BudgetPolicy):
         `query` (B, Hq, L, D), `key` (B, Hkv, L, D): the whole prompt; `valid` (B, 1, 1, L) bool marks its real
         tokens (None: no padding). By default the top `kept_tokens` by `score` (`keep_top`).
         """
-        scores = checked_scores(self.name, self.score(layer, query, key, scaling, valid), key)
+        shared, score_key = layer.prompt_scores, (type(self), self.score_key())
+        if shared is not None and score_key in shared:
+            scores = shared[score_key]
+        else:
+            scores = checked_scores(self.name, self.score(layer, query, key, scaling, valid), key)
+            if shared is not None:
+                shared[score_key] = scores
         mask = None if valid is None else valid.view(valid.shape[0], 1, -1)
         return keep_top(scores, self.kept_tokens(layer), mask, self.recent_kept(layer))
 

@@ -44,9 +44,12 @@ class SharedPrefillLayer(CacheLayerMixin):
         return key_states, value_states
 
     def attend(self, module, query, key, value, mask, scaling: float, sliding_window: int | None = None):
+        scores = {}  # members whose prompt scores are the same compute them once (SelectionPolicy.score_key)
         for layer in self.members:
             layer.start_prompt(mask, key, sliding_window)
+            layer.prompt_scores = scores
             layer.policy.store_prompt(layer, query, key, value, scaling)
+            layer.prompt_scores = None
         return prompt_attention(query, key, value, mask, scaling)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -74,6 +74,9 @@ class H2O(SelectionPolicy):
     def score(self, layer, query, key, scaling, valid):
         return cumulative_attention(query, key, scaling, valid, self.aggregation)
 
+    def score_key(self) -> str:
+        return repr(dataclasses.replace(self, budget=None, budget_ratio=None))  # cumulative attention ignores K
+
     def recent_kept(self, layer) -> int:
         return split_budget(layer.budget)[1]
 
