@@ -5,7 +5,8 @@
 `snapkv` (and any `--methods`) with K = `--budget` on a `--length`-token prompt, against stock transformers
 (`model.generate`, DynamicCache + SDPA) over the last K + 32 tokens of the same prompt, i.e. a cache of the same
 size: decode ms per token (prefill excluded), all in one process, rounds interleaved (the order flips every round);
-medians and ranges over rounds.
+medians and ranges over rounds. `--save-prompt` writes the prompt for kvpress's SnapKV on the same tokens
+(benchmarks/kvpress_snapkv.py, in a virtualenv of its own).
 """
 
 import argparse
@@ -40,11 +41,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--save-prompt", help="also write the prompt's token ids here (for kvpress_snapkv.py)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model()
     ids = bench_prompt(tokenizer, args.length - args.new_tokens)
     short = ids[:, -(args.budget + 32) :]
+    if args.save_prompt:
+        torch.save(ids, args.save_prompt)
     runs = ["stock"] + args.methods.split(",")
     times: dict[str, list[float]] = {name: [] for name in runs}
     for round_index in range(args.rounds):

@@ -7,6 +7,7 @@ import pytest
 
 from refreshkv.eval import stats
 from refreshkv.eval.report import WITHIN_NOISE, method_summaries, rich_tables, write_report
+from refreshkv.eval.summary import budget_frontier, oracle_gaps
 
 
 def row(task, method, i, score, params=None, ms=1.0, kv=1000, read=500):
@@ -164,3 +165,29 @@ def test_score_by_task_puts_full_first_and_leaves_missing_cells_empty(tmp_path):
     assert "| task | L | n | full | snapkv(budget=4) | snapkv |" in section  # tasks and methods in report order
     assert "| a | 100 | 4 | 0.250 | 0.000 |  |" in section
     assert "| b | 100 | 2 | 1.000 |  | 0.500 |" in section
+
+
+def test_frontier_smallest_budget_at_95_percent_and_each_budget_beside_the_oracle(tmp_path):
+    rows = rows_of("a", "full", [1, 1, 1, 1])
+    for share, oracle, m in ((0.25, [1, 1, 1, 0], [1, 0, 0, 0]), (0.5, [1, 1, 1, 1], [1, 1, 1, 1])):
+        rows += rows_of("a", "oracle", oracle, params={"budget_ratio": share})
+        rows += rows_of("a", "m", m, params={"budget_ratio": share})
+    kept = [0.2, 0.4, 0.2, 0.4]  # a method without a budget: K / L is the mean share it kept, not the first row's
+    rows += [dict(r, budget_ratio=k) for r, k in zip(rows_of("a", "refreekv", [1, 1, 1, 1], params={"t": 1}), kept)]
+    groups, markdown = report(tmp_path, rows)
+    [summary] = method_summaries(groups)
+    gaps = oracle_gaps(summary)
+    assert [(r["base"], r["budget_share"]) for r in gaps] == [
+        ("oracle", 0.25),
+        ("m", 0.25),
+        ("refreekv", pytest.approx(0.3)),
+        ("oracle", 0.5),
+        ("m", 0.5),
+    ]
+    assert [r["gap"] for r in gaps] == [None, pytest.approx(0.25 - 0.75), None, None, pytest.approx(0.0)]
+    assert {r["method"]: r["text"] for r in budget_frontier(summary)} == {
+        "m": "L/2",
+        "oracle": "L/2",
+        "refreekv": "L/3.33",
+    }
+    assert table_line(markdown, "0.25", "m(budget_ratio=0.25)", 4).endswith("| 0.250 [0.000, 0.750] | -0.500 | - | - |")

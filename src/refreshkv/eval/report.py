@@ -41,6 +41,7 @@ from .summary import (
     load_results,
     mean,
     method_summaries,
+    oracle_gaps,
     shown_options,
     turn_summary,
 )
@@ -64,6 +65,15 @@ METRICS = (
     ("kept", "budget_ratio", "{:.3f}"),
     ("full steps", "full_step_fraction", "{:.3f}"),
     ("KL to full", "kl_to_full", "{:.4f}"),  # nats per answer token, on full's answer
+    ("top-1 vs full", "top1_agreement", "{:.3f}"),
+)
+GAP_COLUMNS = (
+    ("K / L", "budget_share", "{:.4g}"),
+    ("method", "method", "{}"),
+    ("n", "n", "{}"),
+    ("vs full", "vs_full", "{:.3f}"),
+    ("gap to oracle", "gap", "{:+.3f}"),
+    ("KL to full", "kl_to_full", "{:.4f}"),
     ("top-1 vs full", "top1_agreement", "{:.3f}"),
 )
 COLUMNS = (
@@ -211,6 +221,12 @@ def markdown_summary(groups: list[Group], sources, plots: list[Path]) -> str:
                 f"| {row['method']} | {', '.join(f'{x:.4g}' for x in row['shares'])} | {row['text']} |"
                 for row in frontier
             ),
+            "",
+            "Each budget beside the oracle (the exact top-K of the current query at every step, the best any method "
+            "that attends to K tokens can do), on the same examples: `gap` = the method's `vs full` minus the "
+            "oracle's at that K / L.",
+            "",
+            _markdown(oracle_gaps(s), GAP_COLUMNS),
             "",
         ]
     turns = turn_summary([row for g in groups for row in g.rows])

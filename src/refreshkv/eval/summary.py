@@ -370,6 +370,43 @@ def budget_frontier(summary: MethodSummary) -> list[dict]:
     return frontier
 
 
+def summary_row(kind: str, length: int, label: str, members: list[Group], first: Group) -> dict:
+    """One method's row of a `MethodSummary`: its figures over `members` (one group per shared task, maybe none) and
+    its K / L from `first` (any of its groups), which for a method without a budget (refreekv) is the mean share it
+    kept."""
+    figures = aggregate(members)
+    share = budget_share(first.rows[0])
+    if share is not None and not {"budget", "budget_ratio"} & set(first.rows[0].get("params") or {}):
+        share = figures["budget_ratio"]
+    return {
+        "tasks": kind,
+        "length": length,
+        "method": label,
+        "n_tasks": len(members),
+        "n": sum(len(g.rows) for g in members),
+        "base": first.method,
+        "budget_share": share,
+        **figures,
+    }
+
+
+def oracle_gaps(summary: MethodSummary) -> list[dict]:
+    """Per method and K / L (budgeted methods of one summary), its `vs full` and fidelity beside the oracle's at the
+    same K / L: `gap` = the method's `vs full` minus the oracle's (None where the oracle did not run that K), so
+    how far each selection sits below the best that attends to K tokens. Ordered by K / L, then method."""
+    rows = [r for r in summary.rows if r["budget_share"] is not None and r["vs_full"] is not None]
+    oracle = {round(r["budget_share"], 6): r["vs_full"] for r in rows if r["base"] == "oracle"}
+    return [
+        {
+            **r,
+            "gap": None
+            if r["base"] == "oracle" or round(r["budget_share"], 6) not in oracle
+            else r["vs_full"] - oracle[round(r["budget_share"], 6)],
+        }
+        for r in sorted(rows, key=lambda r: (r["budget_share"], r["base"] != "oracle", r["method"]))
+    ]
+
+
 def method_summaries(groups: list[Group]) -> list[MethodSummary]:
     sets: dict[tuple, dict[str, dict[str, Group]]] = {}
     for g in groups:
@@ -382,16 +419,13 @@ def method_summaries(groups: list[Group]) -> list[MethodSummary]:
         shared = set.intersection(*(set(tasks) for tasks in by_method.values()))
         left_out = set().union(*by_method.values()) - shared
         rows = [
-            {
-                "tasks": kind,
-                "length": length,
-                "method": label,
-                "n_tasks": len(shared),
-                "n": sum(len(by_method[label][t].rows) for t in shared),
-                "base": next(iter(by_method[label].values())).method,
-                "budget_share": budget_share(next(iter(by_method[label].values())).rows[0]),
-                **aggregate([by_method[label][t] for t in sorted(shared)]),
-            }
+            summary_row(
+                kind,
+                length,
+                label,
+                [by_method[label][t] for t in sorted(shared)],
+                next(iter(by_method[label].values())),
+            )
             for label in sorted(by_method, key=lambda label: (label != "full", label))
         ]
         summaries.append(MethodSummary(model, kind, length, sorted(shared), sorted(left_out), rows))
