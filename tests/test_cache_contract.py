@@ -120,3 +120,23 @@ def test_an_empty_row_in_the_attention_mask_is_refused(llama):
     mask[1] = 0
     with pytest.raises(ValueError, match="needs a real token"):
         refreshkv.generate(llama, ids, mask, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("fidelity", [False, True])
+def test_dropped_caches_are_freed_without_the_cycle_collector(llama, fidelity):
+    """A cache and its layers form no reference cycle: its tensors go when the last output holding it goes, not at
+    Python's next full collection (which, with a model loaded, may be many examples away)."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        methods = ["full", make_policy("refreshkv", budget=8), make_policy("snapkv", budget=8, window=2)]
+        outs = refreshkv.generate_many(llama, random_prompt(40), methods=methods, max_new_tokens=4, fidelity=fidelity)
+        caches = [weakref.ref(out.cache) for out in outs]
+        assert all(cache() is not None for cache in caches)
+        del outs
+        assert [cache() for cache in caches] == [None] * len(methods)
+    finally:
+        gc.enable()

@@ -20,6 +20,7 @@ Beam search (`reorder_cache`, `batch_repeat_interleave`, `batch_select_indices`)
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import Counter
 
 import torch
@@ -73,7 +74,9 @@ class PolicyLayer(CacheLayerMixin):
 
     def __init__(self, cache: PolicyCache, layer_idx: int):
         super().__init__()
-        self.cache = cache
+        # A weak reference: a cycle cache <-> layers would keep every tensor of a dropped cache until Python's
+        # cyclic collector runs, which with a model loaded is rare (a 4K sweep grew by GBs per example).
+        self._cache = weakref.ref(cache)
         self.layer_idx = layer_idx
         self.seen = 0  # tokens processed, counting left padding
         self.state = None  # the policy's LayerState, set at prefill
@@ -83,6 +86,10 @@ class PolicyLayer(CacheLayerMixin):
         self.recorded = False
         self.record_share = 1.0  # below 1 while several new tokens share one step (`decode_each`)
         self.prompt_scores = None  # during a shared prefill: its members' prompt scores at this layer, by score_key
+
+    @property
+    def cache(self) -> PolicyCache:
+        return self._cache()
 
     @property
     def is_croppable(self) -> bool:
