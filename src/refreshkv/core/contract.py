@@ -25,6 +25,10 @@ class MethodLayer(Protocol):
     state: LayerState | None
     """What the method keeps for this layer: set by `store_prompt`, read and replaced by the method freely."""
 
+    prompt_scores: dict | None
+    """While a shared prefill stores the prompt: prompt scores already computed at this layer by its other methods,
+    by `score_key` (SelectionPolicy.select reads and fills it); None otherwise."""
+
     @property
     def seen(self) -> int:
         """Tokens this layer has processed, left padding included: the newest token's position is `seen - 1`."""
