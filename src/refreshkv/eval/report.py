@@ -67,14 +67,15 @@ METRICS = (
     ("KL to full", "kl_to_full", "{:.4f}"),  # nats per answer token, on full's answer
     ("top-1 vs full", "top1_agreement", "{:.3f}"),
 )
+METRIC = {key: (label, key, fmt) for label, key, fmt in METRICS}
 GAP_COLUMNS = (
     ("K / L", "budget_share", "{:.4g}"),
     ("method", "method", "{}"),
     ("n", "n", "{}"),
-    ("vs full", "vs_full", "{:.3f}"),
+    METRIC["vs_full"],
     ("gap to oracle", "gap", "{:+.3f}"),
-    ("KL to full", "kl_to_full", "{:.4f}"),
-    ("top-1 vs full", "top1_agreement", "{:.3f}"),
+    METRIC["kl_to_full"],
+    METRIC["top1_agreement"],
 )
 COLUMNS = (
     ("task", "task", "{}"),

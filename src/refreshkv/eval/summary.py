@@ -330,15 +330,15 @@ def turn_summary(rows: list[dict]) -> list[dict]:
     return summary
 
 
-def budget_share(row: dict) -> float | None:
-    """K / L of a row: its `budget_ratio` parameter, or its `budget` over its length; for a method without a budget
-    (refreekv) the share of prompt tokens it kept; None for full."""
+def budget_share(row: dict, kept: float | None) -> float | None:
+    """K / L of a method from one of its rows: its `budget_ratio` parameter, or its `budget` over its length; for a
+    method without a budget (refreekv) `kept`, the mean share of prompt tokens it kept; None for full."""
     params = row.get("params") or {}
     if "budget_ratio" in params:
         return params["budget_ratio"]
     if "budget" in params:
         return params["budget"] / row["length"]
-    return None if is_reference(row) else row.get("budget_ratio")
+    return None if is_reference(row) else kept
 
 
 FRONTIER_TARGET = 0.95  # of full's score (a perplexity within 1 / 0.95 of full's)
@@ -375,9 +375,6 @@ def summary_row(kind: str, length: int, label: str, members: list[Group], first:
     its K / L from `first` (any of its groups), which for a method without a budget (refreekv) is the mean share it
     kept."""
     figures = aggregate(members)
-    share = budget_share(first.rows[0])
-    if share is not None and not {"budget", "budget_ratio"} & set(first.rows[0].get("params") or {}):
-        share = figures["budget_ratio"]
     return {
         "tasks": kind,
         "length": length,
@@ -385,7 +382,7 @@ def summary_row(kind: str, length: int, label: str, members: list[Group], first:
         "n_tasks": len(members),
         "n": sum(len(g.rows) for g in members),
         "base": first.method,
-        "budget_share": share,
+        "budget_share": budget_share(first.rows[0], figures["budget_ratio"]),
         **figures,
     }
 
@@ -395,14 +392,13 @@ def oracle_gaps(summary: MethodSummary) -> list[dict]:
     same K / L: `gap` = the method's `vs full` minus the oracle's (None where the oracle did not run that K), so
     how far each selection sits below the best that attends to K tokens. Ordered by K / L, then method."""
     rows = [r for r in summary.rows if r["budget_share"] is not None and r["vs_full"] is not None]
-    oracle = {round(r["budget_share"], 6): r["vs_full"] for r in rows if r["base"] == "oracle"}
+
+    def share(row):  # K / L as a key: equal budgets given as a ratio and in tokens may differ in the last bits
+        return round(row["budget_share"], 6)
+
+    oracle = {share(r): r["vs_full"] for r in rows if r["base"] == "oracle"}
     return [
-        {
-            **r,
-            "gap": None
-            if r["base"] == "oracle" or round(r["budget_share"], 6) not in oracle
-            else r["vs_full"] - oracle[round(r["budget_share"], 6)],
-        }
+        {**r, "gap": None if r["base"] == "oracle" or share(r) not in oracle else r["vs_full"] - oracle[share(r)]}
         for r in sorted(rows, key=lambda r: (r["budget_share"], r["base"] != "oracle", r["method"]))
     ]
 
