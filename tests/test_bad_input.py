@@ -569,6 +569,27 @@ def test_a_sweep_key_given_twice_is_refused_with_its_line(tmp_path):
         load_sweep(spec)
 
 
+def test_a_budget_that_holds_the_whole_length_is_refused(tmp_path, doc, no_model, monkeypatch, capsys):
+    """Issue 30: a frontier point with K >= L would be full's row under another name."""
+    from refreshkv.eval.sweep import SweepError
+
+    spec = sweep_file(
+        tmp_path,
+        "out: r.jsonl\nlengths: [100, 200]\ntasks: [ppl]\nmethods: [{name: snapkv, grid: {budget: [8, 150]}}]\n",
+    )
+    with pytest.raises(SweepError, match=rf"^{spec}: method snapkv: budget 150 is not below the length 100 "):
+        load_sweep(spec)
+    out = tmp_path / "e.jsonl"
+    code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, out, "--method", "quest", "--budget", "40"))
+    assert_one_line_error(code, err, "method quest: budget 40 is not below the length 40", "budget_ratio")
+    assert not out.exists()
+    monkeypatch.setattr(
+        sys, "argv", ["refreshkv", *map(str, ppl_eval_args(doc, out, "--method", "quest", "--budget", "39"))]
+    )
+    with pytest.raises(AssertionError, match="a model was loaded"):  # one below the length passes the checks
+        main()
+
+
 def test_a_huge_sweep_grid_is_refused_at_once(tmp_path):
     from refreshkv.eval.sweep import SweepError
 

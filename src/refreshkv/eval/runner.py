@@ -117,6 +117,17 @@ def short_hash(value) -> str:
     return hashlib.sha256(canonical(value).encode()).hexdigest()[:16]
 
 
+def check_budget_below_length(policy, length: int) -> None:
+    """A budget of `length` tokens or more keeps every token: the row would be `full`'s under another name (a
+    frontier point that measures nothing), so it is refused."""
+    budget = getattr(policy, "budget", None)
+    if budget is not None and budget >= length:
+        raise ValueError(
+            f"method {policy.name}: budget {budget} is not below the length {length} (it would keep every token, "
+            "as full does); give a smaller budget or a budget_ratio"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """What determines a row's result (the number of examples does not: more examples extend a run)."""
@@ -154,7 +165,7 @@ class RunConfig:
         """Everything that can be checked without the tokenizer: task, options, method, parameters, length."""
         task = find_task(self.task)
         check_task_options(self.task, self.task_options)
-        make_policy(self.method, **self.params)
+        check_budget_below_length(make_policy(self.method, **self.params), self.length)
         if task_kind(task) == "recovery" and self.method != "full":
             raise ValueError(f"task 'recovery' measures attention under 'full', got method '{self.method}'")
         if not isinstance(self.length, int) or isinstance(self.length, bool) or self.length < 1:

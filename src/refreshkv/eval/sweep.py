@@ -36,7 +36,7 @@ from ..runtime.models import named_model
 from ..runtime.prepare import DTYPES
 from .distributed import Launch, rank_file, sweep_files
 from .recovery import RecoveryTask
-from .runner import RunConfig, check_task_options, find_task, model_identity, short_hash
+from .runner import RunConfig, check_budget_below_length, check_task_options, find_task, model_identity, short_hash
 
 TOP_KEYS = ("out", "model", "chat", "dtype", "seed", "num_examples", "lengths", "tasks", "methods", "fidelity")
 
@@ -256,7 +256,9 @@ def load_sweep(path: str | Path, out: str | Path | None = None, model: str | Non
         for combination in itertools.product(*grid.values()):
             params = {**parts["params"], **dict(zip(grid, combination))}
             try:
-                make_policy(name, **params)
+                policy = make_policy(name, **params)
+                for length in lengths:
+                    check_budget_below_length(policy, length)
             except ValueError as error:
                 raise SweepError(f"{where}: {error}") from None
             if (name, params) not in methods:
