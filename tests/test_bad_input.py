@@ -313,6 +313,8 @@ def test_param_values_are_parsed_without_turning_words_into_numbers():
         (["--param", "budget_ratio=nan"], "budget_ratio"),
         (["--budget", "4", "--param", "budget=3"], "budget is given both as --budget and as --param budget"),
         (["--qc-stride", "4", "--param", "qc_stride=3"], "both as --qc-stride and as --param qc_stride"),
+        (["--preset", "papers"], "method 'refreshkv' has no preset 'papers'; its presets: paper"),
+        (["--preset", "paper", "--param", "preset=paper"], "preset is given both as --preset and as --param preset"),
     ],
 )
 def test_bad_method_parameters_are_one_line_before_loading(args, message, no_model, monkeypatch, capsys):

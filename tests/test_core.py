@@ -480,3 +480,17 @@ def test_one_query_over_many_keys_is_computed_explicitly_and_equals_sdpa(batch, 
     assert torch.allclose(got, wanted, atol=1e-6)
     with pytest.raises(AssertionError, match="SDPA called"):  # fewer keys: SDPA, faster there
         attention_math.decode_attention(query, keys[:, :, :1023], values[:, :, :1023], 16**-0.5)
+
+
+def test_a_preset_gives_its_values_and_parameters_beside_it_override_them():
+    from refreshkv.core.policy import METHODS
+
+    paper = make_policy("refreshkv", preset="paper", kernel=15)
+    assert (paper.kernel, paper.pooling, paper.window, paper.aggregation) == (15, "centered", 1, "max")
+    assert make_policy("snapkv", preset="paper").window == 1 and make_policy("snapkv").window == 32
+    assert make_policy("recycled", preset="paper").stride == 10  # recycled's own schedule stays
+    for name, cls in METHODS.items():  # every preset builds; a preset of one method is not another's
+        for preset in cls.presets:
+            make_policy(name, preset=preset)
+    with pytest.raises(PolicyError, match="^method 'pyramidkv' has no preset 'paper'; its presets: none$"):
+        make_policy("pyramidkv", preset="paper")

@@ -29,6 +29,7 @@ from .options import (
     MethodOpt,
     ModelOpt,
     ParamOpt,
+    PresetOpt,
     QcOpt,
     RatioOpt,
     StrideOpt,
@@ -175,6 +176,7 @@ def generate(
     kernel: KernelOpt = None,
     window: WindowOpt = None,
     aggregation: AggOpt = None,
+    preset: PresetOpt = None,
     param: ParamOpt = [],
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 64,
     prompt: Annotated[Optional[str], typer.Option(help="Prompt text.")] = None,
@@ -202,7 +204,9 @@ def generate(
     """Generate from a prompt with a KV method and report its speed and KV memory."""
     from ..core.policy import make_policy
 
-    params = method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param)
+    params = method_params(
+        budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param, preset
+    )
     make_policy(method, **params)  # validate before loading anything
     if compare is not None:
         make_policy(compare)
@@ -430,12 +434,15 @@ def methods():
     from ..core.policy import BUILT_IN, METHODS, PROVIDERS
 
     table = Table(title="KV methods")
-    for column in ("method", "parameters (default)", "what it does", "package"):
+    for column in ("method", "parameters (default)", "presets (--preset NAME)", "what it does", "package"):
         table.add_column(column)
     for name in sorted(METHODS):
         cls = METHODS[name]
         params = ", ".join(f"{k}={'-' if v is None else v}" for k, v in cls.parameters().items()) or "-"
-        table.add_row(name, params, cls.summary, PROVIDERS.get(name, BUILT_IN))
+        presets = "; ".join(
+            f"{preset}: " + ", ".join(f"{k}={v}" for k, v in values.items()) for preset, values in cls.presets.items()
+        )
+        table.add_row(name, params, presets or "-", cls.summary, PROVIDERS.get(name, BUILT_IN))
     print_table(out, table)
 
 

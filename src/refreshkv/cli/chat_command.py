@@ -15,7 +15,17 @@ from typing import Annotated, Optional
 import typer
 
 from ..runtime.prepare import check_runtime, load_checked
-from .options import BudgetOpt, DeviceOpt, DtypeOpt, ModelOpt, ParamOpt, RatioOpt, method_params, read_prompt
+from .options import (
+    BudgetOpt,
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    ParamOpt,
+    PresetOpt,
+    RatioOpt,
+    method_params,
+    read_prompt,
+)
 
 
 def read_questions(path: Path) -> list[str]:
@@ -64,6 +74,7 @@ def register(app, user_errors) -> None:
         ] = ["refreshkv"],
         budget: BudgetOpt = None,
         budget_ratio: RatioOpt = None,
+        preset: PresetOpt = None,
         param: ParamOpt = [],
         questions: Annotated[
             Optional[Path], typer.Option(help="Ask these questions (one per line) instead of prompting.")
@@ -81,17 +92,18 @@ def register(app, user_errors) -> None:
         device: DeviceOpt = "cpu",
     ):
         """Ask questions about a document, answered from one prefilled cache per method (no re-prefill per turn)."""
-        from ..core.policy import METHODS, make_policy
+        from ..core.policy import METHODS, accepted_parameters, make_policy
         from ..runtime.conversation import Conversation, TurnFormat
 
-        params = method_params(budget, budget_ratio, None, None, None, None, None, None, param)
+        params = method_params(budget, budget_ratio, None, None, None, None, None, None, param, preset)
         for name in method:
             make_policy(name)  # an unknown name: one line naming the methods
-        unused = sorted(k for k in params if not any(k in METHODS[name].parameters() for name in method))
+        unused = sorted(k for k in params if not any(k in accepted_parameters(METHODS[name]) for name in method))
         if unused:
             raise ValueError(f"no method of {', '.join(method)} takes {', '.join(unused)}")
         policies = [
-            make_policy(name, **{k: v for k, v in params.items() if k in METHODS[name].parameters()}) for name in method
+            make_policy(name, **{k: v for k, v in params.items() if k in accepted_parameters(METHODS[name])})
+            for name in method
         ]
         document = read_prompt(None, prompt_file)
         asked = read_questions(questions) if questions is not None else None

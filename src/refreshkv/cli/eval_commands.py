@@ -21,6 +21,7 @@ from .options import (
     MethodOpt,
     ModelOpt,
     ParamOpt,
+    PresetOpt,
     QcOpt,
     RatioOpt,
     StrideOpt,
@@ -52,6 +53,7 @@ def register(app, user_errors) -> None:
         kernel: KernelOpt = None,
         window: WindowOpt = None,
         aggregation: AggOpt = None,
+        preset: PresetOpt = None,
         param: ParamOpt = [],
         task_option: Annotated[
             list[str],
@@ -81,7 +83,9 @@ def register(app, user_errors) -> None:
         """Run one task x method configuration over examples into a resumable JSONL file."""
         from ..eval.runner import ResultsFile, RunConfig, model_identity, run_eval
 
-        params = method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param)
+        params = method_params(
+            budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param, preset
+        )
         config = RunConfig(
             task=task,
             method=method,

@@ -31,6 +31,10 @@ WindowOpt = Annotated[
     Optional[int], typer.Option(help="Observation window: last prompt tokens whose attention selects.")
 ]
 AggOpt = Annotated[Optional[str], typer.Option(help="GQA aggregation of scores: max, mean or first.")]
+PresetOpt = Annotated[
+    Optional[str],
+    typer.Option(help="A named parameter set of the method, e.g. paper (the seed paper's; `refreshkv methods`)."),
+]
 ParamOpt = Annotated[list[str], typer.Option("--param", help="Any other method parameter, NAME=VALUE (repeatable).")]
 DtypeOpt = Annotated[str, typer.Option(help="float32 or bfloat16.")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu or cuda.")]
@@ -83,9 +87,12 @@ def parse_pairs(pairs: list[str], option: str, repeat_as_list: bool = False) -> 
     return values
 
 
-def method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param) -> dict:
+def method_params(
+    budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param, preset=None
+) -> dict:
     """The method parameters given on the command line (unset options are left to the method's defaults)."""
     given = dict(
+        preset=preset,
         budget=budget,
         budget_ratio=budget_ratio,
         stride=stride,

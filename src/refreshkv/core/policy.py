@@ -40,6 +40,9 @@ class Policy:
     replaces: ClassVar[bool] = False
     # A quality reference that reads the whole cache to choose (`oracle`): labelled so by bench and report.
     ceiling: ClassVar[bool] = False
+    # Named parameter sets (`preset=NAME`, listed by `refreshkv methods`): e.g. "paper", the seed paper's settings,
+    # which stay reproducible by name whatever the defaults become.
+    presets: ClassVar[dict[str, dict]] = {}
 
     def store_prompt(self, layer: PolicyLayer, query, key, value, scaling: float) -> None:
         """Keep what the method needs of the prompt in `layer.state` (key/value: (B, Hkv, L, D), left-padded)."""
@@ -184,13 +187,25 @@ def croppable_methods() -> list[str]:
     return sorted(name for name, cls in METHODS.items() if cls.crop is not Policy.crop)
 
 
-def make_policy(name: str, **params) -> Policy:
-    """Build a method by name; parameters set to None are left at their defaults."""
+def accepted_parameters(cls: type[Policy]) -> set[str]:
+    """What `make_policy` takes for a method: its parameters, and `preset` where it has presets."""
+    return set(cls.parameters()) | ({"preset"} if cls.presets else set())
+
+
+def make_policy(name: str, preset: str | None = None, **params) -> Policy:
+    """Build a method by name; parameters set to None are left at their defaults (or at `preset`'s values, which
+    parameters given beside it override)."""
     if name not in METHODS:
         raise PolicyError(f"unknown method '{name}'; choose from: {', '.join(sorted(METHODS))}")
     cls = METHODS[name]
     allowed = cls.parameters()
     given = {k: v for k, v in params.items() if v is not None}
+    if preset is not None:
+        if preset not in cls.presets:
+            raise PolicyError(
+                f"method '{name}' has no preset {preset!r}; its presets: {', '.join(cls.presets) or 'none'}"
+            )
+        given = {**cls.presets[preset], **given}
     unknown = sorted(set(given) - set(allowed))
     if unknown:
         names = ", ".join(allowed) or "none"

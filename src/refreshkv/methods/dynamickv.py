@@ -140,6 +140,7 @@ class DynamicKV(SnapKV):
 
     name = "dynamickv"
     summary = "layer-adaptive budgets: every m layers, reallocate the total budget by global top-k counts"
+    presets = {}  # its defaults are its own paper's settings (not snapkv's RefreshKV-paper preset)
 
     window: int = 16
     r_max: float = 5.0

@@ -88,6 +88,7 @@ class PyramidKV(SnapKV):
 
     name = "pyramidkv"
     summary = "SnapKV with per-layer budgets decreasing linearly from the bottom layer (same total budget)"
+    presets = {}  # its defaults are its own paper's settings (not snapkv's RefreshKV-paper preset)
 
     beta: float = DEFAULT_BETA
 

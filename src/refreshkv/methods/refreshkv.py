@@ -107,6 +107,8 @@ class RefreshKV(BudgetPolicy):
 
     name = "refreshkv"
     summary = "full cache + top-K partial cache, refreshed when the query drifts (or every `stride` steps)"
+    # refreshkv.txt A.1, A.4 (recycled-attention.txt §3.2 for `recycled`): the selection of the papers' runs
+    presets = {"paper": {"kernel": 7, "pooling": "centered", "window": 1, "aggregation": "max", "query": "pre_rope"}}
 
     stride: int | None = None
     qc_stride: int | None = None

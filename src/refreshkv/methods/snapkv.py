@@ -8,7 +8,7 @@ kept, plus the window itself. Decoded tokens are appended without eviction (memo
 - The budget counts the window, as SnapKV's own `max_capacity_prompt` does: with budget K the cache holds K prompt
   tokens, so a budget smaller than the window is refused.
 - Defaults: window 32, kernel 7 (SnapKV's released setting); the RefreshKV paper's setting (A.1: "observation
-  window size 1, kernel size 7", max over the query heads of a group) is `window=1` (`PAPER_SETTING`).
+  window size 1, kernel size 7", max over the query heads of a group) is `preset="paper"`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import dataclasses
 from ..core.attention_math import AGGREGATIONS, POOLINGS, attention_probs, selection_scores
 from ..core.policy import PolicyError, check_choice, check_kernel, check_positive, check_window, register
 from ..core.selection import SelectionPolicy
-
-PAPER_SETTING = {"window": 1, "kernel": 7, "aggregation": "max"}  # refreshkv.txt A.1
 
 
 @register
@@ -35,6 +33,7 @@ class SnapKV(SelectionPolicy):
 
     name = "snapkv"
     summary = "keep the top-K prompt tokens by the observation window's pooled attention, once at prefill"
+    presets = {"paper": {"window": 1, "kernel": 7, "pooling": "centered", "aggregation": "max"}}  # refreshkv.txt A.1
 
     window: int = 32
     kernel: int = 7
