@@ -117,8 +117,10 @@ def frontier(groups: list[Group], path: Path) -> Path | None:
             rows.sort(key=lambda r: r["kv_read_mb"])
             for ax, key in ((left, "vs_full"), (right, "kl_to_full")):
                 points = [(r["kv_read_mb"], r[key]) for r in rows if r[key] is not None]
-                if points:
-                    ax.plot(*zip(*points), "*" if method == "full" else "o-", label=method, markersize=7)
+                if points and method == "full":  # on top, in black: the oracle reads as much and lands on it
+                    ax.plot(*zip(*points), "*", label=method, markersize=14, color="black", zorder=5)
+                elif points:
+                    ax.plot(*zip(*points), "o-", label=method, markersize=7)
         left.axhline(1.0, color="grey", linestyle="--", linewidth=1)
         left.set_ylabel("perplexity / full's" if s.kind == "ppl" else "score / full's score (same examples)")
         right.set_ylabel("KL(full || method) per answer token, nats")
