@@ -187,7 +187,25 @@ def test_frontier_smallest_budget_at_95_percent_and_each_budget_beside_the_oracl
     assert [r["gap"] for r in gaps] == [None, pytest.approx(0.25 - 0.75), None, None, pytest.approx(0.0)]
     assert {r["method"]: r["text"] for r in budget_frontier(summary)} == {
         "m": "L/2",
-        "oracle": "L/2",
-        "refreekv": "L/3.33",
+        "oracle (ceiling)": "L/2",
+        "refreekv(t=1)": "L/3.33",  # "t" is no budget parameter of refreekv's: it stays in the curve's name
     }
     assert table_line(markdown, "0.25", "m(budget_ratio=0.25)", 4).endswith("| 0.250 [0.000, 0.750] | -0.500 | - | - |")
+
+
+def test_frontier_gives_each_variant_of_a_method_its_own_curve(tmp_path):
+    """A grid over kernel and budget: one curve per kernel, over the budgets (refreekv: over its threshold)."""
+    rows = rows_of("a", "full", [1, 1])
+    for share, narrow, wide in ((0.25, [0, 0], [1, 1]), (0.5, [1, 1], [1, 1])):
+        rows += rows_of("a", "snapkv", narrow, params={"budget_ratio": share, "kernel": 7})
+        rows += rows_of("a", "snapkv", wide, params={"budget_ratio": share, "kernel": 15})
+    for threshold, kept in ((0.01, 0.3), (0.05, 0.2)):
+        rows += [dict(r, budget_ratio=kept) for r in rows_of("a", "refreekv", [1, 1], params={"threshold": threshold})]
+    groups, _ = report(tmp_path, rows)
+    [summary] = method_summaries(groups)
+    frontier = {r["method"]: (r["shares"], r["text"]) for r in budget_frontier(summary)}
+    assert frontier == {
+        "refreekv": ([0.2, 0.3], "L/5"),
+        "snapkv(kernel=15)": ([0.25, 0.5], "L/4"),
+        "snapkv(kernel=7)": ([0.25, 0.5], "L/2"),
+    }

@@ -43,6 +43,8 @@ class Policy:
     # Named parameter sets (`preset=NAME`, listed by `refreshkv methods`): e.g. "paper", the seed paper's settings,
     # which stay reproducible by name whatever the defaults become.
     presets: ClassVar[dict[str, dict]] = {}
+    # The parameters that set how much the method keeps: a budget frontier varies them and nothing else.
+    budget_parameters: ClassVar[tuple[str, ...]] = ()
 
     def store_prompt(self, layer: PolicyLayer, query, key, value, scaling: float) -> None:
         """Keep what the method needs of the prompt in `layer.state` (key/value: (B, Hkv, L, D), left-padded)."""
@@ -102,6 +104,8 @@ class BudgetPolicy(Policy):
 
     With both unset the ratio is 1/8, the seeds' setting. For a batch the ratio applies to the longest prompt.
     """
+
+    budget_parameters: ClassVar[tuple[str, ...]] = ("budget", "budget_ratio")
 
     budget: int | None = None
     budget_ratio: float | None = None

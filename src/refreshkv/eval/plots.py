@@ -112,7 +112,7 @@ def frontier(groups: list[Group], path: Path) -> Path | None:
         curves: dict[str, list[dict]] = {}
         for row in s.rows:
             if row["kv_read_mb"] is not None:
-                curves.setdefault(row["base"], []).append(row)
+                curves.setdefault(row["curve"], []).append(row)
         for method, rows in sorted(curves.items()):
             rows.sort(key=lambda r: r["kv_read_mb"])
             for ax, key in ((left, "vs_full"), (right, "kl_to_full")):

@@ -85,6 +85,16 @@ def method_label(row: dict) -> str:
     return f"{label} (ceiling)" if method is not None and method.ceiling else label
 
 
+def curve_label(row: dict) -> str:
+    """The method's label without the parameters that set its budget (`Policy.budget_parameters`; budget and
+    budget_ratio for a method not installed here): the rows of one budget curve share it, variants (another kernel)
+    get curves of their own."""
+    method = METHODS.get(row["method"])
+    budget = method.budget_parameters if method is not None else ("budget", "budget_ratio")
+    others = {k: v for k, v in (row.get("params") or {}).items() if k not in budget}
+    return method_label({"method": row["method"], "params": others})
+
+
 def is_reference(row: dict) -> bool:
     return row["method"] == "full" and not row.get("params")
 
@@ -349,7 +359,7 @@ def budget_frontier(summary: MethodSummary) -> list[dict]:
     by_method: dict[str, list[dict]] = {}
     for row in summary.rows:
         if row["budget_share"] is not None and row["vs_full"] is not None:
-            by_method.setdefault(row["base"], []).append(row)
+            by_method.setdefault(row["curve"], []).append(row)
     frontier = []
     for method, rows in sorted(by_method.items()):
         rows.sort(key=lambda r: r["budget_share"])
@@ -382,6 +392,7 @@ def summary_row(kind: str, length: int, label: str, members: list[Group], first:
         "n_tasks": len(members),
         "n": sum(len(g.rows) for g in members),
         "base": first.method,
+        "curve": curve_label(first.rows[0]),
         "budget_share": budget_share(first.rows[0], figures["budget_ratio"]),
         **figures,
     }

@@ -94,6 +94,7 @@ class ReFreeKV(SelectionPolicy):
 
     name = "refreekv"
     summary = "threshold-free: per layer and head keep ranked tokens until the attention norm loss is <= T"
+    budget_parameters = ("threshold",)
 
     threshold: float = 0.01
     sink: int = 4
