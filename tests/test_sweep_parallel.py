@@ -272,3 +272,32 @@ def test_ranks_with_different_sweeps_stop_with_one_line(tmp_path, model_dir):
         assert process.returncode == 2, stderr
         assert stderr.strip().count("\n") == 0 and "rank 1 has sweep" in stderr and "same sweep file" in stderr
     assert not list(tmp_path.glob("mismatch*.jsonl"))
+
+
+def test_a_method_that_cannot_follow_fulls_answer_fails_the_example_and_writes_nothing(tmp_path):
+    """Issue 30: a method whose cache refuses tokens (its own answer's or full's, fed to its second cache for
+    fidelity) ends the run in one error line, with no row of the example written, full's included: rows are
+    written per example once every method has run, so a resumed run has nothing to undo."""
+    from refreshkv.core.policy import METHODS, PolicyError, register
+    from refreshkv.methods.snapkv import SnapKV
+
+    class Refusing(SnapKV):
+        name = "refusing"
+
+        def decode(self, layer, query, key, value, scaling):
+            if layer.step > 2:
+                raise PolicyError("method 'refusing' takes at most 2 decoded tokens")
+            return super().decode(layer, query, key, value, scaling)
+
+    register(Refusing)
+    try:
+        spec = tmp_path / "refusing.yaml"
+        spec.write_text(
+            f"out: refusing.jsonl\nchat: false\nnum_examples: 1\nlengths: [300]\ntasks: [{NIAH}]\n"
+            "methods: [full, {name: refusing, params: {budget: 16, window: 4}}]\n"
+        )
+        with pytest.raises(PolicyError, match="^method 'refusing' takes at most 2 decoded tokens$"):
+            run_sweep(load_sweep(spec), tiny_model("llama", layers=3, seed=0), TOKENIZER, progress=False)
+    finally:
+        del METHODS["refusing"]
+    assert not (tmp_path / "refusing.jsonl").exists()
