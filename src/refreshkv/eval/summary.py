@@ -10,7 +10,7 @@ import math
 import sys
 from pathlib import Path
 
-from ..core.policy import METHODS
+from ..core.policy import METHODS, BudgetPolicy
 from . import stats
 from .runner import canonical, read_results
 
@@ -89,8 +89,7 @@ def curve_label(row: dict) -> str:
     """The method's label without the parameters that set its budget (`Policy.budget_parameters`; budget and
     budget_ratio for a method not installed here): the rows of one budget curve share it, variants (another kernel)
     get curves of their own."""
-    method = METHODS.get(row["method"])
-    budget = method.budget_parameters if method is not None else ("budget", "budget_ratio")
+    budget = METHODS.get(row["method"], BudgetPolicy).budget_parameters
     others = {k: v for k, v in (row.get("params") or {}).items() if k not in budget}
     return method_label({"method": row["method"], "params": others})
 
