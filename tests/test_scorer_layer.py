@@ -129,5 +129,5 @@ def test_forward_pooling_lifts_one_token_before_a_peak_and_kernel_minus_two_afte
     assert pool(scores, 5, "forward")[0].tolist() == [0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0]  # 2 .. 3 + 5 - 2
     assert pool(scores, 5)[0].tolist() == [0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0]  # centered: 3 - 2 .. 3 + 2
     assert pool(scores, 1, "forward").equal(scores)
-    with pytest.raises(PolicyError, match="unknown pooling 'backward'; choose from: centered, forward"):
+    with pytest.raises(PolicyError, match="unknown pooling .backward.; choose from: centered, forward, span"):
         make_policy("refreshkv", pooling="backward")

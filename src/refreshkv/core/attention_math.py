@@ -17,9 +17,10 @@ import torch.nn.functional as F
 
 AGGREGATIONS = ("max", "mean", "first")
 # How max-pooling spreads an attention peak over positions: `centered` (SnapKV's and the seeds' kernel: kernel // 2
-# tokens either side) or `forward` (1 token before the peak and kernel - 2 after it: the rest of a span the peak
-# starts, e.g. a number read digit by digit).
-POOLINGS = ("centered", "forward")
+# tokens either side), `forward` (1 token before the peak and kernel - 2 after it: the rest of a span the peak
+# starts, e.g. a number read digit by digit) or `span` (centred, then over the whole of every word the pooled window
+# touches: core/spans.py).
+POOLINGS = ("centered", "forward", "span")
 # Finite, so that a pad query whose keys are all masked gets a uniform row instead of NaN.
 _MASKED = torch.finfo(torch.float32).min
 # One query token over at least this many keys on the CPU: two matrix products and a float32 softmax take 0.5-0.9x
@@ -142,7 +143,8 @@ def attention_probs(
 
 def pool(scores: torch.Tensor, kernel: int, pooling: str = "centered") -> torch.Tensor:
     """Max-pool over positions (last dim), same length, so a selected token brings its neighbours (SnapKV); with
-    `forward` pooling a peak at p lifts p - 1 .. p + kernel - 2 (see POOLINGS)."""
+    `forward` pooling a peak at p lifts p - 1 .. p + kernel - 2 (see POOLINGS); `span` pools as `centered` here
+    (its spread over words is `selection_scores`')."""
     if kernel == 1:
         return scores
     shape = scores.shape
@@ -165,17 +167,33 @@ def aggregate_group(scores: torch.Tensor, how: str) -> torch.Tensor:
     raise ValueError(f"unknown aggregation '{how}'; choose from: {', '.join(AGGREGATIONS)}")
 
 
-def selection_scores(probs: torch.Tensor, kernel: int, how: str, pooling: str = "centered") -> torch.Tensor:
+def spread_over_spans(scores: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """`scores` (B, H, n) with each of the first L positions raised to the highest score of its word (`spans`
+    (B, L) from `WordTable.spans`); positions from L on (decoded tokens) keep their own score."""
+    length = spans.shape[-1]
+    prompt = scores[..., :length]
+    words = spans.unsqueeze(1).expand_as(prompt)
+    best = prompt.new_full(prompt.shape, float("-inf"))  # at most L words: no need to read their count
+    best = best.scatter_reduce(-1, words, prompt, "amax").gather(-1, words)
+    return torch.cat([best, scores[..., length:]], dim=-1) if scores.shape[-1] > length else best
+
+
+def selection_scores(
+    probs: torch.Tensor, kernel: int, how: str, pooling: str = "centered", spans: torch.Tensor | None = None
+) -> torch.Tensor:
     """Token importance per KV head from window probabilities (B, Hkv, G, w, n).
 
     Order (a choice the papers leave open): average over the observation window per query head, max-pool over
     positions per query head, then aggregate across the group. `max` and `first` aggregation commute with
-    max-pooling exactly, so for them the group is aggregated first (G times fewer rows to pool).
+    max-pooling exactly, so for them the group is aggregated first (G times fewer rows to pool). `span` pooling
+    then raises each prompt token to its word's highest score (`spans`: the prompt's words, (B, L)).
     """
     window_mean = probs[:, :, :, 0] if probs.shape[3] == 1 else probs.mean(dim=3)  # a decode step's one query: a view
     if how in ("max", "first"):
-        return pool(aggregate_group(window_mean, how), kernel, pooling)
-    return aggregate_group(pool(window_mean, kernel, pooling), how)
+        scores = pool(aggregate_group(window_mean, how), kernel, pooling)
+    else:
+        scores = aggregate_group(pool(window_mean, kernel, pooling), how)
+    return spread_over_spans(scores, spans) if pooling == "span" else scores
 
 
 # Below the ordering key of every float32 value, -inf included: where `valid` excludes a position.

@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .policy import Policy, PolicyError, check_positive
 from .rope import inverse_frequencies
 from .sliding_window import SlidingWindow
+from .spans import PromptTokenWatch, word_table_for
 
 ATTENTION_NAME = "refreshkv"
 DEFAULT_NEW_TOKENS = 256
@@ -224,6 +225,10 @@ class PolicyLayer(CacheLayerMixin):
     def rope_inv_freq(self) -> torch.Tensor | None:
         return self.cache.rope_inv_freq[self.layer_idx]
 
+    @property
+    def prompt_spans(self) -> torch.Tensor | None:
+        return self.cache.prompt_spans
+
     def valid_positions(self, length: int, device) -> torch.Tensor | None:
         return self.cache.valid_positions(length, device)
 
@@ -292,9 +297,10 @@ class PolicyCache(Cache):
 
     `model_or_config`: a model (switched to the "refreshkv" attention implementation, which is plain SDPA whenever
     no PolicyCache is passed) or its config (which must already use that implementation).
+    `tokenizer`: for a method that reads word spans (`pooling="span"`) when the model's folder holds none.
     """
 
-    def __init__(self, policy: Policy, model_or_config, max_new_tokens: int | None = None):
+    def __init__(self, policy: Policy, model_or_config, max_new_tokens: int | None = None, tokenizer=None):
         if not isinstance(policy, Policy):
             raise PolicyError(
                 f"PolicyCache takes a method object, e.g. make_policy('refreshkv', budget=1024); got "
@@ -321,6 +327,16 @@ class PolicyCache(Cache):
         self.rope_inv_freq = [inverse_frequencies(model_or_config, layer_type) for layer_type in layer_types]
         self.layer_windows = layer_windows(text_config)
         super().__init__(layers=[PolicyLayer(self, i) for i in range(self.num_layers)])
+        self.word_table = None
+        if policy.uses_word_spans():
+            if not hasattr(model_or_config, "get_input_embeddings"):
+                raise PolicyError(
+                    f"method '{policy.name}' with pooling='span' reads the prompt's token ids: build the cache from "
+                    "the model (PolicyCache(policy, model)), not from its config"
+                )
+            self.word_table = word_table_for(config, tokenizer)
+            self._model = weakref.ref(model_or_config)
+        self.token_watch = None
         self.policy = policy
         self.max_new_tokens = max_new_tokens
         self.reset()
@@ -336,6 +352,16 @@ class PolicyCache(Cache):
         self.budget = 0
         self.windowed = [False] * self.num_layers  # sliding-window layers whose window bites: they keep the window
         self.stats = DecodeStats(self.num_layers)
+        self.prompt_spans: torch.Tensor | None = None  # (B, L) word index per prompt token, for `pooling="span"`
+        self._close_token_watch()
+        if self.word_table is not None:  # watch the next forward's token ids (this generation's prompt)
+            self.token_watch = PromptTokenWatch(self._model())
+            weakref.finalize(self, self.token_watch.close)
+
+    def _close_token_watch(self) -> None:
+        if self.token_watch is not None:
+            self.token_watch.close()
+            self.token_watch = None
 
     def start(self, mask: torch.Tensor | None, key: torch.Tensor) -> None:
         """Read the prompt's padding from the prefill mask, check the prompt against the method, resolve its budget."""
@@ -355,10 +381,22 @@ class PolicyCache(Cache):
                 self.prompt_length = length - int(pads.min())
                 shortest = length - int(pads.max())
         self.policy.check_prompt(shortest)
+        if self.word_table is not None:
+            self.prompt_spans = self._read_prompt_spans(key)
         self.stats = DecodeStats(self.num_layers, key.device, self.expected_new_tokens())
         total = length + self.expected_new_tokens()
         self.windowed = [window is not None and total > window for window in self.layer_windows]
         self.budget = self.policy.budget_for(self.prompt_length)
+
+    def _read_prompt_spans(self, key: torch.Tensor) -> torch.Tensor:
+        ids = self.token_watch.ids if self.token_watch is not None else None
+        self._close_token_watch()
+        if ids is None or tuple(ids.shape) != (key.shape[0], key.shape[2]):
+            raise PolicyError(
+                f"method '{self.policy.name}' with pooling='span' needs the prompt's token ids: pass input_ids "
+                "(not inputs_embeds), one prompt per cache"
+            )
+        return self.word_table.spans(ids.to(key.device))
 
     def method_layers(self) -> list[PolicyLayer]:
         """The layers that run the method (all but sliding-window layers whose window bites), bottom first."""
@@ -377,18 +415,24 @@ class PolicyCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        if self.pads is not None:
-            self.pads = self.pads.index_select(0, beam_idx.to(self.pads.device))
+        self._select_rows(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        if self.pads is not None:
-            self.pads = self.pads.repeat_interleave(repeats)
+        rows = self.pads if self.pads is not None else self.prompt_spans
+        if rows is not None:
+            self._select_rows(torch.arange(rows.shape[0], device=rows.device).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
+        self._select_rows(torch.as_tensor(indices).long())
+
+    def _select_rows(self, rows: torch.Tensor) -> None:
+        """The per-row prompt facts follow the rows' states (beam search)."""
         if self.pads is not None:
-            self.pads = self.pads[indices]
+            self.pads = self.pads.index_select(0, rows.to(self.pads.device))
+        if self.prompt_spans is not None:
+            self.prompt_spans = self.prompt_spans.index_select(0, rows.to(self.prompt_spans.device))
 
     def expected_new_tokens(self) -> int:
         """Decoded tokens to make room for: `max_new_tokens`, or a guess when it was not given (stores grow)."""

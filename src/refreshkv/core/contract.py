@@ -55,6 +55,11 @@ class MethodLayer(Protocol):
         """The model family (`llama`, `qwen2`, ...), for defaults that depend on it."""
 
     @property
+    def prompt_spans(self) -> torch.Tensor | None:
+        """(B, prompt length) word index of each prompt token (core/spans.py) when the method asked for word spans
+        (`Policy.uses_word_spans`); None otherwise."""
+
+    @property
     def rope_inv_freq(self) -> torch.Tensor | None:
         """This layer's RoPE inverse frequencies, None where the package cannot undo the model's RoPE."""
 

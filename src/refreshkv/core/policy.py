@@ -75,6 +75,11 @@ class Policy:
         """K for a batch whose longest prompt has `prompt_length` tokens (`MethodLayer.budget`); 0: no budget."""
         return 0
 
+    def uses_word_spans(self) -> bool:
+        """Whether the method reads the prompt's word spans (`MethodLayer.prompt_spans`, core/spans.py): the cache
+        then needs the model's tokenizer and the prompt's token ids. Methods with `pooling="span"` do."""
+        return getattr(self, "pooling", None) == "span"
+
     def check_prompt(self, shortest: int) -> None:
         """Refuse (PolicyError) a batch whose shortest real prompt has `shortest` tokens if the method cannot work
         on it (e.g. a window longer than the prompt); called once per generation, before any layer's prefill."""

@@ -99,10 +99,10 @@ class RefreshKV(BudgetPolicy):
     default); `stride` a full step every S decode steps (fixed schedule; excludes the next two);
     `qc_stride` (10) steps between query checks and `threshold` (0.85; 0.95 for Qwen2) the cosine below which a
     layer refreshes (dynamic schedule); `kernel` (7) max-pooling kernel and `pooling` (centered; forward: 1 token
-    before a peak and kernel - 2 after), `window` (1) last prompt tokens whose
-    attention selects at prefill, `aggregation` (max) over a GQA group; `query` (pre_rope) the space the check
-    compares queries in; `full_cache` (dense) how C_f is held (int8/int4/int2, offload) and `group_size` (32) its
-    quantization groups.
+    before a peak and kernel - 2 after; span: centred, then whole words, core/spans.py), `window` (1) last prompt
+    tokens whose attention selects at prefill, `aggregation` (max) over a GQA group; `query` (pre_rope) the space
+    the check compares queries in; `full_cache` (dense) how C_f is held (int8/int4/int2, offload) and `group_size`
+    (32) its quantization groups.
     """
 
     name = "refreshkv"
@@ -175,7 +175,10 @@ class RefreshKV(BudgetPolicy):
         valid = layer.valid_positions(length, key.device)
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
         self._refresh(
-            layer.state, selection_scores(probs, self.kernel, self.aggregation, self.pooling), valid, (key, value)
+            layer.state,
+            selection_scores(probs, self.kernel, self.aggregation, self.pooling, layer.prompt_spans),
+            valid,
+            (key, value),
         )
 
     # -- decode ----------------------------------------------------------------------------------------------------
@@ -223,7 +226,10 @@ class RefreshKV(BudgetPolicy):
         window = min(self.window, query.shape[2])
         probs = attention_probs(query[:, :, -window:], keys, scaling, valid, causal_tail=True)
         self._refresh(
-            state, selection_scores(probs, self.kernel, self.aggregation, self.pooling), valid, (keys, values)
+            state,
+            selection_scores(probs, self.kernel, self.aggregation, self.pooling, layer.prompt_spans),
+            valid,
+            (keys, values),
         )
         if self.stride is None:
             state.anchor = self.compared_query(layer, query)
@@ -285,7 +291,7 @@ class RefreshKV(BudgetPolicy):
         keys, values = state.full.view()
         valid = layer.valid_positions(state.full.length, keys.device)
         output, probs = attend_with_probs(query, keys, values, scaling, valid)
-        scores = selection_scores(probs.unsqueeze(3), self.kernel, self.aggregation, self.pooling)
+        scores = selection_scores(probs.unsqueeze(3), self.kernel, self.aggregation, self.pooling, layer.prompt_spans)
         self._refresh(state, scores, valid, (keys, values), rows)
         if self.stride is None:
             current = self.compared_query(layer, query)

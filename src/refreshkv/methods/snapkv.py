@@ -28,7 +28,8 @@ class SnapKV(SelectionPolicy):
     Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
     default), window included; `window` (32) last prompt tokens whose attention selects (1 in the
     RefreshKV paper's setting); `kernel` (7) max-pooling kernel and `pooling` (centered; forward: 1 token
-    before a peak, kernel - 2 after); `aggregation` (max) over a GQA group.
+    before a peak, kernel - 2 after; span: centred, then whole words,
+    core/spans.py); `aggregation` (max) over a GQA group.
     """
 
     name = "snapkv"
@@ -62,7 +63,7 @@ class SnapKV(SelectionPolicy):
     def score(self, layer, query, key, scaling, valid):
         """The observation window's attention averaged, max-pooled and aggregated over the group."""
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
-        return selection_scores(probs, self.kernel, self.aggregation, self.pooling)
+        return selection_scores(probs, self.kernel, self.aggregation, self.pooling, layer.prompt_spans)
 
     def kept_tokens(self, layer) -> int:
         return self.layer_budget(layer) + self.window
