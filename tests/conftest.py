@@ -1,3 +1,6 @@
+import functools
+import tempfile
+
 import pytest
 import torch
 from transformers import (
@@ -33,6 +36,21 @@ FAMILIES = {
 import refreshkv  # noqa: E402, F401  (registers the attention function)
 
 
+@functools.cache
+def tiny_tokenizer_folder() -> str:
+    """A saved 128-token tokenizer for the tiny models (what `pooling="span"` reads beside a model): token i is
+    '▁w<i>' (starts a word) for even i and 'w<i>' (continues one) for odd i; token 0 is the special `<unk>`."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{(f"▁w{i}" if i % 2 == 0 else f"w{i}"): i for i in range(1, 128)}}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))
+    tokenizer.unk_token = "<unk>"
+    folder = tempfile.mkdtemp(prefix="refreshkv-tiny-tokenizer-")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def tiny_model(family: str = "llama", layers: int = 3, seed: int = 0, **overrides):
     """A randomly initialised model with GQA (4 query heads, 2 KV heads), small enough for unit tests."""
     torch.manual_seed(seed)
@@ -48,6 +66,7 @@ def tiny_model(family: str = "llama", layers: int = 3, seed: int = 0, **override
     )
     model_class, config_class, needs = FAMILIES[family]
     model = model_class(config_class(**{**common, **needs, **overrides}))
+    model.config._name_or_path = tiny_tokenizer_folder()  # as a saved model's folder holds its tokenizer
     # Random init gives near-uniform logits; sharpen them so greedy decoding is not decided by rounding.
     with torch.no_grad():
         model.lm_head.weight.mul_(20)

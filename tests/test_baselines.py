@@ -125,7 +125,7 @@ def _probs(q, k, scaling):
 
 
 def test_snapkv_selection_by_hand():
-    policy = make_policy("snapkv", budget=7, window=4, kernel=1)  # 3 chosen + the window
+    policy = make_policy("snapkv", budget=7, window=4, kernel=1, pooling="centered")  # 3 chosen + the window
     q, k, v = _qkv(20, seed=1)
     cache, layer = _layer(policy, 20)
     cache.start(None, k)

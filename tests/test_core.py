@@ -105,7 +105,7 @@ def test_partial_cache_after_prefill_is_pooled_top_k(llama, monkeypatch):
         return original(query, keys, *args, **kwargs)
 
     monkeypatch.setattr(method, "attention_probs", spy)
-    cache = PolicyCache(make_policy("refreshkv", budget=10), llama.config, max_new_tokens=1)
+    cache = PolicyCache(make_policy("refreshkv", budget=10, pooling="centered"), llama.config, max_new_tokens=1)
     with torch.no_grad():
         llama(random_prompt(64), **with_cache(llama, cache))
     query, keys = seen[0]  # layer 0: query (1, 4, 1, 16), keys (1, 2, 64, 16)
@@ -123,7 +123,7 @@ def test_partial_cache_after_prefill_is_pooled_top_k(llama, monkeypatch):
 
 def test_partial_step_evicts_the_lowest_scored_recycled_token(llama):
     ids = random_prompt(64)
-    cache = PolicyCache(make_policy("refreshkv", budget=10, threshold=-1.0), llama.config, max_new_tokens=4)
+    cache = PolicyCache(make_policy("refreshkv", budget=10, threshold=-1.0), llama, max_new_tokens=4)
     with torch.no_grad():
         logits = llama(ids, **with_cache(llama, cache)).logits[:, -1:]
         state = cache.layers[1].state
@@ -169,7 +169,7 @@ def test_batch_equals_rows(llama, method, params):
 def test_model_generate_accepts_the_cache(llama):
     ids = random_prompt(50)
     ours = generate(llama, ids, method="refreshkv", budget=10, qc_stride=4, max_new_tokens=NEW, eos_token_id=[])
-    cache = PolicyCache(make_policy("refreshkv", budget=10, qc_stride=4), llama.config, max_new_tokens=NEW)
+    cache = PolicyCache(make_policy("refreshkv", budget=10, qc_stride=4), llama, max_new_tokens=NEW)
     theirs = llama.generate(
         ids, **with_cache(llama, cache), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
     )
@@ -275,7 +275,7 @@ def test_stores_grow_when_more_tokens_come_than_announced(llama, method):
     if method == "snapkv":
         params["window"] = 4
     full = generate(llama, ids, method="full", max_new_tokens=NEW, eos_token_id=[])
-    cache = PolicyCache(make_policy(method, **params), llama.config, max_new_tokens=2)
+    cache = PolicyCache(make_policy(method, **params), llama, max_new_tokens=2)
     tokens = llama.generate(
         ids, **with_cache(llama, cache), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
     )

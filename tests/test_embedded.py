@@ -126,7 +126,7 @@ def prefill_only(model, ids, method, **params):
 
 def prefill_several(model, ids, policies):
     """The prompt through one cache per policy, by one shared forward."""
-    caches = [PolicyCache(policy, model.config, max_new_tokens=1) for policy in policies]
+    caches = [PolicyCache(policy, model, max_new_tokens=1) for policy in policies]
     with torch.inference_mode():
         model(ids, **with_cache(model, caches[0] if len(caches) == 1 else SharedPrefill(caches)), logits_to_keep=1)
     return caches

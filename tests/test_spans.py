@@ -81,12 +81,30 @@ def test_span_pooling_keeps_words_whole_in_a_small_budget():
             assert len(cut) <= 1  # words are kept whole, but for the one the budget's last slots cut
 
 
-def test_span_pooling_refuses_a_config_a_missing_tokenizer_and_embeddings():
+def test_span_pooling_is_the_default_of_refreshkv_recycled_and_snapkv_only():
+    assert [make_policy(name).pooling for name in ("refreshkv", "recycled", "snapkv")] == ["span"] * 3
+    assert [make_policy(name).pooling for name in ("pyramidkv", "dynamickv")] == ["centered"] * 2  # their papers'
+    assert {make_policy(name, preset="paper").pooling for name in ("refreshkv", "recycled", "snapkv")} == {"centered"}
+
+
+def test_the_default_reads_words_from_the_tokenizer_beside_the_model():
+    from transformers import AutoTokenizer
+
+    model, ids = tiny_model(), random_prompt(40)
+    cache = PolicyCache(make_policy("snapkv", budget=16, window=1), model, 2)
+    model.generate(ids, max_new_tokens=2, do_sample=False, **with_cache(model, cache))
+    saved = AutoTokenizer.from_pretrained(model.config._name_or_path)
+    assert cache.prompt_spans.tolist() == WordTable.of(saved).spans(ids).tolist()
+    assert cache.prompt_spans.tolist() == WordTable.of(StubTokenizer()).spans(ids).tolist()  # the same words
+
+
+def test_span_pooling_refuses_a_config_a_missing_tokenizer_and_embeddings(tmp_path):
     model, ids = tiny_model(), random_prompt(40)
     policy = make_policy("refreshkv", budget=16, pooling="span")
     with pytest.raises(PolicyError, match="build the cache from the model"):
         PolicyCache(policy, model.config)
-    with pytest.raises(PolicyError, match="pooling='span' needs the model's tokenizer"):
+    model.config._name_or_path = str(tmp_path)  # a folder without a tokenizer
+    with pytest.raises(PolicyError, match="pooling=.span. needs the model.s tokenizer.*or choose pooling=.centered."):
         PolicyCache(policy, model)
     cache = PolicyCache(policy, model, 4, StubTokenizer())
     embeds = model.get_input_embeddings()(ids)

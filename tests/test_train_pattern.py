@@ -26,7 +26,9 @@ def test_training_logits_equal_teacher_forced_recycled_that_never_refreshes(
     model = tiny_model(family, layers=3, seed=1)
     ids = torch.randint(0, 128, (PREFIX + SUFFIX + 1,), generator=torch.Generator().manual_seed(3))
     pattern = PartialPattern(PREFIX, SUFFIX, budget, kernel=kernel, window=window, aggregation=aggregation)
+    # the pattern trains the papers' centred selection
     params = dict(stride=SUFFIX + 1, budget=budget, kernel=kernel, window=window, aggregation=aggregation)
+    params["pooling"] = "centered"
     out = generate(
         model,
         ids[None, :PREFIX],

@@ -23,6 +23,7 @@ from .policy import PolicyError
 MAX_SPAN = 32  # a UUID is 20-30 tokens in both models; prose words are 1-4
 _WORD_MARKERS = ("Ġ", "Ċ", "ĉ", "▁")  # byte-level BPE's space, newline and tab; SentencePiece's space
 _tables: dict[tuple, WordTable] = {}
+_tables_by_folder: dict[str, WordTable] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,19 +61,24 @@ class WordTable:
 
 
 def word_table_for(config, tokenizer=None) -> WordTable:
-    """The word table of `tokenizer`, or of the tokenizer saved beside the model (`config._name_or_path`)."""
-    if tokenizer is None:
+    """The word table of `tokenizer`, or of the tokenizer saved beside the model (`config._name_or_path`; loaded
+    once per folder, since every cache of a generation asks)."""
+    if tokenizer is not None:
+        return WordTable.of(tokenizer)
+    path = getattr(config, "_name_or_path", "") or ""
+    if path not in _tables_by_folder:
         from transformers import AutoTokenizer
 
-        path = getattr(config, "_name_or_path", "") or ""
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as error:
             raise PolicyError(
                 f"pooling='span' needs the model's tokenizer, and none loads from {path!r} "
-                f"({type(error).__name__}); pass it: PolicyCache(policy, model, tokenizer=tokenizer)"
+                f"({type(error).__name__}); pass it (PolicyCache(policy, model, tokenizer=tokenizer)) or choose "
+                "pooling='centered'"
             ) from None
-    return WordTable.of(tokenizer)
+        _tables_by_folder[path] = WordTable.of(tokenizer)
+    return _tables_by_folder[path]
 
 
 class PromptTokenWatch:

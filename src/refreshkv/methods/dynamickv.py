@@ -143,6 +143,7 @@ class DynamicKV(SnapKV):
     presets = {}  # its defaults are its own paper's settings (not snapkv's RefreshKV-paper preset)
 
     window: int = 16
+    pooling: str = "centered"  # its paper's (snapkv's default keeps whole words)
     r_max: float = 5.0
     interval: int = 4
 

@@ -90,6 +90,7 @@ class PyramidKV(SnapKV):
     summary = "SnapKV with per-layer budgets decreasing linearly from the bottom layer (same total budget)"
     presets = {}  # its defaults are its own paper's settings (not snapkv's RefreshKV-paper preset)
 
+    pooling: str = "centered"  # its paper's (snapkv's default keeps whole words)
     beta: float = DEFAULT_BETA
 
     def __post_init__(self):

@@ -7,8 +7,10 @@ kept, plus the window itself. Decoded tokens are appended without eviction (memo
 
 - The budget counts the window, as SnapKV's own `max_capacity_prompt` does: with budget K the cache holds K prompt
   tokens, so a budget smaller than the window is refused.
-- Defaults: window 32, kernel 7 (SnapKV's released setting); the RefreshKV paper's setting (A.1: "observation
-  window size 1, kernel size 7", max over the query heads of a group) is `preset="paper"`.
+- Defaults: window 32, kernel 7 (SnapKV's released setting), pooled over whole words (`pooling="span"`, this
+  package's default: the centred kernel cuts a number the tokenizer spells digit by digit; issue 30); the RefreshKV
+  paper's setting (A.1: "observation window size 1, kernel size 7", centred, max over the query heads of a group)
+  is `preset="paper"`.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ class SnapKV(SelectionPolicy):
 
     Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
     default), window included; `window` (32) last prompt tokens whose attention selects (1 in the
-    RefreshKV paper's setting); `kernel` (7) max-pooling kernel and `pooling` (centered; forward: 1 token
-    before a peak, kernel - 2 after; span: centred, then whole words,
-    core/spans.py); `aggregation` (max) over a GQA group.
+    RefreshKV paper's setting); `kernel` (7) max-pooling kernel and `pooling` (span: centred, then whole
+    words, core/spans.py; centered: the papers'; forward: 1 token before a peak,
+    kernel - 2 after); `aggregation` (max) over a GQA group.
     """
 
     name = "snapkv"
@@ -38,7 +40,7 @@ class SnapKV(SelectionPolicy):
 
     window: int = 32
     kernel: int = 7
-    pooling: str = "centered"
+    pooling: str = "span"  # the papers' is "centered" (preset "paper"); span keeps whole words: issue 30
     aggregation: str = "max"
 
     def __post_init__(self):
