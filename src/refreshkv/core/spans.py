@@ -2,7 +2,8 @@
 
 Both real models spend one token per digit, so the papers' centred kernel of 7 (±3 tokens around an attention
 peak) cuts a 7-digit needle. Span pooling pools as the kernel does, then raises every token of a word to the
-highest pooled score in that word, so a word the pooled window touches is kept whole or not at all.
+highest pooled score in that word, so a word the pooled window touches ranks as one: kept whole, or cut only
+where the budget ends inside it.
 
 A word is what whitespace delimits: a token starts one when its text starts with whitespace (or the tokenizer's
 space/newline marker: byte-level BPE's `Ġ`/`Ċ`, SentencePiece's `▁`), when it is a special token, or when it
