@@ -176,12 +176,7 @@ class RefreshKV(BudgetPolicy):
         layer.state = RefreshState(full, partial, anchor)
         valid = layer.valid_positions(length, key.device)
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
-        self._refresh(
-            layer.state,
-            selection_scores(probs, self.kernel, self.aggregation, self.pooling, layer.prompt_spans),
-            valid,
-            (key, value),
-        )
+        self._refresh(layer.state, self._selection_scores(layer, probs), valid, (key, value))
 
     # -- decode ----------------------------------------------------------------------------------------------------
     def decode(self, layer, query, key, value, scaling):
@@ -227,12 +222,7 @@ class RefreshKV(BudgetPolicy):
             state.partial = SelectionState.empty_like(key, layer.budget + 1)
         window = min(self.window, query.shape[2])
         probs = attention_probs(query[:, :, -window:], keys, scaling, valid, causal_tail=True)
-        self._refresh(
-            state,
-            selection_scores(probs, self.kernel, self.aggregation, self.pooling, layer.prompt_spans),
-            valid,
-            (keys, values),
-        )
+        self._refresh(state, self._selection_scores(layer, probs), valid, (keys, values))
         if self.stride is None:
             state.anchor = self.compared_query(layer, query)
         return output
@@ -293,12 +283,16 @@ class RefreshKV(BudgetPolicy):
         keys, values = state.full.view()
         valid = layer.valid_positions(state.full.length, keys.device)
         output, probs = attend_with_probs(query, keys, values, scaling, valid)
-        scores = selection_scores(probs.unsqueeze(3), self.kernel, self.aggregation, self.pooling, layer.prompt_spans)
-        self._refresh(state, scores, valid, (keys, values), rows)
+        self._refresh(state, self._selection_scores(layer, probs.unsqueeze(3)), valid, (keys, values), rows)
         if self.stride is None:
             current = self.compared_query(layer, query)
             state.anchor = current if rows is None else torch.where(rows[:, None], current, state.anchor)
         return output
+
+    def _selection_scores(self, layer, probs: torch.Tensor) -> torch.Tensor:
+        """C_p's scores (B, Hkv, n) from window probabilities (B, Hkv, G, w, n): pooled, aggregated, spread over
+        words, as every selection of this method (prefill, full step, a conversation's next turn) makes them."""
+        return selection_scores(probs, self.kernel, self.aggregation, self.pooling, layer.prompt_spans)
 
     def _refresh(self, state: RefreshState, scores, valid, full_kv, rows=None) -> None:
         """Rebuild C_p from per-KV-head scores (B, Hkv, n) over C_f's keys and values `full_kv` (read once per full
