@@ -5,7 +5,7 @@ import torch
 from conftest import random_prompt, tiny_model
 
 from refreshkv import PolicyCache, PolicyError, generate, make_policy
-from refreshkv.core.attention_math import aggregate_group, pool, selection_scores, top_k
+from refreshkv.core.attention_math import aggregate_group, pool, ranked, selection_scores, top_k
 from refreshkv.core.cache_argument import with_cache
 
 NEW = 24
@@ -293,6 +293,12 @@ def test_top_k_breaks_ties_toward_earlier_positions():
     transposed = torch.cat([scores, scores]).transpose(0, 2)  # (7, 1, 2): positions along dim 0
     assert top_k(strided[..., ::2], 3).tolist() == [[[0, 1, 4]]]
     assert top_k(transposed.transpose(0, 2), 3).tolist() == [[[0, 1, 4]], [[0, 1, 4]]]
+
+
+def test_ranked_orders_negative_scores_and_puts_excluded_positions_after_minus_infinity():
+    scores = torch.tensor([[-3.0, -1e-45, float("-inf"), -2.0, float("inf"), -0.0]])
+    valid = torch.tensor([[True, True, True, True, False, True]])
+    assert ranked(scores, 6, valid=valid).tolist() == [[5, 1, 3, 0, 2, 4]]
 
 
 def load_plugins(monkeypatch, plugins: dict[tuple[str, str], object]):

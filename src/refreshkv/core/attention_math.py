@@ -196,18 +196,21 @@ def selection_scores(
     return spread_over_spans(scores, spans) if pooling == "span" else scores
 
 
-# Below the ordering key of every float32 value, -inf included: where `valid` excludes a position.
-_EXCLUDED = -(2**31) - 1
+# Below the ordering key of every float32 value, -inf included (only a NaN's bits would map to it): where `valid`
+# excludes a position.
+_EXCLUDED = torch.iinfo(torch.int32).min
 
 
 def ordering_keys(scores: torch.Tensor) -> torch.Tensor:
-    """int64 keys that order like the float32 values of `scores` (any real value, +-inf included; -0.0 = 0.0).
+    """int32 keys that order like the float32 values of `scores` (any real value, +-inf included; -0.0 = 0.0).
 
     A float's bits, read as a signed integer, order like the float for non-negative values and backwards for
-    negative ones (sign and magnitude): flipping every bit but the sign of the negative ones fixes that.
+    negative ones (sign and magnitude): flipping every bit but the sign of the negative ones fixes that. The flip
+    mask comes from an arithmetic shift of the sign (all ones where negative), so it stays three int32 operations:
+    at 8K keys per head a refresh spent 0.10 ms per layer here with a `where` over int64, 0.08 ms like this.
     """
-    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0 turns -0.0 into 0.0
-    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 def ranked(scores: torch.Tensor, k: int, sorted: bool = True, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -230,4 +233,10 @@ def ranked(scores: torch.Tensor, k: int, sorted: bool = True, valid: torch.Tenso
 
 def top_k(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """`ranked`'s k indices in position order (what a store keeps)."""
-    return ranked(scores, k, sorted=False, valid=valid).sort(dim=-1).values
+    index = ranked(scores, k, sorted=False, valid=valid)
+    if index.device.type != "cpu" or torch.compiler.is_compiling():  # a count read on the host; a shape unknown
+        return index.sort(dim=-1).values
+    # On the CPU, marking the k positions and reading them back in order costs half a sort of them (8K positions,
+    # K = 1024: 0.07 against 0.12-0.17 ms per layer, AVX2 EPYC); every row holds exactly k marks.
+    marked = torch.zeros(*index.shape[:-1], scores.shape[-1], dtype=torch.bool).scatter_(-1, index, True)
+    return marked.nonzero()[:, -1].view(index.shape)

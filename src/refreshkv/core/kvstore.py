@@ -26,26 +26,37 @@ def every_position(length: int, like: torch.Tensor, pads: torch.Tensor | None) -
     return positions if pads is None else positions.masked_fill(positions < pads.view(-1, 1, 1), -1)
 
 
-def gather_tokens(index: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
+def gather_tokens(index: torch.Tensor, *tensors: torch.Tensor, out=None) -> list[torch.Tensor]:
     """Each tensor (B, H, n, D) at per-head token indices (B, H, k): (B, H, k, D) each.
 
     One index_select of whole rows over a flat (rows, D) view of the storage a tensor lies in, which also covers a
     store's filled prefix without copying it: each token is one contiguous copy, 3-5x faster on CPU than `gather`
     with an index expanded over D (a refresh gathers K keys and values per layer). Tensors that lie alike (a
     store's keys and values) share one flat index.
+    `out`: one contiguous (B, H, k, D) tensor per input to write into instead of new ones (where the shape and
+    dtype match): a fresh tensor of this size is new memory that the CPU first has to fault in, which doubled the
+    gather's time on an AVX2 EPYC (0.8 MB per layer; docs/benchmark.md).
     """
     batch, heads, length, dim = tensors[0].shape
     gathered, rows = [], {}
-    for tensor in tensors:
+    for number, tensor in enumerate(tensors):
         if tensor.stride(3) != 1 or tensor.stride(2) != dim or tensor.stride(1) % dim or tensor.stride(0) % dim:
             tensor = tensor.contiguous()
         per_batch, per_head = tensor.stride(0) // dim, tensor.stride(1) // dim  # in rows of D
         if (per_batch, per_head) not in rows:
-            grid = torch.arange(batch * heads, device=index.device).view(batch, heads, 1)
-            offsets = grid // heads * per_batch + grid % heads * per_head
+            offsets = torch.arange(heads, device=index.device).mul_(per_head).view(1, heads, 1)
+            if batch > 1:  # (one row is the common case: two operations fewer per refreshed layer)
+                offsets = offsets + torch.arange(batch, device=index.device).mul_(per_batch).view(-1, 1, 1)
             rows[per_batch, per_head] = (index + offsets).reshape(-1)
         flat = tensor.as_strided(((batch - 1) * per_batch + (heads - 1) * per_head + length, dim), (dim, 1))
-        gathered.append(flat.index_select(0, rows[per_batch, per_head]).view(batch, heads, index.shape[-1], dim))
+        shape = (batch, heads, index.shape[-1], dim)
+        target = None if out is None else out[number]
+        if target is not None and target.shape == shape and target.dtype == tensor.dtype and target.is_contiguous():
+            gathered.append(
+                torch.index_select(flat, 0, rows[per_batch, per_head], out=target.view(-1, dim)).view(shape)
+            )
+        else:
+            gathered.append(flat.index_select(0, rows[per_batch, per_head]).view(shape))
     return gathered
 
 
@@ -141,14 +152,18 @@ class SlotStore(LayerState):
     def load(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, positions: torch.Tensor) -> None:
         """Fill the first index.shape[-1] slots with keys/values gathered at `index` (B, H, n); empty the rest.
 
-        The store's tensors are replaced by one gather of every slot (the slots past n repeat the last index and are
-        marked empty) instead of gathered rows copied into them: a refresh on an AVX2 CPU spent 4.7 ms of a 154 ms
-        step at 8K on that copy (docs/benchmark.md)."""
-        pad = self.slots - index.shape[-1]
+        Every slot is gathered in place (the slots past n repeat the last index and are marked empty), without
+        gathering rows first and copying them into the slots: a refresh on an AVX2 CPU spent 4.7 ms of a 154 ms
+        step at 8K on that copy (docs/benchmark.md). The gathered keys and values must not lie in this store."""
+        kept, pad = index.shape[-1], self.slots - index.shape[-1]
         self.keys, self.values = gather_tokens(
-            torch.cat([index, index[..., -1:].expand(*index.shape[:-1], pad)], -1), keys, values
+            torch.cat([index, index[..., -1:].expand(*index.shape[:-1], pad)], -1),
+            keys,
+            values,
+            out=(self.keys, self.values),
         )
-        self.positions = torch.cat([positions, positions.new_full((*positions.shape[:-1], pad), -1)], -1)
+        self.positions[..., :kept] = positions
+        self.positions[..., kept:] = -1
 
     def grow(self, extra: int) -> None:
         """Add `extra` empty slots (a store sized for fewer decoded tokens than are coming)."""

@@ -64,6 +64,10 @@ class PagedStore(LayerState):
         pages = -(-capacity // page_size)
         self.lows = key.new_full((*key.shape[:2], pages, key.shape[3]), float("inf"))
         self.highs = key.new_full((*key.shape[:2], pages, key.shape[3]), float("-inf"))
+        # scratch for the selected pages' keys and values, gathered into the same memory every step (`gather_tokens`'
+        # `out`); not counted in `nbytes`, which is what the method holds between steps
+        self.selected_keys = key.new_empty(*key.shape[:2], 0, key.shape[3])
+        self.selected_values = key.new_empty(*key.shape[:2], 0, key.shape[3])
 
     @property
     def pages(self) -> int:
@@ -164,7 +168,13 @@ class Quest(BudgetPolicy):
             return decode_attention(query, keys, values, scaling, layer.valid_positions(full.length, key.device))
         index, chosen = self.selected_tokens(store, query, selected_pages)  # (B, Hkv, k) each
         # the page being written runs past the tokens held: gather within the storage, mask what is not a token
-        keys, values = gather_tokens(index.clamp(max=full.keys.shape[2] - 1), full.keys, full.values)
+        keys, values = gather_tokens(
+            index.clamp(max=full.keys.shape[2] - 1),
+            full.keys,
+            full.values,
+            out=(store.selected_keys, store.selected_values),
+        )
+        store.selected_keys, store.selected_values = keys, values
         valid = index < full.length if chosen is None else chosen & (index < full.length)
         token_bytes = full.keys.element_size() * full.keys.shape[-1] * 2 * index.shape[0] * index.shape[1]
         layer.record(0.0, token_bytes * index.shape[-1] + store.metadata_bytes())
