@@ -209,3 +209,18 @@ def test_frontier_gives_each_variant_of_a_method_its_own_curve(tmp_path):
         "snapkv(kernel=15)": ([0.25, 0.5], "L/4"),
         "snapkv(kernel=7)": ([0.25, 0.5], "L/2"),
     }
+
+
+def test_frontier_plot_says_where_a_kind_has_no_kl_instead_of_drawing_empty_axes(tmp_path, monkeypatch):
+    from refreshkv.eval import plots
+
+    rows = rows_of("ppl", "full", [10.0, 12.0])
+    for share in (0.25, 0.5):
+        rows += rows_of("ppl", "m", [11.0, 13.0], params={"budget_ratio": share})
+    groups, _ = report(tmp_path, rows)
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    plots.frontier(groups, tmp_path / "frontier.png")
+    left, right = figures[0].axes
+    assert left.lines and not right.lines and not right.axison
+    assert [t.get_text() for t in right.texts] == ["no KL to full for ppl rows"]

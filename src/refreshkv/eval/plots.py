@@ -124,6 +124,9 @@ def frontier(groups: list[Group], path: Path) -> Path | None:
         left.axhline(1.0, color="grey", linestyle="--", linewidth=1)
         left.set_ylabel("perplexity / full's" if s.kind == "ppl" else "score / full's score (same examples)")
         right.set_ylabel("KL(full || method) per answer token, nats")
+        if not right.lines:  # perplexity rows score the text itself: there is no answer of full's to compare on
+            right.axis("off")
+            right.text(0.5, 0.5, f"no KL to full for {s.kind} rows", ha="center", va="center", color="grey")
         for ax in (left, right):
             ax.set_xlabel("KV MB read per decode step")
             ax.set_title(f"{s.kind}, L = {s.length}", fontsize=9)
