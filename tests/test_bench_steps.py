@@ -109,3 +109,18 @@ def test_the_markdown_table_names_each_column_once():
     row = {"method": "full", "length": 100, "decode_ms_per_token": 120.0}
     header = markdown_table({"rows": [row]}).splitlines()[0].strip("| ").split(" | ")
     assert len(header) == len(set(header))
+
+
+def test_a_gpu_run_names_its_gpu_and_a_cpu_run_its_cpu():
+    from refreshkv.measure.bench_report import bench_tables
+
+    row = {"method": "full", "length": 100, "decode_ms_per_token": 12.0}
+    common = {"threads": 16, "dtype": "bfloat16", "memory_bandwidth_gb_s": 4000.0, "weight_bytes": 2**28}
+    gpu = {"device": "cuda:0", "gpu": "NVIDIA H200", **common}
+    cpu = {"device": "cpu", "cpu": "AMD EPYC", "cpu_bf16": "none", "kernels": "AVX2", **common}
+    captions = [
+        bench_tables({"rows": [row], "machine": machine, "new_tokens": 8, "rounds": 1})[2].caption
+        for machine in (gpu, cpu)
+    ]
+    assert captions[0].startswith("cuda:0 (NVIDIA H200), 16 threads, bfloat16")
+    assert captions[1].startswith("cpu, AMD EPYC (bf16 instructions: none), AVX2 kernels, 16 threads")

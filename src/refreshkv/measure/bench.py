@@ -66,9 +66,12 @@ def cpu_facts() -> dict:
 
 
 def machine_facts(model) -> dict:
-    """Where a measurement of `model` ran: device, threads, dtype, torch version and the CPU (`cpu_facts`)."""
+    """Where a measurement of `model` ran: device (with the GPU's name on CUDA), threads, dtype, torch version and
+    the CPU (`cpu_facts`)."""
+    gpu = {"gpu": torch.cuda.get_device_name(model.device)} if model.device.type == "cuda" else {}
     return {
         "device": str(model.device),
+        **gpu,
         "threads": torch.get_num_threads(),
         "dtype": str(model.dtype).removeprefix("torch."),
         "torch": torch.__version__,
