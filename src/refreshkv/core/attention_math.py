@@ -92,7 +92,9 @@ def decode_attention(query, keys, values, scaling, valid: torch.Tensor | None = 
 
     One query over `EXPLICIT_DECODE_FROM` keys or more on the CPU is computed explicitly (logits, float32 softmax,
     probabilities times values), faster there than SDPA; in bfloat16 the logits and probabilities are then rounded
-    to bfloat16 as in transformers' eager attention. On a GPU, SDPA (not measured here: no GPU was available)."""
+    to bfloat16 as in transformers' eager attention. On a GPU, SDPA: in float32 on an H200 at 8K `full`'s step was
+    1.34x stock transformers' (not in bfloat16), perhaps because packed rows leave SDPA's float32 kernel one block of
+    work per KV head (docs/benchmark.md, "On a GPU"; not checked)."""
     kv_heads, n, q_len = keys.shape[1], keys.shape[2], query.shape[2]
     mask = None if valid is None else valid.reshape(valid.shape[0], -1, 1, n)
     if q_len > 1:

@@ -59,8 +59,9 @@ def bench_tables(result: dict) -> list[Table]:
     machine = result["machine"]
     cpu = f"{machine['cpu']} (bf16 instructions: {machine['cpu_bf16']}), " if "cpu" in machine else ""
     cpu += f"{machine['kernels']} kernels, " if "kernels" in machine else ""
+    device = machine["device"] + (f" ({machine['gpu']})" if "gpu" in machine else "")
     caption = (
-        f"{machine['device']}{' (' + machine['gpu'] + ')' if 'gpu' in machine else ''}, {cpu}{machine['threads']} threads, {machine['dtype']}, "
+        f"{device}, {cpu}{machine['threads']} threads, {machine['dtype']}, "
         f"{'compiled' if machine.get('compile') else 'eager'}, {layout_note(machine.get('weight_layout', 'stored'))}, "
         f"bandwidth {machine['memory_bandwidth_gb_s']:.1f} GB/s, weights {machine['weight_bytes'] / 2**20:.0f} MB, "
         f"{result['new_tokens']} new tokens, median of {result['rounds']} interleaved rounds"
