@@ -419,3 +419,27 @@ def test_embedded_full_retrieves_the_needle_at_2k(tmp_path):
     (row,) = lines(out)
     assert row["prompt_tokens"] > 1800  # RULER counts the chat template, answer prefix and 128 new tokens in L
     assert row["score"] == 1.0, (row["prediction"], row["reference"])
+
+
+def test_recovery_on_gemma3_is_measured_in_its_global_layers_and_the_report_says_which(tmp_path):
+    """Gemma 3's sliding-window layers attend only to their window: recovery is the global layer's (layer 5 of 6)."""
+    model = tiny_model("gemma3")
+    ids = random_prompt(200, seed=7)[0]
+    probe = RecoveryProbe(top_k=16, steps=4)
+    result = probe.result(teacher_forced(model, ids[:190], 180, probe).cache)
+    assert result["layers"] == [5] and len(result["topk"]) == 1 and len(result["topk"][0]) == 5
+    assert all(0 < v < 1 for v in result["topk"][0] + result["streaming"][0])
+    text = text_file(tmp_path / "doc.txt")
+    rec = config(task="recovery", length=150, task_options={"paths": [str(text)], "budget": 16, "steps": 4})
+    run_eval(model, TOKENIZER, rec, 1, tmp_path / "rec.jsonl", progress=False)
+    write_report([tmp_path / "rec.jsonl"], tmp_path / "rep")
+    summary = (tmp_path / "rep" / "summary.md").read_text()
+    assert "Attention recovery, mean over layers 5 (the others are windowed): t=150, K=16" in summary
+
+
+def test_recovery_on_a_model_whose_every_layer_is_windowed_is_refused_in_one_line():
+    model = tiny_model("mistral", sliding_window=16)
+    probe = RecoveryProbe(top_k=8, steps=2)
+    cache = teacher_forced(model, random_prompt(100, seed=2)[0][:90], 80, probe).cache
+    with pytest.raises(ValueError, match="^recovery needs a layer that attends to the whole context; every layer"):
+        probe.result(cache)

@@ -196,7 +196,7 @@ def recovery(groups: list[Group], path: Path) -> Path | None:
             color=line.get_color(),
             label=f"StreamingLLM cache (t={g.length}, K={r['k']})",
         )
-        layers = range(len(r["topk"]))
+        layers = r["layers"]
         right.plot(
             layers,
             [mean(layer[1:]) for layer in r["topk"]],

@@ -11,8 +11,10 @@ share of that head's attention mass that falls on
 - `streaming`: StreamingLLM's cache of the same size K at step t+i: `sinks` (4) initial tokens + the K - sinks most
   recent tokens, i.e. what StreamingLLM attends to (sinks capped at K - 1 as the method does).
 
-Both are means over query heads. With K >= t + 1 both caches hold every token and recover 1.0; at offset 0 the
-top-K set is the optimal set of size K, so its recovery is >= StreamingLLM's.
+Both are means over query heads, in every layer that runs the method (`layers`: on Gemma 3 the global layers; a
+sliding-window layer whose window bites attends only to its window, so neither cache is its question). With
+K >= t + 1 both caches hold every token and recover 1.0; at offset 0 the top-K set is the optimal set of size K,
+so its recovery is >= StreamingLLM's.
 
 Only the current query's probabilities are computed (`attention_probs`, never L x L): `RecoveryProbe` is `full`
 with a decode hook that measures after attending; the measurements live in each layer's store.
@@ -140,12 +142,22 @@ class RecoveryProbe(Full):
         return output
 
     def result(self, cache) -> dict:
-        """The measurements of one teacher-forced run, read from its cache's layers."""
-        topk = [layer.state.topk for layer in cache.layers]
-        streaming = [layer.state.streaming for layer in cache.layers]
+        """The measurements of one teacher-forced run, read from the cache's layers that ran the probe."""
+        layers = cache.method_layers()
+        if not layers:
+            raise ValueError("recovery needs a layer that attends to the whole context; every layer here is windowed")
+        topk = [layer.state.topk for layer in layers]
+        streaming = [layer.state.streaming for layer in layers]
         if len(topk[0]) != self.steps + 1:
             raise ValueError(f"recovery needs {self.steps + 1} decode steps, measured {len(topk[0])}")
-        return {"k": self.top_k, "steps": self.steps, "sinks": self.sinks, "topk": topk, "streaming": streaming}
+        return {
+            "k": self.top_k,
+            "steps": self.steps,
+            "sinks": self.sinks,
+            "layers": [layer.layer_idx for layer in layers],
+            "topk": topk,
+            "streaming": streaming,
+        }
 
 
 def recovery_score(result: dict) -> float:

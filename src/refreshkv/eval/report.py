@@ -185,6 +185,14 @@ def _per_layer_table(title: str, series: dict[str, list], fmt: str) -> list[str]
     return lines + [""]
 
 
+def measured_layers(recovery: dict) -> str:
+    """Which layers a recovery mean is over: all of them, or the ones that attend to the whole context (Gemma 3)."""
+    layers = recovery["layers"]
+    if layers == list(range(len(layers))):
+        return "layers"
+    return "layers " + ", ".join(map(str, layers)) + " (the others are windowed)"
+
+
 def markdown_summary(groups: list[Group], sources, plots: list[Path]) -> str:
     lines = [
         "# Evaluation report",
@@ -275,7 +283,7 @@ def markdown_summary(groups: list[Group], sources, plots: list[Path]) -> str:
             topk = [mean(layer[o] for layer in recovery["topk"]) for o in range(offsets)]
             streaming = [mean(layer[o] for layer in recovery["streaming"]) for o in range(offsets)]
             lines += [
-                f"### Attention recovery, mean over layers: t={g.length}, K={recovery['k']}",
+                f"### Attention recovery, mean over {measured_layers(recovery)}: t={g.length}, K={recovery['k']}",
                 "",
                 "| offset i | " + " | ".join(map(str, range(offsets))) + " |",
                 "|---|" + "---|" * offsets,

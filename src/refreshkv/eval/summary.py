@@ -206,6 +206,7 @@ class Group:
         return {
             "k": results[0]["k"],
             "sinks": results[0]["sinks"],
+            "layers": results[0].get("layers", list(range(len(results[0]["topk"])))),  # rows before it was recorded
             "topk": average("topk"),
             "streaming": average("streaming"),
         }
