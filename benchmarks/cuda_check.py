@@ -13,7 +13,8 @@ refreshes (reported as `full_step_fraction`; `recycled`'s fixed stride is indepe
   every token, the largest logit difference to `full` (must be float32 rounding); at K = L/8, that its logits are
   finite and where its cache lies (`kv_bytes_by_device`); `refreshkv` with `full_cache="offload"` against the dense
   one (its C_f in pinned host memory: the only path that needs a GPU).
-- `bench-*.json`: `refreshkv bench --device cuda` on both shapes (bfloat16 and float32).
+- `bench-*.json`: `refreshkv bench --device cuda` on both shapes (bfloat16 and float32), then compiled at 8K
+  (on an H200 its compiling round had not finished after 280 s: give the run 10 minutes or more).
 """
 
 import argparse
