@@ -111,16 +111,15 @@ def test_the_markdown_table_names_each_column_once():
     assert len(header) == len(set(header))
 
 
-def test_a_gpu_run_names_its_gpu_and_a_cpu_run_its_cpu():
+def test_a_gpu_run_names_its_gpu_and_its_memory_column_a_cpu_run_its_cpu():
     from refreshkv.measure.bench_report import bench_tables
 
     row = {"method": "full", "length": 100, "decode_ms_per_token": 12.0}
     common = {"threads": 16, "dtype": "bfloat16", "memory_bandwidth_gb_s": 4000.0, "weight_bytes": 2**28}
     gpu = {"device": "cuda:0", "gpu": "NVIDIA H200", **common}
     cpu = {"device": "cpu", "cpu": "AMD EPYC", "cpu_bf16": "none", "kernels": "AVX2", **common}
-    captions = [
-        bench_tables({"rows": [row], "machine": machine, "new_tokens": 8, "rounds": 1})[2].caption
-        for machine in (gpu, cpu)
-    ]
+    memory = [bench_tables({"rows": [row], "machine": m, "new_tokens": 8, "rounds": 1})[2] for m in (gpu, cpu)]
+    captions = [table.caption for table in memory]
+    assert [table.columns[4].header for table in memory] == ["peak GPU MB", "peak RSS MB"]
     assert captions[0].startswith("cuda:0 (NVIDIA H200), 16 threads, bfloat16")
     assert captions[1].startswith("cpu, AMD EPYC (bf16 instructions: none), AVX2 kernels, 16 threads")

@@ -78,6 +78,8 @@ def bench_tables(result: dict) -> list[Table]:
                 caption=caption if kind == "memory and bandwidth floor" else None,
             )
             for label, key, _ in columns:
+                if key == "peak_process_bytes" and "gpu" in machine:
+                    label = "peak GPU MB"  # torch.cuda.max_memory_allocated, not the process's resident memory
                 table.add_column(
                     label, justify="right", no_wrap=key == "label", min_width=14 if key == "label" else None
                 )
