@@ -13,11 +13,16 @@ refreshes (reported as `full_step_fraction`; `recycled`'s fixed stride is indepe
   every token, the largest logit difference to `full` (must be float32 rounding); at K = L/8, that its logits are
   finite and where its cache lies (`kv_bytes_by_device`); `refreshkv` with `full_cache="offload"` against the dense
   one (its C_f in pinned host memory: the only path that needs a GPU).
+- `decode-attention.jsonl`: one query over 8K-32K keys in each model's head layout, float32 and bfloat16, as
+  `decode_attention` computes it on a GPU (the query heads of a group packed into rows of their KV head, then SDPA)
+  against SDPA over the unpacked heads (`enable_gqa`) and the explicit products: median microseconds of 50 calls
+  and the largest difference to the packed output (the first GPU run found `full`'s float32 step slow at 8K).
 - `bench-*.json`: `refreshkv bench --device cuda` on both shapes (bfloat16 and float32), then compiled at 8K
   (on an H200 its compiling round had not finished after 280 s: give the run 10 minutes or more).
 """
 
 import argparse
+import itertools
 import json
 import shutil
 import subprocess
@@ -104,6 +109,52 @@ def check_methods(model_dir: Path, out: Path, prompt_length: int = 2048, new_tok
             print(json.dumps(row), flush=True)
 
 
+def decode_variants(query, keys, values) -> dict:
+    """One query's attention over a KV-head-sized cache, three ways, each returning (1, query heads, 1, dim)."""
+    import torch.nn.functional as F
+
+    from refreshkv.core.attention_math import _explicit_attention, pack_queries
+
+    heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[-1]
+    scale, packed = dim**-0.5, pack_queries(query, kv_heads)
+    return {
+        "packed_sdpa": lambda: F.scaled_dot_product_attention(packed, keys, values, scale=scale).reshape(query.shape),
+        "gqa_sdpa": lambda: F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True),
+        "explicit": lambda: _explicit_attention(packed, keys, values, scale, None).reshape(1, heads, 1, dim),
+    }
+
+
+def median_us(call, repeats: int = 50) -> float:
+    call()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(1000 * start.elapsed_time(end))
+    return sorted(times)[repeats // 2]
+
+
+def time_decode_attention(out: Path) -> None:
+    shapes = {"smollm2-135m": (9, 3, 64), "gemma3-270m": (4, 1, 256)}  # query heads, KV heads, head dimension
+    with out.open("w") as rows:
+        for (model, (heads, kv_heads, dim)), dtype, n in itertools.product(
+            shapes.items(), (torch.float32, torch.bfloat16), (8192, 32768)
+        ):
+            query = torch.randn(1, heads, 1, dim, device="cuda", dtype=dtype)
+            keys, values = (torch.randn(1, kv_heads, n, dim, device="cuda", dtype=dtype) for _ in range(2))
+            variants = decode_variants(query, keys, values)
+            reference = variants["packed_sdpa"]().float()
+            for name, call in variants.items():
+                row = {"model": model, "dtype": str(dtype).removeprefix("torch."), "keys": n, "variant": name}
+                row["us"] = round(median_us(call), 1)
+                row["max_diff"] = (call().float() - reference).abs().max().item()
+                rows.write(json.dumps(row) + "\n")
+                print(json.dumps(row), flush=True)
+
+
 def bench(model_dir: Path, out: Path, lengths: str, budget: int, dtype: str, methods: str, *options: str) -> None:
     """`refreshkv bench` in a process of its own (as a user runs it), stopped after 5 minutes."""
     command = [sys.executable, "-m", "refreshkv", "bench", "--model", str(model_dir), "--device", "cuda"]
@@ -132,6 +183,7 @@ def main() -> None:
         sys.exit("cuda_check.py check: no CUDA GPU here")
     args.out.mkdir(parents=True, exist_ok=True)
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    time_decode_attention(args.out / "decode-attention.jsonl")
     smollm2 = random_model(args.folder / "smollm2-135m", args.models / "smollm2-135m")
     gemma = random_model(args.folder / "gemma3-270m", args.models / "gemma3-270m")
     check_methods(smollm2, args.out / "methods.jsonl")
