@@ -7,13 +7,15 @@ change of a tenth of a millisecond shows through a noisy machine's step times.
 Shapes are SmolLM2-135M's (3 KV heads, 3 query heads each, head size 64, 30 layers); the words for span pooling
 come from its tokenizer over the package's public-domain book (the embedded model). Prints the median ms per layer
 and per step (x layers) for each pooling. `--against` times another checkout's code in the same process,
-alternating blocks of repetitions with this one's (its package is imported under another name from a copy).
+alternating blocks of repetitions with this one's (its package is imported under another name from a copy);
+`--pytorch-too` this code with its C kernels off (core/native_selection.py), likewise.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import shutil
 import statistics
 import sys
@@ -41,8 +43,9 @@ def prompt_spans(length: int) -> torch.Tensor:
     return WordTable.of(tokenizer).spans(ids)
 
 
-def refresher(package: str, pooling: str, length: int, budget: int, spans):
-    """A function that runs `repeats` refreshes of one layer with `package`'s code and returns their times (ms)."""
+def refresher(package: str, pooling: str, length: int, budget: int, spans, native: str = "1"):
+    """A function that runs `repeats` refreshes of one layer with `package`'s code (its C kernels off with `native`
+    "0") and returns their times (ms)."""
     method_module = importlib.import_module(f"{package}.methods.refreshkv")
     selection = importlib.import_module(f"{package}.core.selection")
     generator = torch.Generator().manual_seed(0)
@@ -54,6 +57,7 @@ def refresher(package: str, pooling: str, length: int, budget: int, spans):
     state = method_module.RefreshState(None, selection.SelectionState.empty_like(keys, budget + 1), None)
 
     def run(repeats: int) -> list[float]:
+        os.environ["REFRESHKV_NATIVE"] = native  # read at each call: the C kernels on or off for these repetitions
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -81,6 +85,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2000, help="refreshes timed per code and pooling")
     parser.add_argument("--against", type=Path, help="another checkout's src folder, timed alternately")
+    parser.add_argument(
+        "--pytorch-too", action="store_true", help="also time this code with its C kernels off, alternately"
+    )
     args = parser.parse_args()
     if not 0 < args.budget < args.length:
         sys.exit(f"error: --budget must be in [1, --length), got {args.budget}")
@@ -93,6 +100,8 @@ def main() -> None:
         runs = {
             name: refresher(package, pooling, args.length, args.budget, spans) for name, package in packages.items()
         }
+        if args.pytorch_too:
+            runs["pytorch"] = refresher("refreshkv", pooling, args.length, args.budget, spans, native="0")
         times = {name: [] for name in runs}
         for run in runs.values():
             run(50)  # warm-up

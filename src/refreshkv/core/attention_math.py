@@ -15,6 +15,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from . import native_selection
+
 AGGREGATIONS = ("max", "mean", "first")
 # How max-pooling spreads an attention peak over positions: `centered` (SnapKV's and the seeds' kernel: kernel // 2
 # tokens either side), `forward` (1 token before the peak and kernel - 2 after it: the rest of a span the peak
@@ -172,6 +174,9 @@ def aggregate_group(scores: torch.Tensor, how: str) -> torch.Tensor:
 def spread_over_spans(scores: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
     """`scores` (B, H, n) with each of the first L positions raised to the highest score of its word (`spans`
     (B, L) from `WordTable.spans`); positions from L on (decoded tokens) keep their own score."""
+    spread = native_selection.spread_over_words(scores, spans)
+    if spread is not None:
+        return spread
     length = spans.shape[-1]
     prompt = scores[..., :length]
     words = spans.unsqueeze(1).expand_as(prompt)
@@ -234,7 +239,11 @@ def ranked(scores: torch.Tensor, k: int, sorted: bool = True, valid: torch.Tenso
 
 
 def top_k(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """`ranked`'s k indices in position order (what a store keeps)."""
+    """`ranked`'s k indices in position order (what a store keeps): on the CPU one pass of C per row
+    (core/native_selection.py), else PyTorch operators."""
+    native = native_selection.top_k_in_order(scores, k, valid)
+    if native is not None:
+        return native
     index = ranked(scores, k, sorted=False, valid=valid)
     if index.device.type != "cpu" or torch.compiler.is_compiling():  # a count read on the host; a shape unknown
         return index.sort(dim=-1).values

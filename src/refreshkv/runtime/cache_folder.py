@@ -1,9 +1,9 @@
 """The local cache folder of converted models: where it is, content hashes remembered in it, and the lock that
 makes concurrent first loads convert once.
 
-$REFRESHKV_CACHE, default ~/.cache/refreshkv. A conversion is keyed by the GGUF's content (SHA-256), not its name:
-another file with the same name and size gets its own conversion. The hash of a file is computed once and
-remembered by path, mtime and size (hashes/).
+$REFRESHKV_CACHE, default ~/.cache/refreshkv (core/cache_root.py). A conversion is keyed by the GGUF's content
+(SHA-256), not its name: another file with the same name and size gets its own conversion. The hash of a file is
+computed once and remembered by path, mtime and size (hashes/).
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ import hashlib
 import os
 from pathlib import Path
 
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("REFRESHKV_CACHE", Path.home() / ".cache" / "refreshkv"))
+from ..core.cache_root import cache_dir
 
 
 def file_hash(path: Path) -> str:

@@ -1,0 +1,126 @@
+"""The selection's loops compiled from C (selection_kernels.c) for the CPU: the top K in position order and the
+spread of scores over words, each one pass over a row instead of five to eight PyTorch operators.
+
+Why: a refresh step on an AVX2 CPU cost 1.2-1.27x `full`'s step (issue 33, target 1.15x); what it adds is the
+selection, a dozen small operators per layer whose dispatch and passes over memory cost more than their arithmetic.
+The results are the PyTorch reference's exactly (core/attention_math.py; tests/test_native_selection.py).
+
+The C file is compiled once per machine with the system's C compiler (`$CC`, else `cc`) into the cache folder
+($REFRESHKV_CACHE/native, keyed by the source's and the compiler's identity) and loaded with ctypes. Where it cannot
+be (no compiler; a GPU tensor; inside torch.compile, which traces the PyTorch operators), the callers use the PyTorch
+operators, which give the same results; a missing compiler is said once, as a warning. REFRESHKV_NATIVE=0 turns the
+C path off (to compare the two).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from .cache_root import cache_dir
+
+SOURCE = Path(__file__).with_name("selection_kernels.c")
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use; None where they cannot be (said once)."""
+    compiler = _compiler()
+    if compiler is None:
+        warnings.warn(
+            "refreshkv: no C compiler (set $CC or install cc): the selection runs on PyTorch operators, "
+            "slower on the CPU (same results)",
+            stacklevel=3,
+        )
+        return None
+    source = SOURCE.read_bytes()
+    identity = hashlib.sha256(source + compiler.encode() + os.uname().machine.encode()).hexdigest()[:16]
+    target = cache_dir() / "native" / f"selection-{identity}.so"
+    if not target.is_file():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError:  # a read-only cache folder: build for this process only
+            target = Path(tempfile.mkdtemp(prefix="refreshkv-native-")) / target.name
+        staging = target.with_suffix(f".{os.getpid()}.so")
+        command = [compiler, "-O3", "-std=c11", "-shared", "-fPIC", str(SOURCE), "-o", str(staging)]
+        built = subprocess.run(command, capture_output=True, text=True)
+        if built.returncode != 0:
+            last_line = (built.stderr.strip().splitlines() or ["no message"])[-1]
+            warnings.warn(
+                f"refreshkv: compiling {SOURCE.name} failed ({last_line}): the selection runs on PyTorch "
+                "operators, slower on the CPU (same results)",
+                stacklevel=3,
+            )
+            return None
+        staging.replace(target)  # atomic: another process never loads half a file
+    try:
+        library = ctypes.CDLL(str(target))
+    except OSError as error:
+        warnings.warn(
+            f"refreshkv: loading {target} failed ({error}): the selection runs on PyTorch operators", stacklevel=3
+        )
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    library.top_k_in_order.argtypes = [pointer, pointer, size, size, size, pointer, pointer, pointer]
+    library.spread_over_words.argtypes = [pointer, pointer, size, size, size, size, pointer]
+    return library
+
+
+def _usable(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    if os.environ.get("REFRESHKV_NATIVE", "1") == "0" or torch.compiler.is_compiling():
+        return None
+    if any(tensor.device.type != "cpu" for tensor in tensors):
+        return None
+    return _library()
+
+
+def top_k_in_order(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Indices (..., k) of the k highest `scores` in position order, ties to the earlier position, `valid` (bool,
+    broadcastable) excluding positions as `attention_math.ranked` does; None where the C path is not available."""
+    library = _usable(scores) if valid is None else _usable(scores, valid)
+    if library is None or not 0 < k <= scores.shape[-1]:
+        return None
+    values = scores.float().contiguous()
+    n, rows = values.shape[-1], values.numel() // values.shape[-1]
+    mask = None if valid is None else valid.expand_as(values).contiguous()
+    out = torch.empty(*values.shape[:-1], k, dtype=torch.long)
+    scratch = torch.empty(2, n, dtype=torch.int32)
+    library.top_k_in_order(
+        values.data_ptr(),
+        None if mask is None else mask.data_ptr(),
+        rows,
+        n,
+        k,
+        out.data_ptr(),
+        scratch[0].data_ptr(),
+        scratch[1].data_ptr(),
+    )
+    return out
+
+
+def spread_over_words(scores: torch.Tensor, words: torch.Tensor) -> torch.Tensor | None:
+    """`attention_math.spread_over_spans` for float32 scores (B, H, n) and words (B, L), L <= n; None where the C
+    path is not available."""
+    library = _usable(scores, words)
+    if library is None or scores.dtype != torch.float32 or scores.ndim != 3:
+        return None
+    if words.shape[0] != scores.shape[0] or words.shape[-1] > scores.shape[-1]:
+        return None  # one batch element's words for every row: the reference broadcasts them
+    values, words = scores.contiguous(), words.to(torch.long).contiguous()
+    batch, heads, n = values.shape
+    out = torch.empty_like(values)
+    library.spread_over_words(values.data_ptr(), words.data_ptr(), batch, heads, n, words.shape[-1], out.data_ptr())
+    return out

@@ -1,0 +1,84 @@
+"""The selection's C kernels (core/native_selection.py) give exactly what the PyTorch operators give, are built on
+first use, and step aside where they cannot run."""
+
+import pytest
+import torch
+
+from refreshkv.core import native_selection
+from refreshkv.core.attention_math import spread_over_spans, top_k
+
+needs_compiler = pytest.mark.skipif(native_selection._compiler() is None, reason="no C compiler on this machine")
+
+
+@pytest.fixture
+def fresh_build(tmp_path, monkeypatch):
+    """The kernels compiled anew into an empty cache folder."""
+    monkeypatch.setenv("REFRESHKV_CACHE", str(tmp_path))
+    native_selection._library.cache_clear()
+    yield tmp_path
+    native_selection._library.cache_clear()
+
+
+def reference(monkeypatch, function, *args):
+    with monkeypatch.context() as scoped:
+        scoped.setenv("REFRESHKV_NATIVE", "0")
+        return function(*args)
+
+
+def tied_scores(generator, shape):
+    """Few distinct values (max-pooling makes plateaus), signs, zeros of both signs and infinities."""
+    scores = torch.randint(-4, 5, shape, generator=generator).float() / 4
+    scores[scores == 0.25] = -0.0
+    scores[scores == 1.0] = float("inf")
+    scores[scores == -1.0] = float("-inf")
+    return scores
+
+
+@needs_compiler
+def test_c_top_k_is_built_into_the_cache_folder_and_matches_pytorch_with_ties_and_exclusions(fresh_build, monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    for shape in [(1, 1, 7), (2, 3, 50), (1, 3, 1000), (3, 257)]:
+        for scores in (tied_scores(generator, shape), torch.randn(shape, generator=generator)):
+            n = shape[-1]
+            valid = torch.rand((*shape[:-2], 1, n) if len(shape) == 3 else shape, generator=generator) < 0.6
+            for k in sorted({1, 2, n // 3, n // 2, n - 1, n}):
+                for mask in (None, valid):
+                    native = native_selection.top_k_in_order(scores, k, mask)
+                    assert native is not None
+                    assert torch.equal(native, reference(monkeypatch, top_k, scores, k, mask)), (shape, k)
+    assert list((fresh_build / "native").glob("selection-*.so"))
+
+
+@needs_compiler
+def test_c_spread_matches_pytorch_for_words_of_any_length(fresh_build, monkeypatch):
+    generator = torch.Generator().manual_seed(1)
+    for batch, heads, n, length in [(1, 3, 40, 40), (2, 2, 64, 50), (1, 1, 5, 1)]:
+        scores = torch.randn(batch, heads, n, generator=generator)
+        starts = torch.rand(batch, length, generator=generator) < 0.3
+        starts[:, 0] = True
+        words = starts.long().cumsum(-1) - 1
+        native = native_selection.spread_over_words(scores, words)
+        assert native is not None
+        assert torch.equal(native, reference(monkeypatch, spread_over_spans, scores, words))
+        assert torch.equal(native[..., length:], scores[..., length:])  # decoded tokens keep their own
+
+
+def test_without_a_compiler_the_selection_says_so_once_and_gives_the_same_indices(fresh_build, monkeypatch):
+    scores = torch.tensor([[[0.5, 0.5, float("-inf"), 0.5, 0.9, 0.0, -0.0]]])
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with pytest.warns(UserWarning, match="no C compiler"):
+        assert native_selection.top_k_in_order(scores, 3) is None
+    assert top_k(scores, 3).tolist() == [[[0, 1, 4]]]
+    assert not (fresh_build / "native").exists()
+
+
+@needs_compiler
+def test_the_c_path_steps_aside_when_turned_off_or_for_k_it_does_not_take(monkeypatch):
+    scores = torch.rand(1, 2, 16)
+    assert native_selection.top_k_in_order(scores, 0) is None
+    assert native_selection.top_k_in_order(scores, 17) is None
+    one_row_of_words = torch.zeros(1, 16, dtype=torch.long)
+    assert native_selection.spread_over_words(scores.expand(2, 2, 16), one_row_of_words) is None  # broadcast words
+    monkeypatch.setenv("REFRESHKV_NATIVE", "0")
+    assert native_selection.top_k_in_order(scores, 4) is None
+    assert native_selection.spread_over_words(scores, one_row_of_words) is None
