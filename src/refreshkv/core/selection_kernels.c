@@ -17,17 +17,16 @@ static inline uint32_t order_key(float value) {
     return bits ^ ((uint32_t)((int32_t)bits >> 31) | 0x80000000u);
 }
 
-enum { DIGIT_BITS = 8, BINS = 1 << DIGIT_BITS, SPLIT = 4 };
+enum { DIGIT_BITS = 8, BINS = 1 << DIGIT_BITS, SPLIT = 4 }; /* four digits make a key */
 
-/* The digit of `key` at `shift` (the last one has fewer bits, the mask takes care of that). */
 static inline uint32_t digit_of(uint32_t key, int shift) { return (key >> shift) & (BINS - 1); }
 
 /* Per row, the k positions of the highest values in position order; ties go to the earlier position. `valid`
    (rows x n bytes, or NULL) excludes the positions where it is 0: they are taken only when fewer than k are valid.
 
-   The k-th highest key is found by radix selection on 11-bit digits, highest first: one histogram over the whole
-   row (the sign, exponent and top mantissa bits: probabilities of one layer spread over several bins), then over
-   only the keys that share the prefix found so far (`candidates`). One scan in position order then takes every key
+   The k-th highest key is found by radix selection on 8-bit digits, highest first: one histogram over the whole row
+   (the sign and the top of the exponent), then over only the keys that share the prefix found so far
+   (`candidates`). One scan in position order then takes every key
    above it and, of the keys equal to it, the earliest up to k: the order the stores keep, with no sort. `keys` and
    `candidates` are scratch space of n entries each; k is in 1 .. n. */
 void top_k_in_order(const float *scores, const uint8_t *valid, int64_t rows, int64_t n, int64_t k, int64_t *out,
@@ -44,22 +43,21 @@ void top_k_in_order(const float *scores, const uint8_t *valid, int64_t rows, int
         uint32_t threshold = 0, prefix_mask = 0;
         const uint32_t *pool = keys;
         int64_t count = n;
-        for (int shift = 32 - DIGIT_BITS; shift > -DIGIT_BITS; shift -= DIGIT_BITS) {
-            int low = shift < 0 ? 0 : shift; /* the last digit: the bits left below the prefix */
+        for (int shift = 32 - DIGIT_BITS; shift >= 0; shift -= DIGIT_BITS) {
             /* Neighbours often share a digit (max-pooling makes plateaus): SPLIT histograms, counted in turns, let
                their increments run without waiting for each other. */
             memset(histogram, 0, sizeof histogram);
             int64_t i = 0;
             for (; i + SPLIT <= count; i += SPLIT)
-                for (int part = 0; part < SPLIT; part++) histogram[part][digit_of(pool[i + part], low)]++;
-            for (; i < count; i++) histogram[0][digit_of(pool[i], low)]++;
+                for (int part = 0; part < SPLIT; part++) histogram[part][digit_of(pool[i + part], shift)]++;
+            for (; i < count; i++) histogram[0][digit_of(pool[i], shift)]++;
             for (int part = 1; part < SPLIT; part++)
                 for (int bin = 0; bin < BINS; bin++) histogram[0][bin] += histogram[part][bin];
             uint32_t digit = BINS - 1;
             while (histogram[0][digit] < wanted) wanted -= histogram[0][digit--];
-            threshold |= digit << low;
-            prefix_mask |= (uint32_t)(BINS - 1) << low;
-            if (low == 0) break;
+            threshold |= digit << shift;
+            prefix_mask |= (uint32_t)(BINS - 1) << shift;
+            if (shift == 0) break;
             int64_t kept = 0;
             for (int64_t i = 0; i < count; i++) {
                 candidates[kept] = pool[i];
