@@ -91,7 +91,7 @@ def top_k_in_order(scores: torch.Tensor, k: int, valid: torch.Tensor | None = No
     """Indices (..., k) of the k highest `scores` in position order, ties to the earlier position, `valid` (bool,
     broadcastable) excluding positions as `attention_math.ranked` does; None where the C path is not available."""
     library = _usable(scores) if valid is None else _usable(scores, valid)
-    if library is None or not 0 < k <= scores.shape[-1]:
+    if library is None or not 0 < k <= scores.shape[-1] or (valid is not None and valid.dtype != torch.bool):
         return None
     values = scores.float().contiguous()
     n, rows = values.shape[-1], values.numel() // values.shape[-1]
