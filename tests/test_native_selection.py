@@ -6,6 +6,7 @@ import torch
 
 from refreshkv.core import native_selection
 from refreshkv.core.attention_math import spread_over_spans, top_k
+from refreshkv.core.kvstore import gather_tokens
 
 needs_compiler = pytest.mark.skipif(native_selection._compiler() is None, reason="no C compiler on this machine")
 
@@ -82,3 +83,22 @@ def test_the_c_path_steps_aside_when_turned_off_or_for_k_it_does_not_take(monkey
     monkeypatch.setenv("REFRESHKV_NATIVE", "0")
     assert native_selection.top_k_in_order(scores, 4) is None
     assert native_selection.spread_over_words(scores, one_row_of_words) is None
+
+
+@needs_compiler
+def test_c_gather_fills_every_slot_as_pytorch_does_from_a_strided_cache(fresh_build):
+    generator = torch.Generator().manual_seed(2)
+    for dtype, batch in ((torch.float32, 1), (torch.bfloat16, 2)):
+        capacity, length, slots, k = 40, 30, 9, 7
+        keys = torch.randn(batch, 3, capacity, 8, generator=generator).to(dtype)[:, :, :length]  # C_f's view
+        values = torch.randn(batch, 3, capacity, 8, generator=generator).to(dtype)[:, :, :length]
+        index = torch.randint(0, length, (batch, 3, k), generator=generator)
+        outs = (torch.zeros(batch, 3, slots, 8, dtype=dtype), torch.zeros(batch, 3, slots, 8, dtype=dtype))
+        assert native_selection.gather_rows_into(index, (keys, values), outs)
+        padded = torch.cat([index, index[..., -1:].expand(batch, 3, slots - k)], -1)
+        expected = gather_tokens(padded, keys, values)
+        assert torch.equal(outs[0], expected[0]) and torch.equal(outs[1], expected[1])
+        with pytest.raises(IndexError, match="outside the 30 tokens"):
+            native_selection.gather_rows_into(index.masked_fill(index == index.max(), length), (keys,), outs[:1])
+    wrong_type = (torch.zeros(1, 3, 9, 8, dtype=torch.float16),)
+    assert not native_selection.gather_rows_into(index[:1], (keys[:1].float(),), wrong_type)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from . import native_selection
+
 
 def _bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -156,12 +158,14 @@ class SlotStore(LayerState):
         gathering rows first and copying them into the slots: a refresh on an AVX2 CPU spent 4.7 ms of a 154 ms
         step at 8K on that copy (docs/benchmark.md). The gathered keys and values must not lie in this store."""
         kept, pad = index.shape[-1], self.slots - index.shape[-1]
-        self.keys, self.values = gather_tokens(
-            torch.cat([index, index[..., -1:].expand(*index.shape[:-1], pad)], -1),
-            keys,
-            values,
-            out=(self.keys, self.values),
-        )
+        # On the CPU one copy per row, the padding slots included (core/native_selection.py); else PyTorch's gather.
+        if not native_selection.gather_rows_into(index, (keys, values), (self.keys, self.values)):
+            self.keys, self.values = gather_tokens(
+                torch.cat([index, index[..., -1:].expand(*index.shape[:-1], pad)], -1),
+                keys,
+                values,
+                out=(self.keys, self.values),
+            )
         self.positions[..., :kept] = positions
         self.positions[..., kept:] = -1
 

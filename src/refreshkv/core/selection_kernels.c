@@ -1,11 +1,23 @@
-/* The selection's per-position loops in one pass each, for the CPU (loaded by core/native_selection.py).
+/* The selection's loops in one pass each, for the CPU (loaded by core/native_selection.py).
 
-Each function works on `rows` independent rows of `n` float32 values, row-major and contiguous; it computes exactly
-what the PyTorch reference in core/attention_math.py computes (tests/test_native_selection.py compares them).
-Plain C11, no vector intrinsics: it is compiled on the user's machine with the baseline flags of its C compiler.
+The top K and the spread work on `rows` independent rows of `n` float32 values, row-major and contiguous; the gather
+copies rows of any type. Each computes exactly what the PyTorch reference computes (core/attention_math.py,
+core/kvstore.py; tests/test_native_selection.py compares them).
+Plain C11, no vector intrinsics: it is compiled on the user's machine with the baseline flags of its C compiler. On
+x86-64, GCC and Clang also make an AVX2 version of the two loops over positions, which the loader picks where the
+CPU has AVX2 (nothing newer: no AVX-512 code, so that an AVX2 machine and one restricted to AVX2 run the same).
 */
 #include <stdint.h>
 #include <string.h>
+
+#if defined(__x86_64__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define AVX2_CLONE __attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+#ifndef AVX2_CLONE
+#define AVX2_CLONE
+#endif
 
 /* An unsigned key that orders like the float (any real value, +-inf included; -0.0 = 0.0): the bits of a
    non-negative float with the sign bit set, all bits of a negative one flipped. Every real value maps above 0, which
@@ -29,7 +41,7 @@ static inline uint32_t digit_of(uint32_t key, int shift) { return (key >> shift)
    (`candidates`). One scan in position order then takes every key
    above it and, of the keys equal to it, the earliest up to k: the order the stores keep, with no sort. `keys` and
    `candidates` are scratch space of n entries each; k is in 1 .. n. */
-void top_k_in_order(const float *scores, const uint8_t *valid, int64_t rows, int64_t n, int64_t k, int64_t *out,
+AVX2_CLONE void top_k_in_order(const float *scores, const uint8_t *valid, int64_t rows, int64_t n, int64_t k, int64_t *out,
                     uint32_t *keys, uint32_t *candidates) {
     int32_t histogram[SPLIT][BINS];
     for (int64_t row = 0; row < rows; row++) {
@@ -89,7 +101,7 @@ void top_k_in_order(const float *scores, const uint8_t *valid, int64_t rows, int
    `words` (batch x length) numbers the words of each batch element, equal along a word, which is a run of
    consecutive positions; positions from `length` on keep their value. `heads` rows share one batch element's words.
    `out` may be `scores`. */
-void spread_over_words(const float *scores, const int64_t *words, int64_t batch, int64_t heads, int64_t n,
+AVX2_CLONE void spread_over_words(const float *scores, const int64_t *words, int64_t batch, int64_t heads, int64_t n,
                        int64_t length, float *out) {
     for (int64_t row = 0; row < batch * heads; row++) {
         const float *values = scores + row * n;
@@ -108,4 +120,27 @@ void spread_over_words(const float *scores, const int64_t *words, int64_t batch,
         }
         if (result != values) memcpy(result + length, values + length, (size_t)(n - length) * sizeof(float));
     }
+}
+
+/* Per (batch, head), the rows at `index` (batch x heads x k, each in 0 .. length - 1) of a source whose (batch, head)
+   blocks start `batch_stride` / `head_stride` bytes apart and whose rows of `row_bytes` follow each other, into
+   `slots` >= k consecutive rows of `out` per (batch, head); the slots from k on repeat the last index's row, so an
+   empty slot holds a copy of a real token, never stale or uninitialised memory. Returns 0, or -1 with nothing
+   written if an index is out of range. */
+int gather_rows(const char *source, int64_t batch_stride, int64_t head_stride, int64_t length, const int64_t *index,
+                int64_t batch, int64_t heads, int64_t k, int64_t row_bytes, int64_t slots, char *out) {
+    for (int64_t i = 0; i < batch * heads * k; i++)
+        if (index[i] < 0 || index[i] >= length) return -1;
+    for (int64_t b = 0; b < batch; b++) {
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t *rows = index + (b * heads + h) * k;
+            const char *block = source + b * batch_stride + h * head_stride;
+            char *target = out + (b * heads + h) * slots * row_bytes;
+            for (int64_t slot = 0; slot < slots; slot++) {
+                int64_t row = rows[slot < k ? slot : k - 1];
+                memcpy(target + slot * row_bytes, block + row * row_bytes, (size_t)row_bytes);
+            }
+        }
+    }
+    return 0;
 }
