@@ -94,11 +94,42 @@ def test_c_gather_fills_every_slot_as_pytorch_does_from_a_strided_cache(fresh_bu
         values = torch.randn(batch, 3, capacity, 8, generator=generator).to(dtype)[:, :, :length]
         index = torch.randint(0, length, (batch, 3, k), generator=generator)
         outs = (torch.zeros(batch, 3, slots, 8, dtype=dtype), torch.zeros(batch, 3, slots, 8, dtype=dtype))
-        assert native_selection.gather_rows_into(index, (keys, values), outs)
+        assert native_selection.gather_rows_into(index, keys, values, *outs)
         padded = torch.cat([index, index[..., -1:].expand(batch, 3, slots - k)], -1)
         expected = gather_tokens(padded, keys, values)
         assert torch.equal(outs[0], expected[0]) and torch.equal(outs[1], expected[1])
         with pytest.raises(IndexError, match="outside the 30 tokens"):
-            native_selection.gather_rows_into(index.masked_fill(index == index.max(), length), (keys,), outs[:1])
-    wrong_type = (torch.zeros(1, 3, 9, 8, dtype=torch.float16),)
-    assert not native_selection.gather_rows_into(index[:1], (keys[:1].float(),), wrong_type)
+            native_selection.gather_rows_into(index.masked_fill(index == index.max(), length), keys, values, *outs)
+    wrong_type = torch.zeros(1, 3, 9, 8, dtype=torch.float16)
+    assert not native_selection.gather_rows_into(
+        index[:1], keys[:1].float(), values[:1].float(), wrong_type, wrong_type
+    )
+
+
+@needs_compiler
+def test_a_compiled_selection_calls_the_same_c_as_eager(monkeypatch):
+    torch._dynamo.reset()
+    library, calls = native_selection._library(), []
+
+    class Recording:  # the library, noting which C function each call takes
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(library, name)
+
+    monkeypatch.setattr(native_selection, "_library", lambda: Recording())
+    generator = torch.Generator().manual_seed(3)
+    scores, cache = torch.rand(1, 3, 50, generator=generator), torch.randn(2, 1, 3, 50, 8, generator=generator)
+    words = (torch.arange(40) // 3)[None]
+
+    def select(scores, keys, values, key_out, value_out):
+        index = top_k(spread_over_spans(scores, words), 10)
+        assert native_selection.gather_rows_into(index, keys, values, key_out, value_out)
+        return index
+
+    each_step = ["spread_over_words", "top_k_in_order", "gather_rows", "gather_rows"]
+    eager_outs, compiled_outs = torch.zeros(2, 1, 3, 11, 8), torch.zeros(2, 1, 3, 11, 8)
+    eager = select(scores, *cache, *eager_outs)
+    assert calls == each_step
+    compiled = torch.compile(select, fullgraph=True)(scores, *cache, *compiled_outs)
+    assert calls == each_step * 2
+    assert torch.equal(compiled, eager) and torch.equal(compiled_outs, eager_outs)

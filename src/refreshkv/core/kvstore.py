@@ -159,7 +159,7 @@ class SlotStore(LayerState):
         step at 8K on that copy (docs/benchmark.md). The gathered keys and values must not lie in this store."""
         kept, pad = index.shape[-1], self.slots - index.shape[-1]
         # On the CPU one copy per row, the padding slots included (core/native_selection.py); else PyTorch's gather.
-        if not native_selection.gather_rows_into(index, (keys, values), (self.keys, self.values)):
+        if not native_selection.gather_rows_into(index, keys, values, self.keys, self.values):
             self.keys, self.values = gather_tokens(
                 torch.cat([index, index[..., -1:].expand(*index.shape[:-1], pad)], -1),
                 keys,

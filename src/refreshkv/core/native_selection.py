@@ -82,59 +82,40 @@ def _library() -> ctypes.CDLL | None:
     return library
 
 
-def _usable(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    if os.environ.get("REFRESHKV_NATIVE", "1") == "0" or torch.compiler.is_compiling():
-        return None
-    if any(tensor.device.type != "cpu" for tensor in tensors):
-        return None
-    return _library()
+@torch.compiler.assume_constant_result
+def _available() -> bool:
+    """The C path is on and built. Under torch.compile it is read once, while tracing: a constant of the graph."""
+    return os.environ.get("REFRESHKV_NATIVE", "1") != "0" and _library() is not None
+
+
+def _on_cpu(*tensors: torch.Tensor | None) -> bool:
+    return all(tensor.device.type == "cpu" for tensor in tensors if tensor is not None) and _available()
 
 
 def top_k_in_order(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor | None:
     """Indices (..., k) of the k highest `scores` in position order, ties to the earlier position, `valid` (bool,
     broadcastable) excluding positions as `attention_math.ranked` does; None where the C path is not available."""
-    library = _usable(scores) if valid is None else _usable(scores, valid)
-    if library is None or not 0 < k <= scores.shape[-1] or (valid is not None and valid.dtype != torch.bool):
+    if not 0 < k <= scores.shape[-1] or (valid is not None and valid.dtype != torch.bool) or not _on_cpu(scores, valid):
         return None
-    values = scores.float().contiguous()
-    n, rows = values.shape[-1], values.numel() // values.shape[-1]
-    mask = None if valid is None else valid.expand_as(values).contiguous()
-    out = torch.empty(*values.shape[:-1], k, dtype=torch.long)
-    scratch = torch.empty(2, n, dtype=torch.int32)
-    library.top_k_in_order(
-        values.data_ptr(),
-        None if mask is None else mask.data_ptr(),
-        rows,
-        n,
-        k,
-        out.data_ptr(),
-        scratch[0].data_ptr(),
-        scratch[1].data_ptr(),
-    )
-    return out
+    return _top_k_operator(scores, k, valid) if torch.compiler.is_compiling() else _top_k(scores, k, valid)
 
 
 def spread_over_words(scores: torch.Tensor, words: torch.Tensor) -> torch.Tensor | None:
     """`attention_math.spread_over_spans` for float32 scores (B, H, n) and words (B, L), L <= n; None where the C
     path is not available."""
-    library = _usable(scores, words)
-    if library is None or scores.dtype != torch.float32 or scores.ndim != 3:
+    if scores.dtype != torch.float32 or scores.ndim != 3 or not _on_cpu(scores, words):
         return None
     if words.shape[0] != scores.shape[0] or words.shape[-1] > scores.shape[-1]:
         return None  # one batch element's words for every row: the reference broadcasts them
-    values, words = scores.contiguous(), words.to(torch.long).contiguous()
-    batch, heads, n = values.shape
-    out = torch.empty_like(values)
-    library.spread_over_words(values.data_ptr(), words.data_ptr(), batch, heads, n, words.shape[-1], out.data_ptr())
-    return out
+    return _spread_operator(scores, words) if torch.compiler.is_compiling() else _spread(scores, words)
 
 
-def gather_rows_into(index: torch.Tensor, sources: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...]) -> bool:
-    """`kvstore.gather_tokens(index padded with its last entry to the slots, *sources, out=outs)` as one copy per row:
-    each source (B, H, n, D) with rows of D elements one after another, each out (B, H, slots, D) contiguous of the
-    same type. False, with nothing written, where the C path is not available or a tensor lies otherwise."""
-    library = _usable(index, *sources, *outs)
-    if library is None or index.dim() != 3 or index.dtype != torch.long:
+def gather_rows_into(index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_out, value_out) -> bool:
+    """`kvstore.gather_tokens(index padded with its last entry to the slots, keys, values, out=(key_out,
+    value_out))` as one copy per row: keys and values (B, H, n, D) with rows of D elements one after another, the
+    outs (B, H, slots, D) contiguous of the same type. False, with nothing written, where the C path is not available
+    or a tensor lies otherwise; an index outside the n tokens raises IndexError."""
+    if index.dim() != 3 or index.dtype != torch.long or not _on_cpu(index, keys, values, key_out, value_out):
         return False
     batch, heads, k = index.shape
     fits = 0 < k and all(
@@ -147,14 +128,50 @@ def gather_rows_into(index: torch.Tensor, sources: tuple[torch.Tensor, ...], out
         and out.shape[2] >= k
         and out.shape[3] == source.shape[3]
         and out.is_contiguous()
-        for source, out in zip(sources, outs)
+        for source, out in ((keys, key_out), (values, value_out))
     )
-    if not fits:
-        return False
+    if fits:
+        (_gather_operator if torch.compiler.is_compiling() else _gather)(index, keys, values, key_out, value_out)
+    return fits
+
+
+# The C calls. Under torch.compile each is an operator of its own (torch.library), opaque to the compiler, so that a
+# compiled step calls the same C as an eager one.
+
+
+def _top_k(scores: torch.Tensor, k: int, valid: torch.Tensor | None) -> torch.Tensor:
+    values = scores.float().contiguous()
+    n, rows = values.shape[-1], values.numel() // values.shape[-1]
+    mask = None if valid is None else valid.expand_as(values).contiguous()
+    out = torch.empty(*values.shape[:-1], k, dtype=torch.long)
+    scratch = torch.empty(2, n, dtype=torch.int32)
+    _library().top_k_in_order(
+        values.data_ptr(),
+        None if mask is None else mask.data_ptr(),
+        rows,
+        n,
+        k,
+        out.data_ptr(),
+        scratch[0].data_ptr(),
+        scratch[1].data_ptr(),
+    )
+    return out
+
+
+def _spread(scores: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    values, words = scores.contiguous(), words.to(torch.long).contiguous()
+    batch, heads, n = values.shape
+    out = torch.empty_like(values)
+    _library().spread_over_words(values.data_ptr(), words.data_ptr(), batch, heads, n, words.shape[-1], out.data_ptr())
+    return out
+
+
+def _gather(index, keys, values, key_out, value_out) -> None:
     index = index.contiguous()
-    for source, out in zip(sources, outs):
+    batch, heads, k = index.shape
+    for source, out in ((keys, key_out), (values, value_out)):
         size = source.element_size()
-        failed = library.gather_rows(
+        failed = _library().gather_rows(
             source.data_ptr(),
             source.stride(0) * size,
             source.stride(1) * size,
@@ -169,4 +186,29 @@ def gather_rows_into(index: torch.Tensor, sources: tuple[torch.Tensor, ...], out
         )
         if failed:
             raise IndexError(f"gather: an index is outside the {source.shape[2]} tokens held")
-    return True
+
+
+_top_k_operator = torch.library.custom_op(
+    "refreshkv::top_k_in_order",
+    _top_k,
+    mutates_args=(),
+    device_types="cpu",
+    schema="(Tensor scores, int k, Tensor? valid) -> Tensor",
+)
+_top_k_operator.register_fake(lambda scores, k, valid: scores.new_empty((*scores.shape[:-1], k), dtype=torch.long))
+_spread_operator = torch.library.custom_op(
+    "refreshkv::spread_over_words",
+    _spread,
+    mutates_args=(),
+    device_types="cpu",
+    schema="(Tensor scores, Tensor words) -> Tensor",
+)
+_spread_operator.register_fake(lambda scores, words: torch.empty_like(scores))
+_gather_operator = torch.library.custom_op(
+    "refreshkv::gather_rows",
+    _gather,
+    mutates_args=("key_out", "value_out"),
+    device_types="cpu",
+    schema="(Tensor index, Tensor keys, Tensor values, Tensor(a!) key_out, Tensor(b!) value_out) -> ()",
+)
+_gather_operator.register_fake(lambda index, keys, values, key_out, value_out: None)
