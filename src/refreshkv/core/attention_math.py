@@ -153,11 +153,12 @@ def pool(scores: torch.Tensor, kernel: int, pooling: str = "centered") -> torch.
         return scores
     shape = scores.shape
     flat = scores.reshape(-1, 1, shape[-1])
-    if pooling == "forward":
-        pooled = F.max_pool1d(F.pad(flat, (kernel - 2, 1), value=float("-inf")), kernel_size=kernel, stride=1)
-    else:
-        pooled = F.max_pool1d(flat, kernel_size=kernel, stride=1, padding=kernel // 2)
-    return pooled.view(shape)
+    before = kernel - 2 if pooling == "forward" else kernel // 2
+    padded = F.pad(flat, (before, kernel - 1 - before), value=float("-inf"))
+    if torch.compiler.is_compiling():
+        # max_pool1d specializes the compiled step on the length (one recompile per full step); windows do not
+        return padded.unfold(-1, kernel, 1).amax(-1).view(shape)
+    return F.max_pool1d(padded, kernel_size=kernel, stride=1).view(shape)
 
 
 def aggregate_group(scores: torch.Tensor, how: str) -> torch.Tensor:

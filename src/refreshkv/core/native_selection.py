@@ -8,9 +8,9 @@ The results are the PyTorch reference's exactly (core/attention_math.py; tests/t
 
 The C file is compiled once per machine with the system's C compiler (`$CC`, else `cc`) into the cache folder
 ($REFRESHKV_CACHE/native, keyed by the source's and the compiler's identity) and loaded with ctypes. Where it cannot
-be (no compiler; a GPU tensor; inside torch.compile, which traces the PyTorch operators), the callers use the PyTorch
-operators, which give the same results; a missing compiler is said once, as a warning. REFRESHKV_NATIVE=0 turns the
-C path off (to compare the two).
+be (no compiler, a failed build; a GPU tensor), the callers use the PyTorch operators, which give the same results; a
+missing compiler or a failed build is said once, as a warning. REFRESHKV_NATIVE=0 turns the C path off (to compare
+the two; a compiled step reads it when it is traced). Under torch.compile the C calls are torch.library operators.
 """
 
 from __future__ import annotations
