@@ -188,27 +188,31 @@ def _gather(index, keys, values, key_out, value_out) -> None:
             raise IndexError(f"gather: an index is outside the {source.shape[2]} tokens held")
 
 
-_top_k_operator = torch.library.custom_op(
-    "refreshkv::top_k_in_order",
+def _operator(name: str, function, schema: str, fake, mutates: tuple[str, ...] = ()):
+    """`function` as the operator `refreshkv::name` for torch.compile, its outputs' shapes given by `fake`."""
+    operator = torch.library.custom_op(
+        f"refreshkv::{name}", function, mutates_args=mutates, device_types="cpu", schema=schema
+    )
+    operator.register_fake(fake)
+    return operator
+
+
+_top_k_operator = _operator(
+    "top_k_in_order",
     _top_k,
-    mutates_args=(),
-    device_types="cpu",
-    schema="(Tensor scores, int k, Tensor? valid) -> Tensor",
+    "(Tensor scores, int k, Tensor? valid) -> Tensor",
+    lambda scores, k, valid: scores.new_empty((*scores.shape[:-1], k), dtype=torch.long),
 )
-_top_k_operator.register_fake(lambda scores, k, valid: scores.new_empty((*scores.shape[:-1], k), dtype=torch.long))
-_spread_operator = torch.library.custom_op(
-    "refreshkv::spread_over_words",
+_spread_operator = _operator(
+    "spread_over_words",
     _spread,
-    mutates_args=(),
-    device_types="cpu",
-    schema="(Tensor scores, Tensor words) -> Tensor",
+    "(Tensor scores, Tensor words) -> Tensor",
+    lambda scores, words: torch.empty_like(scores),
 )
-_spread_operator.register_fake(lambda scores, words: torch.empty_like(scores))
-_gather_operator = torch.library.custom_op(
-    "refreshkv::gather_rows",
+_gather_operator = _operator(
+    "gather_rows",
     _gather,
-    mutates_args=("key_out", "value_out"),
-    device_types="cpu",
-    schema="(Tensor index, Tensor keys, Tensor values, Tensor(a!) key_out, Tensor(b!) value_out) -> ()",
+    "(Tensor index, Tensor keys, Tensor values, Tensor(a!) key_out, Tensor(b!) value_out) -> ()",
+    lambda index, keys, values, key_out, value_out: None,
+    mutates=("key_out", "value_out"),
 )
-_gather_operator.register_fake(lambda index, keys, values, key_out, value_out: None)
