@@ -36,17 +36,17 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
 
+def _without_c(why: str) -> None:
+    message = f"refreshkv: {why}: the selection runs on PyTorch operators, slower on the CPU (same results)"
+    warnings.warn(message, stacklevel=4)  # the caller of the selection that first needed the C
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None where they cannot be (said once)."""
     compiler = _compiler()
     if compiler is None:
-        warnings.warn(
-            "refreshkv: no C compiler (set $CC or install cc): the selection runs on PyTorch operators, "
-            "slower on the CPU (same results)",
-            stacklevel=3,
-        )
-        return None
+        return _without_c("no C compiler (set $CC or install cc)")
     source = SOURCE.read_bytes()
     identity = hashlib.sha256(source + compiler.encode() + os.uname().machine.encode()).hexdigest()[:16]
     target = cache_dir() / "native" / f"selection-{identity}.so"
@@ -60,20 +60,12 @@ def _library() -> ctypes.CDLL | None:
         built = subprocess.run(command, capture_output=True, text=True)
         if built.returncode != 0:
             last_line = (built.stderr.strip().splitlines() or ["no message"])[-1]
-            warnings.warn(
-                f"refreshkv: compiling {SOURCE.name} failed ({last_line}): the selection runs on PyTorch "
-                "operators, slower on the CPU (same results)",
-                stacklevel=3,
-            )
-            return None
+            return _without_c(f"compiling {SOURCE.name} failed ({last_line})")
         staging.replace(target)  # atomic: another process never loads half a file
     try:
         library = ctypes.CDLL(str(target))
     except OSError as error:
-        warnings.warn(
-            f"refreshkv: loading {target} failed ({error}): the selection runs on PyTorch operators", stacklevel=3
-        )
-        return None
+        return _without_c(f"loading {target} failed ({error})")
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.top_k_in_order.argtypes = [pointer, pointer, size, size, size, pointer, pointer, pointer]
     library.spread_over_words.argtypes = [pointer, pointer, size, size, size, size, pointer]
