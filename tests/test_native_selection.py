@@ -1,12 +1,16 @@
 """The selection's C kernels (core/native_selection.py) give exactly what the PyTorch operators give, are built on
 first use, and step aside where they cannot run."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from refreshkv.core import native_selection
 from refreshkv.core.attention_math import spread_over_spans, top_k
 from refreshkv.core.kvstore import gather_tokens
+from refreshkv.core.selection import SelectionState
+from refreshkv.methods.refreshkv import RefreshKV
 
 needs_compiler = pytest.mark.skipif(native_selection._compiler() is None, reason="no C compiler on this machine")
 
@@ -106,6 +110,58 @@ def test_c_gather_fills_every_slot_as_pytorch_does_from_a_strided_cache(fresh_bu
     )
 
 
+def refreshed_partial(monkeypatch, method, probs, valid, keys, values, spans, slots, native):
+    """C_p as `method` refreshes it from window probabilities, with the C path on ("1") or off ("0")."""
+    layer = SimpleNamespace(state=SimpleNamespace(partial=SelectionState.empty_like(keys, slots)), prompt_spans=spans)
+    with monkeypatch.context() as scoped:
+        scoped.setenv("REFRESHKV_NATIVE", native)
+        method._refresh(layer, probs, valid, (keys, values))
+    partial = layer.state.partial
+    return (
+        partial.store.keys,
+        partial.store.values,
+        partial.store.positions,
+        partial.scores,
+        partial.filled,
+        partial.empty,
+    )
+
+
+@needs_compiler
+def test_one_c_call_refreshes_the_partial_cache_as_the_pytorch_operators_do(monkeypatch):
+    generator = torch.Generator().manual_seed(4)
+    taken = []
+    original = native_selection.refresh_partial
+    monkeypatch.setattr(native_selection, "refresh_partial", lambda *a: taken.append(original(*a)) or taken[-1])
+    cases = [
+        # batch, group, window, slots, kernel, pooling, aggregation, pads, dtype
+        (1, 3, 1, 9, 7, "span", "max", False, torch.float32),
+        (1, 3, 1, 9, 7, "centered", "first", False, torch.bfloat16),
+        (2, 1, 2, 51, 5, "forward", "max", True, torch.float32),  # k = every token
+        (2, 3, 1, 12, 1, "centered", "max", True, torch.bfloat16),
+        (2, 2, 3, 20, 3, "span", "max", True, torch.float32),
+        (1, 3, 1, 9, 7, "centered", "mean", False, torch.float32),  # pools each head first: left to PyTorch
+    ]
+    for batch, group, window, slots, kernel, pooling, aggregation, pads, dtype in cases:
+        capacity, length, prompt = 64, 50, 40
+        keys = torch.randn(batch, 3, capacity, 8, generator=generator).to(dtype)[:, :, :length]  # C_f's view
+        values = torch.randn(batch, 3, capacity, 8, generator=generator).to(dtype)[:, :, :length]
+        probs = torch.randint(0, 5, (batch, 3, group, window, length), generator=generator).float() / 8  # plateaus
+        starts = torch.rand(batch, prompt, generator=generator) < 0.4
+        starts[:, 0] = True
+        spans = starts.long().cumsum(-1) - 1
+        valid = None
+        if pads:  # row 0 starts with 6 pads
+            valid = (torch.arange(length) >= torch.tensor([6] + [0] * (batch - 1))[:, None]).view(batch, 1, 1, length)
+        method = RefreshKV(budget=slots - 1, kernel=kernel, pooling=pooling, aggregation=aggregation)
+        arguments = (monkeypatch, method, probs, valid, keys, values, spans, slots)
+        calls = len(taken)
+        native, reference = refreshed_partial(*arguments, "1"), refreshed_partial(*arguments, "0")
+        assert taken[calls:] == ([] if aggregation == "mean" else [True, False])  # C, then PyTorch operators
+        for got, expected in zip(native, reference):
+            assert torch.equal(got, expected) if isinstance(got, torch.Tensor) else got == expected, pooling
+
+
 @needs_compiler
 def test_a_compiled_selection_calls_the_same_c_as_eager(monkeypatch):
     torch._dynamo.reset()
@@ -126,10 +182,24 @@ def test_a_compiled_selection_calls_the_same_c_as_eager(monkeypatch):
         assert native_selection.gather_rows_into(index, keys, values, key_out, value_out)
         return index
 
-    each_step = ["spread_over_words", "top_k_in_order", "gather_rows", "gather_rows"]
+    each_step = ["spread_over_words", "top_k_in_order", "gather_rows"]
     eager_outs, compiled_outs = torch.zeros(2, 1, 3, 11, 8), torch.zeros(2, 1, 3, 11, 8)
     eager = select(scores, *cache, *eager_outs)
     assert calls == each_step
     compiled = torch.compile(select, fullgraph=True)(scores, *cache, *compiled_outs)
     assert calls == each_step * 2
     assert torch.equal(compiled, eager) and torch.equal(compiled_outs, eager_outs)
+
+    def refresh(per_head, keys, values, *store):  # the refresh of a layer in one call
+        assert native_selection.refresh_partial(per_head, False, (3, 3), words, None, 10, keys, values, store)
+
+    def empty_store():  # keys, values, positions, scores of 11 slots
+        return *torch.zeros(2, 1, 3, 11, 8), torch.zeros(1, 3, 11, dtype=torch.long), torch.zeros(1, 3, 11)
+
+    per_head, eager_store, compiled_store = torch.rand(1, 3, 2, 50, generator=generator), empty_store(), empty_store()
+    refresh(per_head, *cache, *eager_store)
+    torch.compile(refresh, fullgraph=True)(per_head, *cache, *compiled_store)
+    assert calls[-2:] == ["refresh_partial"] * 2
+    assert all(torch.equal(compiled, eager) for compiled, eager in zip(compiled_store, eager_store))
+    positions = eager_store[2]
+    assert (positions[..., :10] >= 0).all() and (positions[..., 10] == -1).all()  # 10 kept, one slot emptied

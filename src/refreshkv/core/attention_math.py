@@ -153,12 +153,23 @@ def pool(scores: torch.Tensor, kernel: int, pooling: str = "centered") -> torch.
         return scores
     shape = scores.shape
     flat = scores.reshape(-1, 1, shape[-1])
-    before = kernel - 2 if pooling == "forward" else kernel // 2
-    padded = F.pad(flat, (before, kernel - 1 - before), value=float("-inf"))
+    padded = F.pad(flat, pool_window(kernel, pooling), value=float("-inf"))
     if torch.compiler.is_compiling():
         # max_pool1d specializes the compiled step on the length (one recompile per full step); windows do not
         return padded.unfold(-1, kernel, 1).amax(-1).view(shape)
     return F.max_pool1d(padded, kernel_size=kernel, stride=1).view(shape)
+
+
+def pool_window(kernel: int, pooling: str) -> tuple[int, int]:
+    """(before, after): a pooled position takes the highest of itself, the `before` positions before it and `after`
+    after it."""
+    before = 0 if kernel == 1 else kernel - 2 if pooling == "forward" else kernel // 2
+    return before, kernel - 1 - before
+
+
+def window_mean(probs: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, G, w, n) -> (B, Hkv, G, n): each query head's probabilities averaged over the observation window."""
+    return probs[:, :, :, 0] if probs.shape[3] == 1 else probs.mean(dim=3)  # a decode step's one query: a view
 
 
 def aggregate_group(scores: torch.Tensor, how: str) -> torch.Tensor:
@@ -196,11 +207,11 @@ def selection_scores(
     max-pooling exactly, so for them the group is aggregated first (G times fewer rows to pool). `span` pooling
     then raises each prompt token to its word's highest score (`spans`: the prompt's words, (B, L)).
     """
-    window_mean = probs[:, :, :, 0] if probs.shape[3] == 1 else probs.mean(dim=3)  # a decode step's one query: a view
+    per_head = window_mean(probs)
     if how in ("max", "first"):
-        scores = pool(aggregate_group(window_mean, how), kernel, pooling)
+        scores = pool(aggregate_group(per_head, how), kernel, pooling)
     else:
-        scores = aggregate_group(pool(window_mean, kernel, pooling), how)
+        scores = aggregate_group(pool(per_head, kernel, pooling), how)
     return spread_over_spans(scores, spans) if pooling == "span" else scores
 
 

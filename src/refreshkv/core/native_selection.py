@@ -1,6 +1,7 @@
 """The selection's loops compiled from C (selection_kernels.c) for the CPU: the top K in position order, the spread
 of scores over words and the gather of the selected keys and values into a store, each one pass instead of three to
-eight PyTorch operators.
+eight PyTorch operators; and a partial cache's whole refresh (`refresh_partial`: scores from the attention, top K,
+store filled) in one call instead of about twenty.
 
 Why: a refresh step on an AVX2 CPU cost 1.2-1.27x `full`'s step (issue 33, target 1.15x); what it adds is the
 selection, a dozen small operators per layer whose dispatch and passes over memory cost more than their arithmetic.
@@ -41,6 +42,17 @@ def _without_c(why: str) -> None:
     warnings.warn(message, stacklevel=4)  # the caller of the selection that first needed the C
 
 
+class BlockStrides(ctypes.Structure):
+    """The C's BlockStrides: byte strides between the (batch, head) blocks of keys and of values."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("key_batch", "key_head", "value_batch", "value_head")]
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, values: torch.Tensor) -> BlockStrides:
+        size = keys.element_size()
+        return cls(keys.stride(0) * size, keys.stride(1) * size, values.stride(0) * size, values.stride(1) * size)
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None where they cannot be (said once)."""
@@ -66,11 +78,16 @@ def _library() -> ctypes.CDLL | None:
         library = ctypes.CDLL(str(target))
     except OSError as error:
         return _without_c(f"loading {target} failed ({error})")
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    library.top_k_in_order.argtypes = [pointer, pointer, size, size, size, pointer, pointer, pointer]
+    pointer, size, status = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    library.top_k_in_order.argtypes = [pointer, pointer, size, size, size, pointer]
     library.spread_over_words.argtypes = [pointer, pointer, size, size, size, size, pointer]
-    library.gather_rows.argtypes = [pointer, size, size, size, pointer, size, size, size, size, size, pointer]
-    library.gather_rows.restype = ctypes.c_int
+    library.gather_rows.argtypes = [pointer, pointer, BlockStrides, size, pointer, size, size, size, size, size]
+    library.gather_rows.argtypes += [pointer, pointer]
+    library.refresh_partial.argtypes = [pointer, size, size, size, size, status, size, size, pointer, size, pointer]
+    library.refresh_partial.argtypes += [size, pointer, pointer, BlockStrides, size, size, pointer, pointer, pointer]
+    library.refresh_partial.argtypes += [pointer]
+    for function in (library.top_k_in_order, library.gather_rows, library.refresh_partial):
+        function.restype = status
     return library
 
 
@@ -102,6 +119,27 @@ def spread_over_words(scores: torch.Tensor, words: torch.Tensor) -> torch.Tensor
     return _spread_operator(scores, words) if torch.compiler.is_compiling() else _spread(scores, words)
 
 
+def _token_rows_fit(batch: int, heads: int, k: int, keys, values, key_out, value_out) -> bool:
+    """Keys and values (batch, heads, n, D) of one type and shape have rows of D elements one after another, and the
+    outs hold k or more slots of them per (batch, head), contiguous, of that type: what the C gathers copy between."""
+    return (
+        keys.dim() == 4
+        and keys.shape[:2] == (batch, heads)
+        and keys.shape == values.shape
+        and keys.dtype == values.dtype
+        and all(source.stride(3) == 1 and source.stride(2) == source.shape[3] for source in (keys, values))
+        and all(
+            out.dtype == keys.dtype
+            and out.shape[:2] == (batch, heads)
+            and out.shape[2] >= k
+            and out.shape[3] == keys.shape[3]
+            and out.is_contiguous()
+            for out in (key_out, value_out)
+        )
+        and key_out.shape == value_out.shape
+    )
+
+
 def gather_rows_into(index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_out, value_out) -> bool:
     """`kvstore.gather_tokens(index padded with its last entry to the slots, keys, values, out=(key_out,
     value_out))` as one copy per row: keys and values (B, H, n, D) with rows of D elements one after another, the
@@ -110,20 +148,50 @@ def gather_rows_into(index: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     if index.dim() != 3 or index.dtype != torch.long or not _on_cpu(index, keys, values, key_out, value_out):
         return False
     batch, heads, k = index.shape
-    fits = 0 < k and all(
-        source.dim() == 4
-        and source.shape[:2] == (batch, heads)
-        and source.stride(3) == 1
-        and source.stride(2) == source.shape[3]
-        and out.dtype == source.dtype
-        and out.shape[:2] == (batch, heads)
-        and out.shape[2] >= k
-        and out.shape[3] == source.shape[3]
-        and out.is_contiguous()
-        for source, out in ((keys, key_out), (values, value_out))
-    )
+    fits = 0 < k and _token_rows_fit(batch, heads, k, keys, values, key_out, value_out)
     if fits:
         (_gather_operator if torch.compiler.is_compiling() else _gather)(index, keys, values, key_out, value_out)
+    return fits
+
+
+def refresh_partial(
+    per_head: torch.Tensor,
+    first_only: bool,
+    window: tuple[int, int],
+    words: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    k: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+) -> bool:
+    """A partial cache refreshed in one C call: `attention_math.selection_scores` with max (or `first_only`)
+    aggregation and pooling `window` (before, after), spread over `words` (B, L) when given, -inf where `valid`
+    (broadcastable to (B, 1, 1, n)) is False, its top k in position order (`top_k`), and those tokens loaded into
+    `store` = (keys, values, positions, scores) of a `SelectionState` as its `load` does, the slots from k on emptied.
+    `per_head`: each query head's window-mean probabilities (B, Hkv, G, n), float32; keys and values (B, Hkv, n, D).
+    False, with nothing written, where the C path is not available or a tensor lies otherwise."""
+    key_out, value_out, positions, scores = store
+    if (
+        per_head.dtype != torch.float32
+        or per_head.dim() != 4
+        or not _on_cpu(per_head, keys, values, *store, words, valid)
+    ):
+        return False
+    batch, heads, _, n = per_head.shape
+    fits = (
+        0 < k <= n
+        and _token_rows_fit(batch, heads, k, keys, values, key_out, value_out)
+        and keys.shape[2] == n
+        and all(t.shape == key_out.shape[:3] and t.is_contiguous() for t in (positions, scores))
+        and positions.dtype == torch.long
+        and scores.dtype == torch.float32
+        and (words is None or (words.dim() == 2 and words.shape[0] == batch and words.shape[1] <= n))
+        and (valid is None or (valid.dtype == torch.bool and valid.numel() == batch * n))
+    )
+    if fits:
+        arguments = (per_head, first_only, *window, words, valid, k, keys, values, *store)
+        (_refresh_operator if torch.compiler.is_compiling() else _refresh)(*arguments)
     return fits
 
 
@@ -136,17 +204,10 @@ def _top_k(scores: torch.Tensor, k: int, valid: torch.Tensor | None) -> torch.Te
     n, rows = values.shape[-1], values.numel() // values.shape[-1]
     mask = None if valid is None else valid.expand_as(values).contiguous()
     out = torch.empty(*values.shape[:-1], k, dtype=torch.long)
-    scratch = torch.empty(2, n, dtype=torch.int32)
-    _library().top_k_in_order(
-        values.data_ptr(),
-        None if mask is None else mask.data_ptr(),
-        rows,
-        n,
-        k,
-        out.data_ptr(),
-        scratch[0].data_ptr(),
-        scratch[1].data_ptr(),
-    )
+    if _library().top_k_in_order(
+        values.data_ptr(), None if mask is None else mask.data_ptr(), rows, n, k, out.data_ptr()
+    ):
+        raise MemoryError(f"top k: no scratch space for {n} scores")
     return out
 
 
@@ -161,23 +222,54 @@ def _spread(scores: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
 def _gather(index, keys, values, key_out, value_out) -> None:
     index = index.contiguous()
     batch, heads, k = index.shape
-    for source, out in ((keys, key_out), (values, value_out)):
-        size = source.element_size()
-        failed = _library().gather_rows(
-            source.data_ptr(),
-            source.stride(0) * size,
-            source.stride(1) * size,
-            source.shape[2],
-            index.data_ptr(),
-            batch,
-            heads,
-            k,
-            source.shape[3] * size,
-            out.shape[2],
-            out.data_ptr(),
-        )
-        if failed:
-            raise IndexError(f"gather: an index is outside the {source.shape[2]} tokens held")
+    failed = _library().gather_rows(
+        keys.data_ptr(),
+        values.data_ptr(),
+        BlockStrides.of(keys, values),
+        keys.shape[2],
+        index.data_ptr(),
+        batch,
+        heads,
+        k,
+        keys.shape[3] * keys.element_size(),
+        key_out.shape[2],
+        key_out.data_ptr(),
+        value_out.data_ptr(),
+    )
+    if failed:
+        raise IndexError(f"gather: an index is outside the {keys.shape[2]} tokens held")
+
+
+def _refresh(per_head, first_only, before, after, words, valid, k, keys, values, key_out, value_out, positions, scores):
+    per_head = per_head.contiguous()
+    batch, heads, group, n = per_head.shape
+    words = None if words is None else words.to(torch.long).contiguous()
+    valid = None if valid is None else valid.reshape(batch, n).contiguous()
+    failed = _library().refresh_partial(
+        per_head.data_ptr(),
+        batch,
+        heads,
+        group,
+        n,
+        first_only,
+        before,
+        after,
+        None if words is None else words.data_ptr(),
+        0 if words is None else words.shape[1],
+        None if valid is None else valid.data_ptr(),
+        k,
+        keys.data_ptr(),
+        values.data_ptr(),
+        BlockStrides.of(keys, values),
+        keys.shape[3] * keys.element_size(),
+        key_out.shape[2],
+        key_out.data_ptr(),
+        value_out.data_ptr(),
+        positions.data_ptr(),
+        scores.data_ptr(),
+    )
+    if failed:
+        raise MemoryError(f"refresh: no scratch space for {n} tokens")
 
 
 def _operator(name: str, function, schema: str, fake, mutates: tuple[str, ...] = ()):
@@ -207,4 +299,12 @@ _gather_operator = _operator(
     "(Tensor index, Tensor keys, Tensor values, Tensor(a!) key_out, Tensor(b!) value_out) -> ()",
     lambda index, keys, values, key_out, value_out: None,
     mutates=("key_out", "value_out"),
+)
+_refresh_operator = _operator(
+    "refresh_partial",
+    _refresh,
+    "(Tensor per_head, bool first_only, int before, int after, Tensor? words, Tensor? valid, int k, Tensor keys, "
+    "Tensor values, Tensor(a!) key_out, Tensor(b!) value_out, Tensor(c!) positions, Tensor(d!) scores) -> ()",
+    lambda *arguments: None,
+    mutates=("key_out", "value_out", "positions", "scores"),
 )

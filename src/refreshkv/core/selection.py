@@ -99,7 +99,12 @@ class SelectionState(LayerState):
         self.scores[..., :kept] = scores
         self.scores[..., kept:] = float("-inf")
         # With ragged heads (some index -1), mask until every slot has been written once.
-        self.filled = kept if not ragged or bool((index >= 0).all()) else 0
+        self.loaded(kept, kept if not ragged or bool((index >= 0).all()) else 0)
+
+    def loaded(self, kept: int, filled: int | None = None) -> None:
+        """The first `kept` slots were just loaded and the rest emptied; `filled`: of them, the slots filled in every
+        row and head (all by default)."""
+        self.filled = kept if filled is None else filled
         self.empty = self.store.slots - kept
 
     @property

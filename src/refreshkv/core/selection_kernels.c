@@ -1,14 +1,20 @@
 /* The selection's loops in one pass each, for the CPU (loaded by core/native_selection.py).
 
-The top K and the spread work on `rows` independent rows of `n` float32 values, row-major and contiguous; the gather
-copies rows of any type. Each computes exactly what the PyTorch reference computes (core/attention_math.py,
-core/kvstore.py; tests/test_native_selection.py compares them).
-Plain C11, no vector intrinsics: it is compiled on the user's machine with the baseline flags of its C compiler. On
-x86-64, GCC and Clang also make an AVX2 version of the two loops over positions, which the loader picks where the
-CPU has AVX2 (nothing newer: no AVX-512 code, so that an AVX2 machine and one restricted to AVX2 run the same).
+The top K and the spread work on `rows` independent rows of `n` float32 values, row-major and contiguous; the gathers
+copy rows of any type. Each computes exactly what the PyTorch reference computes (core/attention_math.py,
+core/kvstore.py, methods/refreshkv.py; tests/test_native_selection.py compares them).
+Plain C11 with GCC/Clang builtins: it is compiled on the user's machine with the baseline flags of its C compiler. On
+x86-64, GCC and Clang also make an AVX2 version of the loops over positions, which the loader picks where the CPU has
+AVX2 (nothing newer: no AVX-512 code, so that an AVX2 machine and one restricted to AVX2 run the same); the one
+intrinsic is SSE2's streaming store, which every x86-64 CPU has.
 */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #if defined(__x86_64__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
@@ -18,6 +24,8 @@ CPU has AVX2 (nothing newer: no AVX-512 code, so that an AVX2 machine and one re
 #ifndef AVX2_CLONE
 #define AVX2_CLONE
 #endif
+/* Inlined into each clone, so that it is compiled for the clone's instructions. */
+#define INLINE static inline __attribute__((always_inline))
 
 /* An unsigned key that orders like the float (any real value, +-inf included; -0.0 = 0.0): the bits of a
    non-negative float with the sign bit set, all bits of a negative one flipped. Every real value maps above 0, which
@@ -33,113 +41,229 @@ enum { DIGIT_BITS = 8, BINS = 1 << DIGIT_BITS, SPLIT = 4 }; /* four digits make 
 
 static inline uint32_t digit_of(uint32_t key, int shift) { return (key >> shift) & (BINS - 1); }
 
-/* Per row, the k positions of the highest values in position order; ties go to the earlier position. `valid`
-   (rows x n bytes, or NULL) excludes the positions where it is 0: they are taken only when fewer than k are valid.
+/* max as a select, which vectorizes (the values here are never NaN) */
+static inline float higher(float a, float b) { return a > b ? a : b; }
+
+/* Scratch space of `bytes`, kept per thread from call to call and grown as needed (NULL if it cannot be): fresh memory
+   each call would be first touched, page by page, at every refresh of every layer. */
+static void *scratch(size_t bytes) {
+    static _Thread_local void *space = NULL;
+    static _Thread_local size_t held = 0;
+    if (bytes > held) {
+        void *grown = realloc(space, bytes);
+        if (!grown) return NULL;
+        space = grown;
+        held = bytes;
+    }
+    return space;
+}
+
+/* The k positions of the highest `keys` (order keys, 0 = excluded) of one row in position order; ties go to the
+   earlier position.
 
    The k-th highest key is found by radix selection on 8-bit digits, highest first: one histogram over the whole row
    (the sign and the top of the exponent), then over only the keys that share the prefix found so far
-   (`candidates`). One scan in position order then takes every key
-   above it and, of the keys equal to it, the earliest up to k: the order the stores keep, with no sort. `keys` and
-   `candidates` are scratch space of n entries each; k is in 1 .. n. */
-AVX2_CLONE void top_k_in_order(const float *scores, const uint8_t *valid, int64_t rows, int64_t n, int64_t k, int64_t *out,
-                    uint32_t *keys, uint32_t *candidates) {
+   (`candidates`, scratch space of n entries). One scan in position order then takes every key above it and, of the
+   keys equal to it, the earliest up to k: the order the stores keep, with no sort. k is in 1 .. n. */
+INLINE void top_k_of_keys(const uint32_t *keys, int64_t n, int64_t k, int64_t *taken, uint32_t *candidates) {
     int32_t histogram[SPLIT][BINS];
+    int64_t wanted = k; /* how many keys with the threshold's prefix are still to be taken */
+    uint32_t threshold = 0, prefix_mask = 0;
+    const uint32_t *pool = keys;
+    int64_t count = n;
+    for (int shift = 32 - DIGIT_BITS; shift >= 0; shift -= DIGIT_BITS) {
+        /* Neighbours often share a digit (max-pooling makes plateaus): SPLIT histograms, counted in turns, let
+           their increments run without waiting for each other. */
+        memset(histogram, 0, sizeof histogram);
+        int64_t i = 0;
+        for (; i + SPLIT <= count; i += SPLIT)
+            for (int part = 0; part < SPLIT; part++) histogram[part][digit_of(pool[i + part], shift)]++;
+        for (; i < count; i++) histogram[0][digit_of(pool[i], shift)]++;
+        for (int part = 1; part < SPLIT; part++)
+            for (int bin = 0; bin < BINS; bin++) histogram[0][bin] += histogram[part][bin];
+        uint32_t digit = BINS - 1;
+        while (histogram[0][digit] < wanted) wanted -= histogram[0][digit--];
+        threshold |= digit << shift;
+        prefix_mask |= (uint32_t)(BINS - 1) << shift;
+        if (shift == 0) break;
+        int64_t kept = 0;
+        for (int64_t i = 0; i < count; i++) {
+            candidates[kept] = pool[i];
+            kept += (pool[i] & prefix_mask) == threshold;
+        }
+        pool = candidates;
+        count = kept;
+    }
+    /* `wanted` keys equal to the threshold remain to be taken, the earliest first: per block of 64 positions, bit
+       masks of the keys above and equal to it, read back lowest bit first. */
+    int64_t written = 0;
+    for (int64_t block = 0; block < n && written < k; block += 64) {
+        int64_t size = n - block < 64 ? n - block : 64;
+        uint64_t above = 0, equal = 0;
+        for (int64_t i = 0; i < size; i++) {
+            above |= (uint64_t)(keys[block + i] > threshold) << i;
+            equal |= (uint64_t)(keys[block + i] == threshold) << i;
+        }
+        for (; equal && wanted > 0; wanted--) { /* the earliest equal keys join the ones above */
+            above |= equal & -equal;
+            equal &= equal - 1;
+        }
+        for (; above; above &= above - 1) taken[written++] = block + __builtin_ctzll(above);
+    }
+}
+
+/* Per row, the k positions of the highest values in position order (top_k_of_keys); `valid` (rows x n bytes, or
+   NULL) excludes the positions where it is 0: they are taken only when fewer than k are valid. Returns 0, or -1 with
+   nothing written if no scratch space could be had. */
+AVX2_CLONE int top_k_in_order(const float *scores, const uint8_t *valid, int64_t rows, int64_t n, int64_t k,
+                              int64_t *out) {
+    uint32_t *keys = scratch((size_t)(2 * n) * sizeof(uint32_t)), *candidates = keys + n;
+    if (!keys) return -1;
     for (int64_t row = 0; row < rows; row++) {
         const float *values = scores + row * n;
         const uint8_t *allowed = valid ? valid + row * n : NULL;
-        int64_t *taken = out + row * k;
         for (int64_t i = 0; i < n; i++) keys[i] = order_key(values[i]);
         if (allowed)
             for (int64_t i = 0; i < n; i++) keys[i] &= -(uint32_t)(allowed[i] != 0);
-        int64_t wanted = k; /* how many keys with the threshold's prefix are still to be taken */
-        uint32_t threshold = 0, prefix_mask = 0;
-        const uint32_t *pool = keys;
-        int64_t count = n;
-        for (int shift = 32 - DIGIT_BITS; shift >= 0; shift -= DIGIT_BITS) {
-            /* Neighbours often share a digit (max-pooling makes plateaus): SPLIT histograms, counted in turns, let
-               their increments run without waiting for each other. */
-            memset(histogram, 0, sizeof histogram);
-            int64_t i = 0;
-            for (; i + SPLIT <= count; i += SPLIT)
-                for (int part = 0; part < SPLIT; part++) histogram[part][digit_of(pool[i + part], shift)]++;
-            for (; i < count; i++) histogram[0][digit_of(pool[i], shift)]++;
-            for (int part = 1; part < SPLIT; part++)
-                for (int bin = 0; bin < BINS; bin++) histogram[0][bin] += histogram[part][bin];
-            uint32_t digit = BINS - 1;
-            while (histogram[0][digit] < wanted) wanted -= histogram[0][digit--];
-            threshold |= digit << shift;
-            prefix_mask |= (uint32_t)(BINS - 1) << shift;
-            if (shift == 0) break;
-            int64_t kept = 0;
-            for (int64_t i = 0; i < count; i++) {
-                candidates[kept] = pool[i];
-                kept += (pool[i] & prefix_mask) == threshold;
-            }
-            pool = candidates;
-            count = kept;
-        }
-        /* `wanted` keys equal to the threshold remain to be taken, the earliest first: per block of 64 positions,
-           bit masks of the keys above and equal to it, read back lowest bit first. */
-        int64_t written = 0;
-        for (int64_t block = 0; block < n && written < k; block += 64) {
-            int64_t size = n - block < 64 ? n - block : 64;
-            uint64_t above = 0, equal = 0;
-            for (int64_t i = 0; i < size; i++) {
-                above |= (uint64_t)(keys[block + i] > threshold) << i;
-                equal |= (uint64_t)(keys[block + i] == threshold) << i;
-            }
-            for (; equal && wanted > 0; wanted--) { /* the earliest equal keys join the ones above */
-                above |= equal & -equal;
-                equal &= equal - 1;
-            }
-            for (; above; above &= above - 1) taken[written++] = block + __builtin_ctzll(above);
-        }
+        top_k_of_keys(keys, n, k, out + row * k, candidates);
+    }
+    return 0;
+}
+
+/* In `count` rows of n values (one after another), each of the first `length` positions raised to the highest value
+   of its word: `word` numbers the words, equal along a word, which is a run of consecutive positions.
+   Two passes, each a chain from position to position: the highest so far within the word, then the word's last
+   position's carried back over it. The rows' chains are independent, so they run side by side: per head, the
+   word-by-word loop it replaces took 2x the time in the model (its branches mispredict on words of 1-3 tokens). */
+INLINE void spread_rows(float *rows, int64_t count, int64_t n, const int64_t *word, int64_t length) {
+    float *end = rows + count * n;
+    for (int64_t i = 1; i < length; i++) {
+        int same = word[i] == word[i - 1];
+        for (float *row = rows; row < end; row += n) row[i] = same ? higher(row[i - 1], row[i]) : row[i];
+    }
+    for (int64_t i = length - 2; i >= 0; i--) {
+        int same = word[i] == word[i + 1];
+        for (float *row = rows; row < end; row += n) row[i] = same ? row[i + 1] : row[i];
     }
 }
 
-/* Per row (head) of a batch element, each of the first `length` positions raised to the highest value of its word:
-   `words` (batch x length) numbers the words of each batch element, equal along a word, which is a run of
-   consecutive positions; positions from `length` on keep their value. `heads` rows share one batch element's words.
-   `out` may be `scores`. */
+/* Per batch element, spread_rows over its `heads` rows with its `words` (batch x length); positions from `length`
+   on (decoded tokens) keep their value. `out` may be `scores`. */
 AVX2_CLONE void spread_over_words(const float *scores, const int64_t *words, int64_t batch, int64_t heads, int64_t n,
-                       int64_t length, float *out) {
-    for (int64_t row = 0; row < batch * heads; row++) {
-        const float *values = scores + row * n;
-        const int64_t *word = words + (row / heads) * length;
-        float *result = out + row * n;
-        int64_t start = 0;
-        while (start < length) {
-            int64_t end = start + 1;
-            float best = values[start];
-            while (end < length && word[end] == word[start]) {
-                if (values[end] > best) best = values[end];
-                end++;
-            }
-            for (int64_t i = start; i < end; i++) result[i] = best;
-            start = end;
-        }
-        if (result != values) memcpy(result + length, values + length, (size_t)(n - length) * sizeof(float));
-    }
+                                  int64_t length, float *out) {
+    if (out != scores) memcpy(out, scores, (size_t)(batch * heads * n) * sizeof(float));
+    for (int64_t b = 0; b < batch; b++) spread_rows(out + b * heads * n, heads, n, words + b * length, length);
 }
 
-/* Per (batch, head), the rows at `index` (batch x heads x k, each in 0 .. length - 1) of a source whose (batch, head)
-   blocks start `batch_stride` / `head_stride` bytes apart and whose rows of `row_bytes` follow each other, into
-   `slots` >= k consecutive rows of `out` per (batch, head); the slots from k on repeat the last index's row, so an
-   empty slot holds a copy of a real token, never stale or uninitialised memory. Returns 0, or -1 with nothing
-   written if an index is out of range. */
-int gather_rows(const char *source, int64_t batch_stride, int64_t head_stride, int64_t length, const int64_t *index,
-                int64_t batch, int64_t heads, int64_t k, int64_t row_bytes, int64_t slots, char *out) {
+/* One row of `bytes` to `to`: on x86-64 a streaming store where it lies on 16 bytes, which writes without first
+   reading the line it replaces (the slots are cold: a refresh at 8K tokens rewrites 1.5 MB of C_p per layer). */
+INLINE void copy_row(char *to, const char *from, int64_t bytes) {
+#if defined(__SSE2__)
+    if (bytes % 16 == 0 && (uintptr_t)to % 16 == 0) {
+        for (int64_t at = 0; at < bytes; at += 16)
+            _mm_stream_si128((__m128i *)(to + at), _mm_loadu_si128((const __m128i *)(from + at)));
+        return;
+    }
+#endif
+    memcpy(to, from, (size_t)bytes);
+}
+
+enum { AHEAD = 32 }; /* rows fetched ahead of the copy: they lie anywhere in C_f, where no prefetcher looks */
+
+/* `slots` rows of `row_bytes` of keys and of values into `key_out` / `value_out` from the rows at `rows` (k of them)
+   of `key_block` / `value_block`; the slots from k on repeat the last index's row, so an empty slot holds a copy of a
+   real token, never stale or uninitialised memory. */
+INLINE void copy_token_rows(const char *key_block, const char *value_block, const int64_t *rows, int64_t k,
+                            int64_t row_bytes, int64_t slots, char *key_out, char *value_out) {
+    for (int64_t slot = 0; slot < slots; slot++) {
+        if (slot + AHEAD < k)
+            for (int64_t at = 0; at < row_bytes; at += 64) {
+                __builtin_prefetch(key_block + rows[slot + AHEAD] * row_bytes + at);
+                __builtin_prefetch(value_block + rows[slot + AHEAD] * row_bytes + at);
+            }
+        int64_t row = rows[slot < k ? slot : k - 1];
+        copy_row(key_out + slot * row_bytes, key_block + row * row_bytes, row_bytes);
+        copy_row(value_out + slot * row_bytes, value_block + row * row_bytes, row_bytes);
+    }
+#if defined(__SSE2__)
+    _mm_sfence(); /* the streamed rows are in memory before anything reads them */
+#endif
+}
+
+/* Where the keys and values of a (batch, head) block start: byte strides between batch elements and between heads. */
+typedef struct {
+    int64_t key_batch, key_head, value_batch, value_head;
+} BlockStrides;
+
+/* Per (batch, head), copy_token_rows from the rows at `index` (batch x heads x k, each in 0 .. length - 1) of keys and
+   values whose (batch, head) blocks lie `strides` apart, into `slots` >= k consecutive rows per (batch, head) of
+   `key_out` / `value_out`. Returns 0, or -1 with nothing written if an index is out of range. */
+int gather_rows(const char *keys, const char *values, BlockStrides strides, int64_t length, const int64_t *index,
+                int64_t batch, int64_t heads, int64_t k, int64_t row_bytes, int64_t slots, char *key_out,
+                char *value_out) {
     for (int64_t i = 0; i < batch * heads * k; i++)
         if (index[i] < 0 || index[i] >= length) return -1;
+    for (int64_t row = 0; row < batch * heads; row++) {
+        int64_t b = row / heads, h = row % heads, out = row * slots * row_bytes;
+        copy_token_rows(keys + b * strides.key_batch + h * strides.key_head,
+                        values + b * strides.value_batch + h * strides.value_head, index + row * k, k, row_bytes,
+                        slots, key_out + out, value_out + out);
+    }
+    return 0;
+}
+
+/* A partial cache refreshed in one call, from the attention of a layer's query heads to the filled store: what
+   attention_math.selection_scores (max or first aggregation), RefreshKV._refresh and SelectionState.load compute.
+
+   Per (batch, KV head), from `probs` (batch x heads x group x n: each query head's window-mean probabilities): the
+   highest over the group (or the first head's with `first_only`), max-pooled over the `before` positions before and
+   the `after` after each position, raised to the highest of its word over the first `length` positions where `words`
+   (batch x length) is given, -inf where `valid` (batch x n bytes, or NULL) is 0. Its k highest in position order
+   (top_k_of_keys) fill the first k of the store's `slots`: their positions (`positions`, batch x heads x slots),
+   scores (`kept_scores`, likewise) and key and value rows (as gather_rows). The slots from k on are empty: position
+   -1, score -inf, a copy of the last kept row. Returns 0, or -1 with nothing written if no scratch space could be
+   had. */
+AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads, int64_t group, int64_t n,
+                               int first_only, int64_t before, int64_t after, const int64_t *words, int64_t length,
+                               const uint8_t *valid, int64_t k, const char *key_source, const char *value_source,
+                               BlockStrides strides, int64_t row_bytes, int64_t slots, char *key_out, char *value_out,
+                               int64_t *positions, float *kept_scores) {
+    /* per batch element: the k taken, the scores of its heads, the group's highest, the order keys, candidates */
+    size_t indices = (size_t)k * sizeof(int64_t), floats = (size_t)((heads + 1) * n) * sizeof(float);
+    char *space = scratch(indices + floats + (size_t)(2 * n) * sizeof(uint32_t));
+    if (!space) return -1;
+    int64_t *taken = (int64_t *)space;
+    float *all_scores = (float *)(space + indices), *aggregated = all_scores + heads * n;
+    uint32_t *keys = (uint32_t *)(space + indices + floats), *candidates = keys + n;
     for (int64_t b = 0; b < batch; b++) {
         for (int64_t h = 0; h < heads; h++) {
-            const int64_t *rows = index + (b * heads + h) * k;
-            const char *block = source + b * batch_stride + h * head_stride;
-            char *target = out + (b * heads + h) * slots * row_bytes;
+            const float *head = probs + (b * heads + h) * group * n;
+            float *scores = all_scores + h * n;
+            memcpy(aggregated, head, (size_t)n * sizeof(float));
+            for (int64_t g = 1; g < (first_only ? 1 : group); g++)
+                for (int64_t i = 0; i < n; i++) aggregated[i] = higher(head[g * n + i], aggregated[i]);
+            /* the window's maximum, one offset at a time (the positions past either end are -inf padding) */
+            memcpy(scores, aggregated, (size_t)n * sizeof(float));
+            for (int64_t offset = 1; offset <= before; offset++)
+                for (int64_t i = offset; i < n; i++) scores[i] = higher(aggregated[i - offset], scores[i]);
+            for (int64_t offset = 1; offset <= after; offset++)
+                for (int64_t i = 0; i + offset < n; i++) scores[i] = higher(aggregated[i + offset], scores[i]);
+        }
+        if (words) spread_rows(all_scores, heads, n, words + b * length, length);
+        for (int64_t h = 0; h < heads; h++) {
+            float *scores = all_scores + h * n;
+            if (valid)
+                for (int64_t i = 0; i < n; i++) scores[i] = valid[b * n + i] ? scores[i] : -INFINITY;
+            for (int64_t i = 0; i < n; i++) keys[i] = order_key(scores[i]);
+            top_k_of_keys(keys, n, k, taken, candidates);
+            int64_t row = b * heads + h, out = row * slots;
             for (int64_t slot = 0; slot < slots; slot++) {
-                int64_t row = rows[slot < k ? slot : k - 1];
-                memcpy(target + slot * row_bytes, block + row * row_bytes, (size_t)row_bytes);
+                positions[out + slot] = slot < k ? taken[slot] : -1;
+                kept_scores[out + slot] = slot < k ? scores[taken[slot]] : -INFINITY;
             }
+            copy_token_rows(key_source + b * strides.key_batch + h * strides.key_head,
+                            value_source + b * strides.value_batch + h * strides.value_head, taken, k, row_bytes,
+                            slots, key_out + out * row_bytes, value_out + out * row_bytes);
         }
     }
     return 0;

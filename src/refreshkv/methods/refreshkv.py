@@ -34,14 +34,17 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
+from ..core import native_selection
 from ..core.attention_math import (
     AGGREGATIONS,
     POOLINGS,
     attend_with_probs,
     attention_probs,
     decode_attention,
+    pool_window,
     selection_scores,
     top_k,
+    window_mean,
 )
 from ..core.full_cache import DEFAULT_GROUP_SIZE, check_full_cache, check_group_size, make_full_store
 from ..core.kvstore import FullStore, LayerState
@@ -176,7 +179,7 @@ class RefreshKV(BudgetPolicy):
         layer.state = RefreshState(full, partial, anchor)
         valid = layer.valid_positions(length, key.device)
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
-        self._refresh(layer.state, self._selection_scores(layer, probs), valid, (key, value))
+        self._refresh(layer, probs, valid, (key, value))
 
     # -- decode ----------------------------------------------------------------------------------------------------
     def decode(self, layer, query, key, value, scaling):
@@ -222,7 +225,7 @@ class RefreshKV(BudgetPolicy):
             state.partial = SelectionState.empty_like(key, layer.budget + 1)
         window = min(self.window, query.shape[2])
         probs = attention_probs(query[:, :, -window:], keys, scaling, valid, causal_tail=True)
-        self._refresh(state, self._selection_scores(layer, probs), valid, (keys, values))
+        self._refresh(layer, probs, valid, (keys, values))
         if self.stride is None:
             state.anchor = self.compared_query(layer, query)
         return output
@@ -283,25 +286,36 @@ class RefreshKV(BudgetPolicy):
         keys, values = state.full.view()
         valid = layer.valid_positions(state.full.length, keys.device)
         output, probs = attend_with_probs(query, keys, values, scaling, valid)
-        self._refresh(state, self._selection_scores(layer, probs.unsqueeze(3)), valid, (keys, values), rows)
+        self._refresh(layer, probs.unsqueeze(3), valid, (keys, values), rows)
         if self.stride is None:
             current = self.compared_query(layer, query)
             state.anchor = current if rows is None else torch.where(rows[:, None], current, state.anchor)
         return output
 
-    def _selection_scores(self, layer, probs: torch.Tensor) -> torch.Tensor:
-        """C_p's scores (B, Hkv, n) from window probabilities (B, Hkv, G, w, n): pooled, aggregated, spread over
-        words, as every selection of this method (prefill, full step, a conversation's next turn) makes them."""
-        return selection_scores(probs, self.kernel, self.aggregation, self.pooling, layer.prompt_spans)
+    def _refresh(self, layer, probs: torch.Tensor, valid, full_kv, rows=None) -> None:
+        """Rebuild C_p from window probabilities (B, Hkv, G, w, n) over C_f's keys and values `full_kv` (read once
+        per full step: a quantized C_f is dequantized once); only `rows` (B,) bool if given.
 
-    def _refresh(self, state: RefreshState, scores, valid, full_kv, rows=None) -> None:
-        """Rebuild C_p from per-KV-head scores (B, Hkv, n) over C_f's keys and values `full_kv` (read once per full
-        step: a quantized C_f is dequantized once); only `rows` (B,) bool if given."""
+        Every selection of this method (prefill, full step, a conversation's next turn) scores tokens alike:
+        pooled, aggregated, spread over words (`selection_scores`). On the CPU, one call of C does all of it, the
+        top K and the load of C_p (core/native_selection.py: a dozen PyTorch operators per layer fewer); elsewhere,
+        for `mean` aggregation and for some rows only, PyTorch operators, with the same result."""
+        partial = layer.state.partial
+        k = min(partial.store.slots - 1, probs.shape[-1])
+        words = layer.prompt_spans if self.pooling == "span" else None
+        store = (partial.store.keys, partial.store.values, partial.store.positions, partial.scores)
+        if rows is None and self.aggregation != "mean":
+            window, first_only = pool_window(self.kernel, self.pooling), self.aggregation == "first"
+            if native_selection.refresh_partial(
+                window_mean(probs), first_only, window, words, valid, k, *full_kv, store
+            ):
+                partial.loaded(k)
+                return
+        keys, values = full_kv
+        scores = selection_scores(probs, self.kernel, self.aggregation, self.pooling, words)
         if valid is not None:
             scores = scores.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
-        partial = state.partial
-        index = top_k(scores, min(partial.store.slots - 1, scores.shape[-1]))
-        keys, values = full_kv
+        index = top_k(scores, k)
         if rows is None:
             partial.load(keys, values, index, scores.gather(-1, index), ragged=False)
             return
