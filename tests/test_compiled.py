@@ -113,3 +113,19 @@ def test_compile_without_a_working_compiler_is_one_line(broken_compiler, two_lay
 def test_cli_compile_without_a_working_compiler(broken_compiler, no_model, monkeypatch, capsys):
     code, _, err = cli(monkeypatch, capsys, "generate", "--prompt", "hello", "--compile")
     assert_one_line_error(code, err, "torch.compile does not work on this machine", "run without --compile")
+
+
+def test_past_dynamos_graph_limit_a_compiled_generation_stops_in_one_line(two_layers, monkeypatch):
+    """A process that meets more new graphs than dynamo allows (methods x prompt lengths x schedules) gets one line
+    saying what to do, not dynamo's traceback."""
+
+    def past_the_limit(function, **options):
+        def run(*args, **kwargs):
+            raise torch._dynamo.exc.FailOnRecompileLimitHit("Hard failure due to fullgraph=True")
+
+        return run
+
+    monkeypatch.setattr(compiled, "_works", [""])
+    monkeypatch.setattr(torch, "compile", past_the_limit)
+    with pytest.raises(compiled.CompileUnavailable, match=r"reached its limit of \d+ graphs .* without --compile$"):
+        generate(two_layers, random_prompt(20), method="full", max_new_tokens=3, compile=True)

@@ -50,10 +50,23 @@ def check_compile_works() -> None:
 
 
 def compiled_forward(model):
-    """The model's forward compiled whole, for decode steps."""
+    """The model's forward compiled whole, for decode steps. Past dynamo's limit of graphs for it, a call raises
+    CompileUnavailable (one line) instead of dynamo's traceback."""
     check_compile_works()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(model.forward, fullgraph=True)
+    compiled = torch.compile(model.forward, fullgraph=True)
+
+    def forward(*args, **kwargs):
+        try:
+            return compiled(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as error:
+            raise CompileUnavailable(
+                f"torch.compile reached its limit of {torch._dynamo.config.recompile_limit} graphs for the model's "
+                "decode step (each new method, prompt length or schedule compiles its own); run fewer methods or "
+                "lengths per process, or without --compile"
+            ) from error
+
+    return forward
 
 
 def runs_eagerly(policy, step: int, device: torch.device) -> bool:
