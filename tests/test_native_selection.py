@@ -162,6 +162,49 @@ def test_one_c_call_refreshes_the_partial_cache_as_the_pytorch_operators_do(monk
             assert torch.equal(got, expected) if isinstance(got, torch.Tensor) else got == expected, pooling
 
 
+@pytest.fixture
+def threads():
+    """Sets torch's thread count for the test, restored after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@needs_compiler
+def test_the_c_shares_its_work_between_threads_and_gives_the_same_results(monkeypatch, threads):
+    """Long enough for several pieces of positions (1024) and of slots (256) per head, words cut between them; the
+    library runs on PyTorch's own OpenMP threads where PyTorch has GNU OpenMP."""
+    generator = torch.Generator().manual_seed(5)
+    batch, length, prompt, slots = 2, 5000, 4990, 601
+    keys = torch.randn(batch, 3, length + 8, 8, generator=generator)[:, :, :length]
+    values = torch.randn(batch, 3, length + 8, 8, generator=generator)[:, :, :length]
+    probs = torch.rand(batch, 3, 3, 1, length, generator=generator)
+    starts = torch.rand(batch, prompt, generator=generator) < 0.3
+    starts[:, 0] = True
+    spans = starts.long().cumsum(-1) - 1
+    valid = (torch.arange(length) >= torch.tensor([0, 37])[:, None]).view(batch, 1, 1, length)
+    scores, index = probs[:, :, 0, 0], torch.randint(0, length, (batch, 3, slots - 1), generator=generator)
+    refreshes = []  # every token kept shows every score; fewer, the top K
+    for kept in (slots - 1, length):
+        arguments = (monkeypatch, RefreshKV(budget=kept, kernel=7, pooling="span"), probs, valid, keys, values, spans)
+        refreshes.append(((*arguments, kept + 1), refreshed_partial(*arguments, kept + 1, "0")))
+    expected_spread = reference(monkeypatch, spread_over_spans, scores, spans)
+    expected_top = reference(monkeypatch, top_k, scores, 700, valid.view(batch, 1, length))
+    expected_rows = gather_tokens(torch.cat([index, index[..., -1:]], -1), keys, values)
+    for count in (1, 2, 3):
+        threads(count)
+        for arguments, expected in refreshes:
+            for got, wanted in zip(refreshed_partial(*arguments, "1"), expected):
+                assert torch.equal(got, wanted) if isinstance(got, torch.Tensor) else got == wanted, count
+        assert torch.equal(native_selection.spread_over_words(scores, spans), expected_spread), count
+        assert torch.equal(native_selection.top_k_in_order(scores, 700, valid.view(batch, 1, length)), expected_top)
+        outs = (torch.empty(batch, 3, slots, 8), torch.empty(batch, 3, slots, 8))
+        assert native_selection.gather_rows_into(index, keys, values, *outs)
+        assert torch.equal(outs[0], expected_rows[0]) and torch.equal(outs[1], expected_rows[1]), count
+    if native_selection._torch_openmp():
+        assert native_selection._library()._name.endswith("-openmp.so")
+
+
 @needs_compiler
 def test_a_compiled_selection_calls_the_same_c_as_eager(monkeypatch):
     torch._dynamo.reset()

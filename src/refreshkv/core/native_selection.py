@@ -10,7 +10,9 @@ The results are the PyTorch reference's exactly (core/attention_math.py; tests/t
 The C file is compiled once per machine with the system's C compiler (`$CC`, else `cc`) into the cache folder
 ($REFRESHKV_CACHE/native, keyed by the source's and the compiler's identity) and loaded with ctypes. Where it cannot
 be (no compiler, a failed build; a GPU tensor), the callers use the PyTorch operators, which give the same results; a
-missing compiler or a failed build is said once, as a warning. REFRESHKV_NATIVE=0 turns the C path off (to compare
+missing compiler or a failed build is said once, as a warning. Where PyTorch runs on GNU OpenMP it is built with
+OpenMP and each call shares its work between `torch.get_num_threads()` of PyTorch's own threads (`_torch_openmp`):
+alone, a refresh's C used one of the cores while the others waited for it. REFRESHKV_NATIVE=0 turns the C path off (to compare
 the two; a compiled step reads it when it is traced). Under torch.compile the C calls are torch.library operators.
 """
 
@@ -53,39 +55,67 @@ class BlockStrides(ctypes.Structure):
         return cls(keys.stride(0) * size, keys.stride(1) * size, values.stride(0) * size, values.stride(1) * size)
 
 
+def _torch_openmp() -> bool:
+    """PyTorch runs its threads on GNU OpenMP (libgomp), loaded in this process. A library built with `-fopenmp` then
+    shares that runtime: the dynamic loader matches its need of libgomp.so.1 to the copy already loaded, so its loops
+    run on PyTorch's thread pool and follow `torch.set_num_threads`. Another runtime (LLVM's libomp on macOS, Intel's)
+    would bring a second pool competing for the same cores: no OpenMP then (one thread)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("libgomp" in line for line in maps)
+    except OSError:
+        return False
+
+
+def _build(compiler: str, source: Path, flags: list[str], target: Path) -> ctypes.CDLL | str:
+    """The library compiled with `flags` into `target` (kept there) and loaded, or why not."""
+    if not target.is_file():
+        staging = target.with_suffix(f".{os.getpid()}.so")
+        command = [compiler, "-O3", "-std=c11", "-shared", "-fPIC", *flags, str(source), "-o", str(staging)]
+        built = subprocess.run(command, capture_output=True, text=True)
+        if built.returncode != 0:
+            last_line = (built.stderr.strip().splitlines() or ["no message"])[-1]
+            return f"compiling {source.name} failed ({last_line})"
+        staging.replace(target)  # atomic: another process never loads half a file
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as error:
+        return f"loading {target} failed ({error})"
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernels, built on first use; None where they cannot be (said once)."""
+    """The compiled kernels, built on first use, with OpenMP where PyTorch's runtime is GNU OpenMP (else, or if that
+    build fails, without: one thread); None where they cannot be built at all (said once)."""
     compiler = _compiler()
     if compiler is None:
         return _without_c("no C compiler (set $CC or install cc)")
     source = SOURCE.read_bytes()
     identity = hashlib.sha256(source + compiler.encode() + os.uname().machine.encode()).hexdigest()[:16]
-    target = cache_dir() / "native" / f"selection-{identity}.so"
-    if not target.is_file():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-        except OSError:  # a read-only cache folder: build for this process only
-            target = Path(tempfile.mkdtemp(prefix="refreshkv-native-")) / target.name
-        staging = target.with_suffix(f".{os.getpid()}.so")
-        command = [compiler, "-O3", "-std=c11", "-shared", "-fPIC", str(SOURCE), "-o", str(staging)]
-        built = subprocess.run(command, capture_output=True, text=True)
-        if built.returncode != 0:
-            last_line = (built.stderr.strip().splitlines() or ["no message"])[-1]
-            return _without_c(f"compiling {SOURCE.name} failed ({last_line})")
-        staging.replace(target)  # atomic: another process never loads half a file
+    folder = cache_dir() / "native"
     try:
-        library = ctypes.CDLL(str(target))
-    except OSError as error:
-        return _without_c(f"loading {target} failed ({error})")
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only cache folder: build for this process only
+        folder = Path(tempfile.mkdtemp(prefix="refreshkv-native-"))
+    if _torch_openmp():
+        library = _build(compiler, SOURCE, ["-fopenmp"], folder / f"selection-{identity}-openmp.so")
+        if not isinstance(library, str):
+            return _declared(library)
+        warnings.warn(f"refreshkv: {library}: the selection's C runs on one thread", stacklevel=3)
+    library = _build(compiler, SOURCE, [], folder / f"selection-{identity}.so")
+    return _without_c(library) if isinstance(library, str) else _declared(library)
+
+
+def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
+    """The library with its functions' argument and result types."""
     pointer, size, status = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    library.top_k_in_order.argtypes = [pointer, pointer, size, size, size, pointer]
-    library.spread_over_words.argtypes = [pointer, pointer, size, size, size, size, pointer]
+    library.top_k_in_order.argtypes = [pointer, pointer, size, size, size, pointer, status]
+    library.spread_over_words.argtypes = [pointer, pointer, size, size, size, size, pointer, status]
     library.gather_rows.argtypes = [pointer, pointer, BlockStrides, size, pointer, size, size, size, size, size]
-    library.gather_rows.argtypes += [pointer, pointer]
+    library.gather_rows.argtypes += [pointer, pointer, status]
     library.refresh_partial.argtypes = [pointer, size, size, size, size, status, size, size, pointer, size, pointer]
     library.refresh_partial.argtypes += [size, pointer, pointer, BlockStrides, size, size, pointer, pointer, pointer]
-    library.refresh_partial.argtypes += [pointer]
+    library.refresh_partial.argtypes += [pointer, status]
     for function in (library.top_k_in_order, library.gather_rows, library.refresh_partial):
         function.restype = status
     return library
@@ -205,7 +235,13 @@ def _top_k(scores: torch.Tensor, k: int, valid: torch.Tensor | None) -> torch.Te
     mask = None if valid is None else valid.expand_as(values).contiguous()
     out = torch.empty(*values.shape[:-1], k, dtype=torch.long)
     if _library().top_k_in_order(
-        values.data_ptr(), None if mask is None else mask.data_ptr(), rows, n, k, out.data_ptr()
+        values.data_ptr(),
+        None if mask is None else mask.data_ptr(),
+        rows,
+        n,
+        k,
+        out.data_ptr(),
+        torch.get_num_threads(),
     ):
         raise MemoryError(f"top k: no scratch space for {n} scores")
     return out
@@ -215,7 +251,9 @@ def _spread(scores: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     values, words = scores.contiguous(), words.to(torch.long).contiguous()
     batch, heads, n = values.shape
     out = torch.empty_like(values)
-    _library().spread_over_words(values.data_ptr(), words.data_ptr(), batch, heads, n, words.shape[-1], out.data_ptr())
+    _library().spread_over_words(
+        values.data_ptr(), words.data_ptr(), batch, heads, n, words.shape[-1], out.data_ptr(), torch.get_num_threads()
+    )
     return out
 
 
@@ -235,6 +273,7 @@ def _gather(index, keys, values, key_out, value_out) -> None:
         key_out.shape[2],
         key_out.data_ptr(),
         value_out.data_ptr(),
+        torch.get_num_threads(),
     )
     if failed:
         raise IndexError(f"gather: an index is outside the {keys.shape[2]} tokens held")
@@ -267,6 +306,7 @@ def _refresh(per_head, first_only, before, after, words, valid, k, keys, values,
         value_out.data_ptr(),
         positions.data_ptr(),
         scores.data_ptr(),
+        torch.get_num_threads(),
     )
     if failed:
         raise MemoryError(f"refresh: no scratch space for {n} tokens")

@@ -7,6 +7,9 @@ Plain C11 with GCC/Clang builtins: it is compiled on the user's machine with the
 x86-64, GCC and Clang also make an AVX2 version of the loops over positions, which the loader picks where the CPU has
 AVX2 (nothing newer: no AVX-512 code, so that an AVX2 machine and one restricted to AVX2 run the same); the one
 intrinsic is SSE2's streaming store, which every x86-64 CPU has.
+Where the loader builds it with OpenMP (only into a process whose PyTorch runs on the same OpenMP runtime, so that the
+loops run on PyTorch's own threads), the work of a call is split between `threads` threads: pieces of positions,
+rows, pieces of slots; each piece is computed as one thread would, so the results do not depend on the split.
 */
 #include <math.h>
 #include <stdint.h>
@@ -14,6 +17,12 @@ intrinsic is SSE2's streaming store, which every x86-64 CPU has.
 #include <string.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
+#endif
+#if defined(_OPENMP)
+#include <omp.h>
+#define THREAD_NUMBER() omp_get_thread_num()
+#else
+#define THREAD_NUMBER() 0
 #endif
 
 #if defined(__x86_64__) && defined(__has_attribute)
@@ -113,46 +122,69 @@ INLINE void top_k_of_keys(const uint32_t *keys, int64_t n, int64_t k, int64_t *t
 }
 
 /* Per row, the k positions of the highest values in position order (top_k_of_keys); `valid` (rows x n bytes, or
-   NULL) excludes the positions where it is 0: they are taken only when fewer than k are valid. Returns 0, or -1 with
-   nothing written if no scratch space could be had. */
+   NULL) excludes the positions where it is 0: they are taken only when fewer than k are valid. Rows are shared out
+   between `threads` threads. Returns 0, or -1 if no scratch space could be had (the output is then not to be used). */
 AVX2_CLONE int top_k_in_order(const float *scores, const uint8_t *valid, int64_t rows, int64_t n, int64_t k,
-                              int64_t *out) {
-    uint32_t *keys = scratch((size_t)(2 * n) * sizeof(uint32_t)), *candidates = keys + n;
-    if (!keys) return -1;
+                              int64_t *out, int threads) {
+    int failed = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 1)
     for (int64_t row = 0; row < rows; row++) {
+        uint32_t *keys = scratch((size_t)(2 * n) * sizeof(uint32_t)); /* this thread's own */
+        if (!keys) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
         const float *values = scores + row * n;
         const uint8_t *allowed = valid ? valid + row * n : NULL;
         for (int64_t i = 0; i < n; i++) keys[i] = order_key(values[i]);
         if (allowed)
             for (int64_t i = 0; i < n; i++) keys[i] &= -(uint32_t)(allowed[i] != 0);
-        top_k_of_keys(keys, n, k, out + row * k, candidates);
+        top_k_of_keys(keys, n, k, out + row * k, keys + n);
     }
-    return 0;
+    return failed ? -1 : 0;
 }
 
-/* In `count` rows of n values (one after another), each of the first `length` positions raised to the highest value
-   of its word: `word` numbers the words, equal along a word, which is a run of consecutive positions.
-   Two passes, each a chain from position to position: the highest so far within the word, then the word's last
-   position's carried back over it. The rows' chains are independent, so they run side by side: per head, the
-   word-by-word loop it replaces took 2x the time in the model (its branches mispredict on words of 1-3 tokens). */
-INLINE void spread_rows(float *rows, int64_t count, int64_t n, const int64_t *word, int64_t length) {
+/* In `count` rows of n values (one after another), each of the positions lo .. hi - 1 raised to the highest value of
+   its word: `word` numbers the words, equal along a word, which is a run of consecutive positions that lies within
+   lo .. hi - 1. Two passes, each a chain from position to position: the highest so far within the word, then the
+   word's last position's carried back over it. The rows' chains are independent, so they run side by side: per
+   head, the word-by-word loop it replaces took 2x the time in the model (its branches mispredict on words of 1-3
+   tokens). */
+INLINE void spread_rows(float *rows, int64_t count, int64_t n, const int64_t *word, int64_t lo, int64_t hi) {
     float *end = rows + count * n;
-    for (int64_t i = 1; i < length; i++) {
+    for (int64_t i = lo + 1; i < hi; i++) {
         int same = word[i] == word[i - 1];
         for (float *row = rows; row < end; row += n) row[i] = same ? higher(row[i - 1], row[i]) : row[i];
     }
-    for (int64_t i = length - 2; i >= 0; i--) {
+    for (int64_t i = hi - 2; i >= lo; i--) {
         int same = word[i] == word[i + 1];
         for (float *row = rows; row < end; row += n) row[i] = same ? row[i + 1] : row[i];
     }
 }
 
-/* Per batch element, spread_rows over its `heads` rows with its `words` (batch x length); positions from `length`
-   on (decoded tokens) keep their value. `out` may be `scores`. */
+/* The first position at or after `at` where a word starts (or `length`): pieces cut there share no word. */
+INLINE int64_t word_start(const int64_t *word, int64_t length, int64_t at) {
+    while (at > 0 && at < length && word[at] == word[at - 1]) at++;
+    return at;
+}
+
+/* spread_rows over the first `length` positions, their part `part` of `parts`, cut where words start. */
+INLINE void spread_part(float *rows, int64_t count, int64_t n, const int64_t *word, int64_t length, int64_t part,
+                        int64_t parts) {
+    int64_t lo = word_start(word, length, part * length / parts);
+    spread_rows(rows, count, n, word, lo, word_start(word, length, (part + 1) * length / parts));
+}
+
+/* Per batch element, spread_part over its `heads` rows with its `words` (batch x length), in `threads` parts;
+   positions from `length` on (decoded tokens) keep their value. `out` may be `scores`. */
 AVX2_CLONE void spread_over_words(const float *scores, const int64_t *words, int64_t batch, int64_t heads, int64_t n,
-                                  int64_t length, float *out) {
+                                  int64_t length, float *out, int threads) {
     if (out != scores) memcpy(out, scores, (size_t)(batch * heads * n) * sizeof(float));
-    for (int64_t b = 0; b < batch; b++) spread_rows(out + b * heads * n, heads, n, words + b * length, length);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t task = 0; task < batch * threads; task++)
+        spread_part(out + task / threads * heads * n, heads, n, words + task / threads * length, length,
+                    task % threads, threads);
 }
 
 /* One row of `bytes` to `to`: on x86-64 a streaming store where it lies on 16 bytes, which writes without first
@@ -170,17 +202,22 @@ INLINE void copy_row(char *to, const char *from, int64_t bytes) {
 
 enum { AHEAD = 32 }; /* rows fetched ahead of the copy: they lie anywhere in C_f, where no prefetcher looks */
 
-/* `slots` rows of `row_bytes` of keys and of values into `key_out` / `value_out` from the rows at `rows` (k of them)
-   of `key_block` / `value_block`; the slots from k on repeat the last index's row, so an empty slot holds a copy of a
-   real token, never stale or uninitialised memory. */
+INLINE void prefetch_rows(const char *key_block, const char *value_block, int64_t row, int64_t row_bytes) {
+    for (int64_t at = 0; at < row_bytes; at += 64) {
+        __builtin_prefetch(key_block + row * row_bytes + at);
+        __builtin_prefetch(value_block + row * row_bytes + at);
+    }
+}
+
+/* Slots first .. last - 1 of the rows of `row_bytes` at `key_out` / `value_out` from the keys and values at `rows`
+   (k of them) of `key_block` / `value_block`; the slots from k on repeat the last index's row, so an empty slot holds
+   a copy of a real token, never stale or uninitialised memory. */
 INLINE void copy_token_rows(const char *key_block, const char *value_block, const int64_t *rows, int64_t k,
-                            int64_t row_bytes, int64_t slots, char *key_out, char *value_out) {
-    for (int64_t slot = 0; slot < slots; slot++) {
-        if (slot + AHEAD < k)
-            for (int64_t at = 0; at < row_bytes; at += 64) {
-                __builtin_prefetch(key_block + rows[slot + AHEAD] * row_bytes + at);
-                __builtin_prefetch(value_block + rows[slot + AHEAD] * row_bytes + at);
-            }
+                            int64_t row_bytes, int64_t first, int64_t last, char *key_out, char *value_out) {
+    for (int64_t slot = first; slot < first + AHEAD && slot < k && slot < last; slot++)
+        prefetch_rows(key_block, value_block, rows[slot], row_bytes);
+    for (int64_t slot = first; slot < last; slot++) {
+        if (slot + AHEAD < k && slot + AHEAD < last) prefetch_rows(key_block, value_block, rows[slot + AHEAD], row_bytes);
         int64_t row = rows[slot < k ? slot : k - 1];
         copy_row(key_out + slot * row_bytes, key_block + row * row_bytes, row_bytes);
         copy_row(value_out + slot * row_bytes, value_block + row * row_bytes, row_bytes);
@@ -195,19 +232,35 @@ typedef struct {
     int64_t key_batch, key_head, value_batch, value_head;
 } BlockStrides;
 
+enum { PIECE = 1024, SLOT_PIECE = 256 }; /* positions and slots of a row that one thread takes at a time */
+
+/* Piece `piece` of the slots of (batch element b, head h): copy_token_rows from the keys and values whose (batch,
+   head) blocks lie `strides` apart into the `slots` consecutive rows of that row of `key_out` / `value_out`. */
+INLINE void gather_piece(const char *keys, const char *values, BlockStrides strides, int64_t b, int64_t h,
+                         int64_t heads, const int64_t *rows, int64_t k, int64_t row_bytes, int64_t slots,
+                         int64_t piece, char *key_out, char *value_out) {
+    int64_t first = piece * SLOT_PIECE, last = first + SLOT_PIECE < slots ? first + SLOT_PIECE : slots;
+    int64_t out = (b * heads + h) * slots * row_bytes;
+    copy_token_rows(keys + b * strides.key_batch + h * strides.key_head,
+                    values + b * strides.value_batch + h * strides.value_head, rows, k, row_bytes, first, last,
+                    key_out + out, value_out + out);
+}
+
 /* Per (batch, head), copy_token_rows from the rows at `index` (batch x heads x k, each in 0 .. length - 1) of keys and
    values whose (batch, head) blocks lie `strides` apart, into `slots` >= k consecutive rows per (batch, head) of
-   `key_out` / `value_out`. Returns 0, or -1 with nothing written if an index is out of range. */
+   `key_out` / `value_out`, in pieces shared out between `threads` threads. Returns 0, or -1 with nothing written if an
+   index is out of range. */
 int gather_rows(const char *keys, const char *values, BlockStrides strides, int64_t length, const int64_t *index,
                 int64_t batch, int64_t heads, int64_t k, int64_t row_bytes, int64_t slots, char *key_out,
-                char *value_out) {
+                char *value_out, int threads) {
     for (int64_t i = 0; i < batch * heads * k; i++)
         if (index[i] < 0 || index[i] >= length) return -1;
-    for (int64_t row = 0; row < batch * heads; row++) {
-        int64_t b = row / heads, h = row % heads, out = row * slots * row_bytes;
-        copy_token_rows(keys + b * strides.key_batch + h * strides.key_head,
-                        values + b * strides.value_batch + h * strides.value_head, index + row * k, k, row_bytes,
-                        slots, key_out + out, value_out + out);
+    int64_t pieces = (slots + SLOT_PIECE - 1) / SLOT_PIECE;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t task = 0; task < batch * heads * pieces; task++) {
+        int64_t row = task / pieces;
+        gather_piece(keys, values, strides, row / heads, row % heads, heads, index + row * k, k, row_bytes, slots,
+                     task % pieces, key_out, value_out);
     }
     return 0;
 }
@@ -221,49 +274,72 @@ int gather_rows(const char *keys, const char *values, BlockStrides strides, int6
    (batch x length) is given, -inf where `valid` (batch x n bytes, or NULL) is 0. Its k highest in position order
    (top_k_of_keys) fill the first k of the store's `slots`: their positions (`positions`, batch x heads x slots),
    scores (`kept_scores`, likewise) and key and value rows (as gather_rows). The slots from k on are empty: position
-   -1, score -inf, a copy of the last kept row. Returns 0, or -1 with nothing written if no scratch space could be
-   had. */
+   -1, score -inf, a copy of the last kept row.
+   Per batch element, five steps, each shared out between `threads` threads: the group's highest and the pooling in
+   pieces of positions, the spread in parts cut where words start, the top K by head, the gather in pieces of slots.
+   Returns 0, or -1 with nothing written if no scratch space could be had. */
 AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads, int64_t group, int64_t n,
                                int first_only, int64_t before, int64_t after, const int64_t *words, int64_t length,
                                const uint8_t *valid, int64_t k, const char *key_source, const char *value_source,
                                BlockStrides strides, int64_t row_bytes, int64_t slots, char *key_out, char *value_out,
-                               int64_t *positions, float *kept_scores) {
-    /* per batch element: the k taken, the scores of its heads, the group's highest, the order keys, candidates */
-    size_t indices = (size_t)k * sizeof(int64_t), floats = (size_t)((heads + 1) * n) * sizeof(float);
-    char *space = scratch(indices + floats + (size_t)(2 * n) * sizeof(uint32_t));
+                               int64_t *positions, float *kept_scores, int threads) {
+    /* per batch element: each head's k taken, its group's highest and its scores; per thread: order keys, candidates */
+    size_t indices = (size_t)(heads * k) * sizeof(int64_t), floats = (size_t)(2 * heads * n) * sizeof(float);
+    char *space = scratch(indices + floats + (size_t)(threads * 2 * n) * sizeof(uint32_t));
     if (!space) return -1;
     int64_t *taken = (int64_t *)space;
-    float *all_scores = (float *)(space + indices), *aggregated = all_scores + heads * n;
-    uint32_t *keys = (uint32_t *)(space + indices + floats), *candidates = keys + n;
+    float *highest = (float *)(space + indices), *all_scores = highest + heads * n;
+    uint32_t *thread_keys = (uint32_t *)(space + indices + floats);
+    int64_t pieces = (n + PIECE - 1) / PIECE, slot_pieces = (slots + SLOT_PIECE - 1) / SLOT_PIECE;
+#pragma omp parallel num_threads(threads) if (threads > 1)
     for (int64_t b = 0; b < batch; b++) {
-        for (int64_t h = 0; h < heads; h++) {
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < heads * pieces; task++) {
+            int64_t h = task % heads, lo = task / heads * PIECE, hi = lo + PIECE < n ? lo + PIECE : n;
             const float *head = probs + (b * heads + h) * group * n;
-            float *scores = all_scores + h * n;
-            memcpy(aggregated, head, (size_t)n * sizeof(float));
+            float *group_highest = highest + h * n;
+            memcpy(group_highest + lo, head + lo, (size_t)(hi - lo) * sizeof(float));
             for (int64_t g = 1; g < (first_only ? 1 : group); g++)
-                for (int64_t i = 0; i < n; i++) aggregated[i] = higher(head[g * n + i], aggregated[i]);
-            /* the window's maximum, one offset at a time (the positions past either end are -inf padding) */
-            memcpy(scores, aggregated, (size_t)n * sizeof(float));
-            for (int64_t offset = 1; offset <= before; offset++)
-                for (int64_t i = offset; i < n; i++) scores[i] = higher(aggregated[i - offset], scores[i]);
-            for (int64_t offset = 1; offset <= after; offset++)
-                for (int64_t i = 0; i + offset < n; i++) scores[i] = higher(aggregated[i + offset], scores[i]);
+                for (int64_t i = lo; i < hi; i++) group_highest[i] = higher(head[g * n + i], group_highest[i]);
         }
-        if (words) spread_rows(all_scores, heads, n, words + b * length, length);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < heads * pieces; task++) {
+            /* the window's maximum, one offset at a time (the positions past either end are -inf padding) */
+            int64_t h = task % heads, lo = task / heads * PIECE, hi = lo + PIECE < n ? lo + PIECE : n;
+            const float *group_highest = highest + h * n;
+            float *scores = all_scores + h * n;
+            memcpy(scores + lo, group_highest + lo, (size_t)(hi - lo) * sizeof(float));
+            for (int64_t offset = 1; offset <= before; offset++)
+                for (int64_t i = lo > offset ? lo : offset; i < hi; i++)
+                    scores[i] = higher(group_highest[i - offset], scores[i]);
+            for (int64_t offset = 1; offset <= after; offset++)
+                for (int64_t i = lo, end = hi < n - offset ? hi : n - offset; i < end; i++)
+                    scores[i] = higher(group_highest[i + offset], scores[i]);
+        }
+        if (words) {
+#pragma omp for schedule(static)
+            for (int64_t part = 0; part < threads; part++)
+                spread_part(all_scores, heads, n, words + b * length, length, part, threads);
+        }
+#pragma omp for schedule(static, 1)
         for (int64_t h = 0; h < heads; h++) {
             float *scores = all_scores + h * n;
+            uint32_t *keys = thread_keys + THREAD_NUMBER() * 2 * n;
             if (valid)
                 for (int64_t i = 0; i < n; i++) scores[i] = valid[b * n + i] ? scores[i] : -INFINITY;
             for (int64_t i = 0; i < n; i++) keys[i] = order_key(scores[i]);
-            top_k_of_keys(keys, n, k, taken, candidates);
-            int64_t row = b * heads + h, out = row * slots;
+            top_k_of_keys(keys, n, k, taken + h * k, keys + n);
+            int64_t out = (b * heads + h) * slots;
             for (int64_t slot = 0; slot < slots; slot++) {
-                positions[out + slot] = slot < k ? taken[slot] : -1;
-                kept_scores[out + slot] = slot < k ? scores[taken[slot]] : -INFINITY;
+                positions[out + slot] = slot < k ? taken[h * k + slot] : -1;
+                kept_scores[out + slot] = slot < k ? scores[taken[h * k + slot]] : -INFINITY;
             }
-            copy_token_rows(key_source + b * strides.key_batch + h * strides.key_head,
-                            value_source + b * strides.value_batch + h * strides.value_head, taken, k, row_bytes,
-                            slots, key_out + out * row_bytes, value_out + out * row_bytes);
+        }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < heads * slot_pieces; task++) {
+            int64_t h = task / slot_pieces;
+            gather_piece(key_source, value_source, strides, b, h, heads, taken + h * k, k, row_bytes, slots,
+                         task % slot_pieces, key_out, value_out);
         }
     }
     return 0;
