@@ -12,8 +12,9 @@ The C file is compiled once per machine with the system's C compiler (`$CC`, els
 be (no compiler, a failed build; a GPU tensor), the callers use the PyTorch operators, which give the same results; a
 missing compiler or a failed build is said once, as a warning. Where PyTorch runs on GNU OpenMP it is built with
 OpenMP and each call shares its work between `torch.get_num_threads()` of PyTorch's own threads (`_torch_openmp`):
-alone, a refresh's C used one of the cores while the others waited for it. REFRESHKV_NATIVE=0 turns the C path off (to compare
-the two; a compiled step reads it when it is traced). Under torch.compile the C calls are torch.library operators.
+alone, a refresh's C used one of the cores while the others waited for it. REFRESHKV_NATIVE=0 turns the C path off
+(to compare the two; a compiled step reads it when it is traced). Under torch.compile the C calls are torch.library
+operators.
 """
 
 from __future__ import annotations
