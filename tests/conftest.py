@@ -1,4 +1,6 @@
+import atexit
 import functools
+import shutil
 import tempfile
 
 import pytest
@@ -47,6 +49,7 @@ def tiny_tokenizer_folder() -> str:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))
     tokenizer.unk_token = "<unk>"
     folder = tempfile.mkdtemp(prefix="refreshkv-tiny-tokenizer-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # one per test process, not left behind
     tokenizer.save_pretrained(folder)
     return folder
 
