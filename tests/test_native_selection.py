@@ -78,6 +78,21 @@ def test_without_a_compiler_the_selection_says_so_once_and_gives_the_same_indice
 
 
 @needs_compiler
+def test_a_compiler_without_openmp_builds_the_one_thread_library_and_says_so(fresh_build, monkeypatch, tmp_path):
+    compiler = tmp_path / "cc-without-openmp"
+    compiler.write_text(
+        f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && echo "no openmp here" >&2 && exit 1; done\n'
+        f'exec {native_selection._compiler()} "$@"\n'
+    )
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setattr(native_selection, "_torch_openmp", lambda: True)
+    with pytest.warns(UserWarning, match=r"failed \(no openmp here\): the selection's C runs on one thread"):
+        assert native_selection.top_k_in_order(torch.tensor([[0.1, 0.3, 0.2]]), 2).tolist() == [[1, 2]]
+    assert [path.name.endswith("-openmp.so") for path in (fresh_build / "native").glob("*.so")] == [False]
+
+
+@needs_compiler
 def test_the_c_path_steps_aside_when_turned_off_or_for_k_it_does_not_take(monkeypatch):
     scores = torch.rand(1, 2, 16)
     assert native_selection.top_k_in_order(scores, 0) is None
