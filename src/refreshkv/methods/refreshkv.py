@@ -304,15 +304,14 @@ class RefreshKV(BudgetPolicy):
         k = min(partial.store.slots - 1, probs.shape[-1])
         words = layer.prompt_spans if self.pooling == "span" else None
         store = (partial.store.keys, partial.store.values, partial.store.positions, partial.scores)
+        per_head = window_mean(probs)  # averaged once, whichever path scores it
         if rows is None and self.aggregation != "mean":
             window, first_only = pool_window(self.kernel, self.pooling), self.aggregation == "first"
-            if native_selection.refresh_partial(
-                window_mean(probs), first_only, window, words, valid, k, *full_kv, store
-            ):
+            if native_selection.refresh_partial(per_head, first_only, window, words, valid, k, *full_kv, store):
                 partial.loaded(k)
                 return
         keys, values = full_kv
-        scores = selection_scores(probs, self.kernel, self.aggregation, self.pooling, words)
+        scores = selection_scores(per_head.unsqueeze(3), self.kernel, self.aggregation, self.pooling, words)
         if valid is not None:
             scores = scores.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
         index = top_k(scores, k)
