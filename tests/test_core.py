@@ -488,6 +488,34 @@ def test_one_query_over_many_keys_is_computed_explicitly_and_equals_sdpa(batch, 
         attention_math.decode_attention(query, keys[:, :, :1023], values[:, :, :1023], 16**-0.5)
 
 
+def test_the_gpu_decode_over_unpacked_heads_equals_the_packed_one():
+    """`grouped_decode` (the GPU's one-query path without a mask, run here on the CPU) against SDPA over packed rows:
+    query head h belongs to KV head h // group."""
+    from refreshkv.core import attention_math
+
+    generator = torch.Generator().manual_seed(1)
+    query, keys, values = (torch.randn(2, h, n, 16, generator=generator) for h, n in ((6, 1), (2, 300), (2, 300)))
+    packed = torch.nn.functional.scaled_dot_product_attention(
+        attention_math.pack_queries(query, 2), keys, values, scale=0.3
+    )
+    got = attention_math.grouped_decode(query, keys, values, 0.3)
+    assert got.shape == (2, 1, 6, 16)
+    assert torch.allclose(got, attention_math.unpack_output(packed, 6), atol=1e-6)
+
+
+def test_the_unpacked_heads_are_taken_off_the_cpu_for_many_keys_without_a_mask(monkeypatch):
+    """The rule of `decode_attention` on a device other than the CPU (the meta device stands in for a GPU)."""
+    from refreshkv.core import attention_math
+
+    calls = []
+    monkeypatch.setattr(attention_math, "grouped_decode", lambda *args: calls.append(args[1].shape[2]) or args[0])
+    for device, n, masked in (("meta", 4096, False), ("meta", 4095, False), ("meta", 4096, True), ("cpu", 4096, False)):
+        query, keys, values = (torch.zeros(1, h, length, 8, device=device) for h, length in ((6, 1), (2, n), (2, n)))
+        valid = torch.ones(1, n, dtype=torch.bool, device=device) if masked else None
+        attention_math.decode_attention(query, keys, values, 0.3, valid)
+    assert calls == [4096]
+
+
 def test_a_preset_gives_its_values_and_parameters_beside_it_override_them():
     from refreshkv.core.policy import METHODS
 

@@ -28,6 +28,12 @@ _MASKED = torch.finfo(torch.float32).min
 # One query token over at least this many keys on the CPU: two matrix products and a float32 softmax take 0.5-0.9x
 # the time of SDPA's flash kernel (2 threads, 1K-8K keys, bfloat16 and float32; SDPA is faster below 1K).
 EXPLICIT_DECODE_FROM = 1024
+# One query over at least this many keys on a GPU, without a mask: SDPA over the query heads as they are
+# (`enable_gqa`), not packed into rows of their KV head. On an H200 packed rows took 2.5-12x as long per call at
+# 8K-32K keys and `full`'s float32 step at 8K 1.41x as long; over `refreshkv`'s 1K-slot partial cache the unpacked
+# heads made its float32 step 1.1-1.7x slower (benchmarks/cuda_check.py; docs/benchmark.md "On a GPU"). Between
+# 1K and 8K nothing was measured: the cut at 4K is a choice.
+GROUPED_DECODE_FROM = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +100,9 @@ def decode_attention(query, keys, values, scaling, valid: torch.Tensor | None = 
 
     One query over `EXPLICIT_DECODE_FROM` keys or more on the CPU is computed explicitly (logits, float32 softmax,
     probabilities times values), faster there than SDPA; in bfloat16 the logits and probabilities are then rounded
-    to bfloat16 as in transformers' eager attention. On a GPU, SDPA: in float32 on an H200 at 8K `full`'s step was
-    1.34x stock transformers' (not in bfloat16), perhaps because packed rows leave SDPA's float32 kernel one block of
-    work per KV head (docs/benchmark.md, "On a GPU"; not checked)."""
+    to bfloat16 as in transformers' eager attention. On a GPU one query over `GROUPED_DECODE_FROM` keys or
+    more without a mask takes SDPA over the unpacked heads (`grouped_decode`); with a mask (padded rows, the
+    partial caches' empty slots) the packed rows stay, as nothing else was measured there."""
     kv_heads, n, q_len = keys.shape[1], keys.shape[2], query.shape[2]
     mask = None if valid is None else valid.reshape(valid.shape[0], -1, 1, n)
     if q_len > 1:
@@ -104,14 +110,23 @@ def decode_attention(query, keys, values, scaling, valid: torch.Tensor | None = 
         rows = torch.arange(q_len, device=keys.device).repeat(query.shape[1] // kv_heads)
         causal = torch.arange(n, device=keys.device) <= (n - q_len + rows)[:, None]
         mask = causal if mask is None else mask & causal
-    explicit = q_len == 1 and n >= EXPLICIT_DECODE_FROM and keys.device.type == "cpu"
-    if isinstance(scaling, SoftCapped) or explicit:
+    on_cpu = keys.device.type == "cpu"
+    if isinstance(scaling, SoftCapped) or (q_len == 1 and on_cpu and n >= EXPLICIT_DECODE_FROM):
         output = _explicit_attention(pack_queries(query, kv_heads), keys, values, scaling, mask)
+    elif q_len == 1 and not on_cpu and n >= GROUPED_DECODE_FROM and mask is None:
+        return grouped_decode(query, keys, values, scaling)
     else:
         output = F.scaled_dot_product_attention(
             pack_queries(query, kv_heads), keys, values, attn_mask=mask, scale=scaling
         )
     return unpack_output(output, query.shape[1])
+
+
+def grouped_decode(query, keys, values, scaling) -> torch.Tensor:
+    """One query per query head through SDPA with `enable_gqa` (no packing, no mask). Returns (B, 1, Hq, D) as
+    `decode_attention`."""
+    output = F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=True)
+    return output.transpose(1, 2)
 
 
 def attend_with_probs(query, keys, values, scaling, valid: torch.Tensor | None = None):
