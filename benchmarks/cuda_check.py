@@ -2,30 +2,34 @@
 
     python benchmarks/cuda_check.py shapes DIR                 # here: config + tokenizer of both named models
     python benchmarks/cuda_check.py check DIR --out OUT        # on the GPU: random weights in those shapes
+    python benchmarks/cuda_check.py check DIR --device cpu --quick   # here, before spending device time
 
 The GPU machines this project is lent cannot install the named models (no package index; the GGUF files are larger
 than what travels), so `check` builds each model from its config with seeded random weights: a decode step's
 time does not depend on the weights' values, except through how often the query-drift schedule of `refreshkv`
-refreshes (reported as `full_step_fraction`; `recycled`'s fixed stride is independent of them). It writes:
+refreshes (reported as `full_step_fraction`; `recycled`'s fixed stride is independent of them). It writes, each
+row as soon as it is measured (a run stopped at its time limit keeps what it finished):
 
+- `decode-attention.jsonl`: one query over 8K-32K keys in each model's head layout, float32 and bfloat16: the
+  query heads of a group packed into rows of their KV head then SDPA, SDPA over the unpacked heads (`enable_gqa`,
+  `attention_math.grouped_decode`), SDPA over keys repeated per query head (stock transformers with a mask) and
+  the explicit products: median microseconds of 50 calls and the largest difference to the packed output.
 - `methods.jsonl`: every registered method decodes on the GPU from a shared prefill, fed `full`'s tokens (teacher
   forcing, so near-tied random logits cannot send the methods down different paths): with a budget that holds
   every token, the largest logit difference to `full` (must be float32 rounding); at K = L/8, that its logits are
   finite and where its cache lies (`kv_bytes_by_device`); `refreshkv` with `full_cache="offload"` against the dense
   one (its C_f in pinned host memory: the only path that needs a GPU).
-- `decode-attention.jsonl`: one query over 8K-32K keys in each model's head layout, float32 and bfloat16, as
-  `decode_attention` computes it on a GPU (the query heads of a group packed into rows of their KV head, then SDPA)
-  against SDPA over the unpacked heads (`enable_gqa`) and the explicit products: median microseconds of 50 calls
-  and the largest difference to the packed output (the first GPU run found `full`'s float32 step slow at 8K).
-- `bench-*.json`: `refreshkv bench --device cuda` on both shapes (bfloat16 and float32), then compiled at 8K
-  (on an H200 its compiling round had not finished after 280 s: give the run 10 minutes or more).
+- `decode-ab.jsonl`: `full` and `refreshkv` with the one-query attention always packed and, without a mask, always
+  grouped (`attention_math.GROUPED_DECODE_FROM` 2^31 and 0), alternated in one process, stock transformers beside
+  them: median decode step per round.
+- `compiled.jsonl`: `full`, `refreshkv` and `recycled` eager and with `compile=True` at 8K in bfloat16: the first
+  compiled generation's seconds (it compiles) and the median step of the ones after it. Last, as it may not finish.
 """
 
 import argparse
 import itertools
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -76,14 +80,14 @@ def random_model(shape: Path, target: Path) -> Path:
     return target
 
 
-def check_methods(model_dir: Path, out: Path, prompt_length: int = 2048, new_tokens: int = 32) -> None:
+def check_methods(model_dir: Path, out: Path, device: torch.device, prompt_length: int, new_tokens: int) -> None:
     import refreshkv
     from refreshkv.measure.bench import bench_prompt
 
-    model, tokenizer = refreshkv.load_model(model_dir, device="cuda")
-    ids = bench_prompt(tokenizer, prompt_length).cuda()
+    model, tokenizer = refreshkv.load_model(model_dir, device=str(device))
+    ids = bench_prompt(tokenizer, prompt_length).to(device)
     full = refreshkv.generate(model, ids, method="full", max_new_tokens=new_tokens, return_logits=True, eos_token_id=[])
-    forced = torch.tensor(full.tokens, device="cuda")
+    forced = torch.tensor(full.tokens, device=device)
     keep_all, small = prompt_length + new_tokens, prompt_length // 8
 
     def follow(method, **params):
@@ -105,68 +109,117 @@ def check_methods(model_dir: Path, out: Path, prompt_length: int = 2048, new_tok
                 row = {"method": name, "params": params, **follow(name, **params)}
             except Exception as error:  # a method that fails on the GPU is the finding: record it, go on
                 row = {"method": name, "params": params, "error": f"{type(error).__name__}: {error}"[:500]}
-            rows.write(json.dumps(row) + "\n")
-            print(json.dumps(row), flush=True)
+            write_row(rows, row)
 
 
 def decode_variants(query, keys, values) -> dict:
-    """One query's attention over a KV-head-sized cache, three ways, each returning (1, query heads, 1, dim)."""
+    """One query's attention over a KV-head-sized cache, four ways, each returning (1, query heads, 1, dim)."""
     import torch.nn.functional as F
 
-    from refreshkv.core.attention_math import _explicit_attention, pack_queries
+    from refreshkv.core.attention_math import _explicit_attention, grouped_decode, pack_queries
 
     heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[-1]
     scale, packed = dim**-0.5, pack_queries(query, kv_heads)
+    group = heads // kv_heads
     return {
         "packed_sdpa": lambda: F.scaled_dot_product_attention(packed, keys, values, scale=scale).reshape(query.shape),
-        "gqa_sdpa": lambda: F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True),
+        "grouped_sdpa": lambda: grouped_decode(query, keys, values, scale).transpose(1, 2),
+        "repeated_sdpa": lambda: F.scaled_dot_product_attention(
+            query, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1), scale=scale
+        ),
         "explicit": lambda: _explicit_attention(packed, keys, values, scale, None).reshape(1, heads, 1, dim),
     }
 
 
-def median_us(call, repeats: int = 50) -> float:
+def median_us(call, device: torch.device, repeats: int = 50) -> float:
     call()
     times = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(1000 * start.elapsed_time(end))
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(1000 * start.elapsed_time(end))
+        else:
+            started = time.perf_counter()
+            call()
+            times.append(1e6 * (time.perf_counter() - started))
     return sorted(times)[repeats // 2]
 
 
-def time_decode_attention(out: Path) -> None:
+def write_row(rows, row: dict) -> None:
+    rows.write(json.dumps(row) + "\n")
+    rows.flush()
+    print(json.dumps(row), flush=True)
+
+
+def time_decode_attention(out: Path, device: torch.device, lengths: tuple[int, ...]) -> None:
     shapes = {"smollm2-135m": (9, 3, 64), "gemma3-270m": (4, 1, 256)}  # query heads, KV heads, head dimension
     with out.open("w") as rows:
         for (model, (heads, kv_heads, dim)), dtype, n in itertools.product(
-            shapes.items(), (torch.float32, torch.bfloat16), (8192, 32768)
+            shapes.items(), (torch.float32, torch.bfloat16), lengths
         ):
-            query = torch.randn(1, heads, 1, dim, device="cuda", dtype=dtype)
-            keys, values = (torch.randn(1, kv_heads, n, dim, device="cuda", dtype=dtype) for _ in range(2))
+            query = torch.randn(1, heads, 1, dim, device=device, dtype=dtype)
+            keys, values = (torch.randn(1, kv_heads, n, dim, device=device, dtype=dtype) for _ in range(2))
             variants = decode_variants(query, keys, values)
             reference = variants["packed_sdpa"]().float()
             for name, call in variants.items():
                 row = {"model": model, "dtype": str(dtype).removeprefix("torch."), "keys": n, "variant": name}
-                row["us"] = round(median_us(call), 1)
+                row["us"] = round(median_us(call, device), 1)
                 row["max_diff"] = (call().float() - reference).abs().max().item()
-                rows.write(json.dumps(row) + "\n")
-                print(json.dumps(row), flush=True)
+                write_row(rows, row)
 
 
-def bench(model_dir: Path, out: Path, lengths: str, budget: int, dtype: str, methods: str, *options: str) -> None:
-    """`refreshkv bench` in a process of its own (as a user runs it), stopped after 5 minutes."""
-    command = [sys.executable, "-m", "refreshkv", "bench", "--model", str(model_dir), "--device", "cuda"]
-    command += ["--dtype", dtype, "--lengths", lengths, "--budget", str(budget), "--methods", methods]
-    command += ["--new-tokens", "64", "--json", str(out), *options]
-    print(" ".join(command[1:]), flush=True)
-    started = time.perf_counter()
-    try:
-        subprocess.run(command, check=False, timeout=300)
-    except subprocess.TimeoutExpired:
-        print(f"{out.name}: stopped after 300 s", flush=True)
-    print(f"{out.name}: {time.perf_counter() - started:.0f} s", flush=True)
+def decode_ab(model_dir: Path, out, device, dtype: str, length: int, budget: int, new_tokens: int, rounds: int):
+    """`full` and `refreshkv` with the one-query attention packed, then grouped, alternated round by round."""
+    import refreshkv
+    from refreshkv.core import attention_math
+    from refreshkv.measure.bench import REFERENCE, PeakMemory, bench_prompt, run_round
+
+    model, tokenizer = refreshkv.load_model(model_dir, dtype=getattr(torch, dtype), device=str(device))
+    ids = bench_prompt(tokenizer, length - new_tokens).to(device)  # length: with the new tokens
+    methods, default = {"full": {}, "refreshkv": {"budget": budget}}, attention_math.GROUPED_DECODE_FROM
+    for round_, grouped in itertools.product(range(rounds), (False, True)):
+        attention_math.GROUPED_DECODE_FROM = 0 if grouped else 2**31
+        names = ([] if grouped else [REFERENCE]) + list(methods)
+        for run in run_round(model, ids, methods, names, new_tokens, PeakMemory(device), share_prefill=False):
+            row = {"model": model_dir.name, "dtype": dtype, "length": length, "round": round_}
+            row |= {"method": run.method, "grouped": grouped if run.method != REFERENCE else None}
+            row |= {
+                "median_step_ms": round(1000 * run.decode_median_s, 3),
+                "mean_ms": round(1000 * run.decode_mean_s, 3),
+            }
+            write_row(out, row)
+    attention_math.GROUPED_DECODE_FROM = default
+    del model
+
+
+def time_compiled(model_dir: Path, out, device, methods: list[str], length: int, budget: int, new_tokens: int):
+    """Eager, then compiled (the first compiled generation compiles; two more are timed), one row per method."""
+    import statistics
+
+    import refreshkv
+    from refreshkv.measure.bench import bench_prompt
+
+    model, tokenizer = refreshkv.load_model(model_dir, dtype=torch.bfloat16, device=str(device))
+    ids = bench_prompt(tokenizer, length - new_tokens).to(device)  # length: with the new tokens
+    for method in methods:
+        params = {} if method == "full" else {"budget": budget}
+        settings = dict(method=method, max_new_tokens=new_tokens, eos_token_id=[], **params)
+        eager = [refreshkv.generate(model, ids, **settings) for _ in range(2)]
+        started = time.perf_counter()
+        refreshkv.generate(model, ids, compile=True, **settings)
+        compile_s = time.perf_counter() - started
+        compiled = [refreshkv.generate(model, ids, compile=True, **settings) for _ in range(2)]
+        row = {"model": model_dir.name, "method": method, "length": length, "budget": params.get("budget")}
+        row["first_compiled_generation_s"] = round(compile_s, 1)
+        for name, results in (("eager", eager), ("compiled", compiled)):
+            row[f"{name}_median_step_ms"] = [round(1000 * statistics.median(r.step_s), 3) for r in results]
+        row["full_step_fraction"] = compiled[-1].cache.full_step_fraction()
+        row["same_tokens_as_eager"] = compiled[-1].tokens == eager[-1].tokens
+        write_row(out, row)
 
 
 def main() -> None:
@@ -175,25 +228,40 @@ def main() -> None:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--out", type=Path, default=Path("cuda-check"))
     parser.add_argument("--models", type=Path, default=Path("/tmp/cuda-check-models"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="small sizes, to try the script before a GPU run")
+    parser.add_argument("--steps", default="attention,methods,ab,compiled", help="which of these to run")
     args = parser.parse_args()
     if args.step == "shapes":
         save_shapes(args.folder)
         return
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("cuda_check.py check: no CUDA GPU here")
+    device = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
-    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
-    time_decode_attention(args.out / "decode-attention.jsonl")
+    print(torch.__version__, torch.cuda.get_device_name() if device.type == "cuda" else "cpu", flush=True)
+    quick, steps = args.quick, args.steps.split(",")
+    if "attention" in steps:
+        time_decode_attention(args.out / "decode-attention.jsonl", device, (512,) if quick else (8192, 32768))
     smollm2 = random_model(args.folder / "smollm2-135m", args.models / "smollm2-135m")
     gemma = random_model(args.folder / "gemma3-270m", args.models / "gemma3-270m")
-    check_methods(smollm2, args.out / "methods.jsonl")
-    speed = "transformers,full,refreshkv,recycled,quest,snapkv,streamingllm,h2o"
-    bench(smollm2, args.out / "bench-smollm2-bf16.json", "1024,4096,8192", 1024, "bfloat16", speed, "--rounds", "3")
-    bench(gemma, args.out / "bench-gemma-bf16.json", "16384,32768", 2048, "bfloat16", speed, "--rounds", "2")
-    bench(smollm2, args.out / "bench-smollm2-fp32.json", "1024,8192", 1024, "float32", speed, "--rounds", "2")
-    # last, as it may run out of time: decode steps compiled with the GPU backend (a first round compiles, untimed)
-    compiled = "full,refreshkv,recycled"
-    bench(smollm2, args.out / "bench-smollm2-bf16-compiled.json", "8192", 1024, "bfloat16", compiled, "--compile")
+    if "methods" in steps:
+        check_methods(smollm2, args.out / "methods.jsonl", device, *((256, 8) if quick else (2048, 32)))
+    new_tokens, rounds = (8, 1) if quick else (64, 3)
+    with (args.out / "decode-ab.jsonl").open("w") as rows:
+        if "ab" not in steps:
+            return
+        for model_dir, dtype, length, budget in (
+            (smollm2, "float32", 8192, 1024),
+            (smollm2, "bfloat16", 8192, 1024),
+            (gemma, "bfloat16", 16384, 2048),
+        ):
+            decode_ab(
+                model_dir, rows, device, dtype, 512 if quick else length, 128 if quick else budget, new_tokens, rounds
+            )
+    with (args.out / "compiled.jsonl").open("w") as rows:
+        methods = ["full"] if quick else ["full", "refreshkv", "recycled"]
+        time_compiled(smollm2, rows, device, methods, 512 if quick else 8192, 128 if quick else 1024, new_tokens)
 
 
 if __name__ == "__main__":
