@@ -248,20 +248,19 @@ def main() -> None:
     if "methods" in steps:
         check_methods(smollm2, args.out / "methods.jsonl", device, *((256, 8) if quick else (2048, 32)))
     new_tokens, rounds = (8, 1) if quick else (64, 3)
-    with (args.out / "decode-ab.jsonl").open("w") as rows:
-        if "ab" not in steps:
-            return
-        for model_dir, dtype, length, budget in (
-            (smollm2, "float32", 8192, 1024),
-            (smollm2, "bfloat16", 8192, 1024),
-            (gemma, "bfloat16", 16384, 2048),
-        ):
-            decode_ab(
-                model_dir, rows, device, dtype, 512 if quick else length, 128 if quick else budget, new_tokens, rounds
-            )
-    with (args.out / "compiled.jsonl").open("w") as rows:
-        methods = ["full"] if quick else ["full", "refreshkv", "recycled"]
-        time_compiled(smollm2, rows, device, methods, 512 if quick else 8192, 128 if quick else 1024, new_tokens)
+    if "ab" in steps:
+        with (args.out / "decode-ab.jsonl").open("w") as rows:
+            for model_dir, dtype, length, budget in (
+                (smollm2, "float32", 8192, 1024),
+                (smollm2, "bfloat16", 8192, 1024),
+                (gemma, "bfloat16", 16384, 2048),
+            ):
+                length, budget = (512, 128) if quick else (length, budget)
+                decode_ab(model_dir, rows, device, dtype, length, budget, new_tokens, rounds)
+    if "compiled" in steps:
+        with (args.out / "compiled.jsonl").open("w") as rows:
+            methods = ["full"] if quick else ["full", "refreshkv", "recycled"]
+            time_compiled(smollm2, rows, device, methods, 512 if quick else 8192, 128 if quick else 1024, new_tokens)
 
 
 if __name__ == "__main__":
