@@ -29,7 +29,7 @@ _MASKED = torch.finfo(torch.float32).min
 # the time of SDPA's flash kernel (2 threads, 1K-8K keys, bfloat16 and float32; SDPA is faster below 1K).
 EXPLICIT_DECODE_FROM = 1024
 # One query over at least this many keys on a GPU, without a mask: SDPA over the query heads as they are
-# (`enable_gqa`), not packed into rows of their KV head. On an H200 packed rows took 2.5-12x as long per call at
+# (`enable_gqa`), not packed into rows of their KV head. On an H200 packed rows took 2.5-18x as long per call at
 # 8K-32K keys and `full`'s float32 step at 8K 1.41x as long; over `refreshkv`'s 1K-slot partial cache the unpacked
 # heads made its float32 step 1.1-1.7x slower (benchmarks/cuda_check.py; docs/benchmark.md "On a GPU"). Between
 # 1K and 8K nothing was measured: the cut at 4K is a choice.
