@@ -507,13 +507,13 @@ def test_the_unpacked_heads_are_taken_off_the_cpu_for_many_keys_without_a_mask(m
     """The rule of `decode_attention` on a device other than the CPU (the meta device stands in for a GPU)."""
     from refreshkv.core import attention_math
 
-    calls = []
+    calls, cut = [], attention_math.GROUPED_DECODE_FROM
     monkeypatch.setattr(attention_math, "grouped_decode", lambda *args: calls.append(args[1].shape[2]) or args[0])
-    for device, n, masked in (("meta", 4096, False), ("meta", 4095, False), ("meta", 4096, True), ("cpu", 4096, False)):
+    for device, n, masked in (("meta", cut, False), ("meta", cut - 1, False), ("meta", cut, True), ("cpu", cut, False)):
         query, keys, values = (torch.zeros(1, h, length, 8, device=device) for h, length in ((6, 1), (2, n), (2, n)))
         valid = torch.ones(1, n, dtype=torch.bool, device=device) if masked else None
         attention_math.decode_attention(query, keys, values, 0.3, valid)
-    assert calls == [4096]
+    assert calls == [cut]
 
 
 def test_a_preset_gives_its_values_and_parameters_beside_it_override_them():
