@@ -10,7 +10,7 @@ time does not depend on the weights' values, except through how often the query-
 refreshes (reported as `full_step_fraction`; `recycled`'s fixed stride is independent of them). It writes, each
 row as soon as it is measured (a run stopped at its time limit keeps what it finished):
 
-- `decode-attention.jsonl`: one query over 8K-32K keys in each model's head layout, float32 and bfloat16: the
+- `decode-attention.jsonl`: one query over 1K-32K keys in each model's head layout, float32 and bfloat16: the
   query heads of a group packed into rows of their KV head then SDPA, SDPA over the unpacked heads (`enable_gqa`,
   `attention_math.grouped_decode`), SDPA over keys repeated per query head (stock transformers with a mask) and
   the explicit products: median microseconds of 50 calls and the largest difference to the packed output.
@@ -242,7 +242,9 @@ def main() -> None:
     print(torch.__version__, torch.cuda.get_device_name() if device.type == "cuda" else "cpu", flush=True)
     quick, steps = args.quick, args.steps.split(",")
     if "attention" in steps:
-        time_decode_attention(args.out / "decode-attention.jsonl", device, (512,) if quick else (8192, 32768))
+        time_decode_attention(
+            args.out / "decode-attention.jsonl", device, (512,) if quick else (1024, 2048, 4096, 8192, 32768)
+        )
     smollm2 = random_model(args.folder / "smollm2-135m", args.models / "smollm2-135m")
     gemma = random_model(args.folder / "gemma3-270m", args.models / "gemma3-270m")
     if "methods" in steps:
