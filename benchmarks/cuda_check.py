@@ -132,21 +132,16 @@ def decode_variants(query, keys, values) -> dict:
 
 
 def median_us(call, device: torch.device, repeats: int = 50) -> float:
+    """Median microseconds of `repeats` calls after one untimed call (CUDA events on a GPU: generate.StepTimer)."""
+    from refreshkv.runtime.generate import StepTimer
+
     call()
-    times = []
+    timer = StepTimer(device)
     for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(1000 * start.elapsed_time(end))
-        else:
-            started = time.perf_counter()
-            call()
-            times.append(1e6 * (time.perf_counter() - started))
-    return sorted(times)[repeats // 2]
+        timer.mark()
+        call()
+        timer.mark()
+    return 1e6 * sorted(timer.seconds())[repeats // 2]
 
 
 def write_row(rows, row: dict) -> None:
