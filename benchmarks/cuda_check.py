@@ -10,10 +10,11 @@ time does not depend on the weights' values, except through how often the query-
 refreshes (reported as `full_step_fraction`; `recycled`'s fixed stride is independent of them). It writes, each
 row as soon as it is measured (a run stopped at its time limit keeps what it finished):
 
-- `decode-attention.jsonl`: one query over 1K-32K keys in each model's head layout, float32 and bfloat16: the
-  query heads of a group packed into rows of their KV head then SDPA, SDPA over the unpacked heads (`enable_gqa`,
-  `attention_math.grouped_decode`), SDPA over keys repeated per query head (stock transformers with a mask) and
-  the explicit products: median microseconds of 50 calls and the largest difference to the packed output.
+- `decode-attention.jsonl`: one query over 1K-32K keys in each model's head layout, float32 and bfloat16, without
+  a mask and with one as a partial cache's empty slots give it: the query heads of a group packed into rows of
+  their KV head then SDPA, SDPA over the unpacked heads (`enable_gqa`; without a mask also through
+  `attention_math.grouped_decode`) and the explicit products: median microseconds of 50 calls and the largest
+  difference to the packed output.
 - `methods.jsonl`: every registered method decodes on the GPU from a shared prefill, fed `full`'s tokens (teacher
   forcing, so near-tied random logits cannot send the methods down different paths): with a budget that holds
   every token, the largest logit difference to `full` (must be float32 rounding); at K = L/8, that its logits are
@@ -22,8 +23,8 @@ row as soon as it is measured (a run stopped at its time limit keeps what it fin
 - `decode-ab.jsonl`: `full` and `refreshkv` with the one-query attention always packed and, without a mask, always
   grouped (`attention_math.GROUPED_DECODE_FROM` 2^31 and 0), alternated in one process, stock transformers beside
   them: median decode step per round.
-- `compiled.jsonl`: `full`, `refreshkv` and `recycled` eager and with `compile=True` at 8K in bfloat16: the first
-  compiled generation's seconds (it compiles) and the median step of the ones after it. Last, as it may not finish.
+- `compiled.jsonl`: the `--compiled` methods eager and with `compile=True` at 8K in bfloat16: the first compiled
+  generation's seconds (it compiles) and the median step of the ones after it. Last, as it may not finish.
 """
 
 import argparse
@@ -112,8 +113,10 @@ def check_methods(model_dir: Path, out: Path, device: torch.device, prompt_lengt
             write_row(rows, row)
 
 
-def decode_variants(query, keys, values) -> dict:
-    """One query's attention over a KV-head-sized cache, four ways, each returning (1, query heads, 1, dim)."""
+def decode_variants(query, keys, values, mask) -> dict:
+    """One query's attention over a KV-head-sized cache, each way returning (1, query heads, 1, dim); `mask` None or
+    (1, KV heads, 1, n) bool as a partial cache's empty slots give it (SDPA over the unpacked heads then takes it
+    repeated per query head)."""
     import torch.nn.functional as F
 
     from refreshkv.core.attention_math import _explicit_attention, grouped_decode, pack_queries
@@ -121,14 +124,17 @@ def decode_variants(query, keys, values) -> dict:
     heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[-1]
     scale, packed = dim**-0.5, pack_queries(query, kv_heads)
     group = heads // kv_heads
-    return {
-        "packed_sdpa": lambda: F.scaled_dot_product_attention(packed, keys, values, scale=scale).reshape(query.shape),
-        "grouped_sdpa": lambda: grouped_decode(query, keys, values, scale).transpose(1, 2),
-        "repeated_sdpa": lambda: F.scaled_dot_product_attention(
-            query, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1), scale=scale
+    per_head = None if mask is None else mask.repeat_interleave(group, 1)
+    variants = {
+        "packed_sdpa": lambda: F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=scale),
+        "grouped_sdpa": lambda: F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=per_head, scale=scale, enable_gqa=True
         ),
-        "explicit": lambda: _explicit_attention(packed, keys, values, scale, None).reshape(1, heads, 1, dim),
+        "explicit": lambda: _explicit_attention(packed, keys, values, scale, mask),
     }
+    if mask is None:  # the library's own call, to see that it is the variant above
+        variants["grouped_decode"] = lambda: grouped_decode(query, keys, values, scale).transpose(1, 2)
+    return {name: (lambda call=call: call().reshape(1, heads, 1, dim)) for name, call in variants.items()}
 
 
 def median_us(call, device: torch.device, repeats: int = 50) -> float:
@@ -153,16 +159,18 @@ def write_row(rows, row: dict) -> None:
 def time_decode_attention(out: Path, device: torch.device, lengths: tuple[int, ...]) -> None:
     shapes = {"smollm2-135m": (9, 3, 64), "gemma3-270m": (4, 1, 256)}  # query heads, KV heads, head dimension
     with out.open("w") as rows:
-        for (model, (heads, kv_heads, dim)), dtype, n in itertools.product(
-            shapes.items(), (torch.float32, torch.bfloat16), lengths
+        for (model, (heads, kv_heads, dim)), dtype, n, masked in itertools.product(
+            shapes.items(), (torch.float32, torch.bfloat16), lengths, (False, True)
         ):
             query = torch.randn(1, heads, 1, dim, device=device, dtype=dtype)
             keys, values = (torch.randn(1, kv_heads, n, dim, device=device, dtype=dtype) for _ in range(2))
-            variants = decode_variants(query, keys, values)
+            # a partial cache's empty slots: about 1 in 64 off, different per KV head
+            mask = torch.rand(1, kv_heads, 1, n, device=device) > 1 / 64 if masked else None
+            variants = decode_variants(query, keys, values, mask)
             reference = variants["packed_sdpa"]().float()
             for name, call in variants.items():
-                row = {"model": model, "dtype": str(dtype).removeprefix("torch."), "keys": n, "variant": name}
-                row["us"] = round(median_us(call, device), 1)
+                row = {"model": model, "dtype": str(dtype).removeprefix("torch."), "keys": n, "masked": masked}
+                row |= {"variant": name, "us": round(median_us(call, device), 1)}
                 row["max_diff"] = (call().float() - reference).abs().max().item()
                 write_row(rows, row)
 
@@ -226,6 +234,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="small sizes, to try the script before a GPU run")
     parser.add_argument("--steps", default="attention,methods,ab,compiled", help="which of these to run")
+    parser.add_argument("--lengths", default="1024,2048,4096,8192,32768", help="key counts of the attention step")
+    parser.add_argument("--compiled", default="full,refreshkv,recycled", help="methods of the compiled step")
     args = parser.parse_args()
     if args.step == "shapes":
         save_shapes(args.folder)
@@ -237,15 +247,16 @@ def main() -> None:
     print(torch.__version__, torch.cuda.get_device_name() if device.type == "cuda" else "cpu", flush=True)
     quick, steps = args.quick, args.steps.split(",")
     if "attention" in steps:
-        time_decode_attention(
-            args.out / "decode-attention.jsonl", device, (512,) if quick else (1024, 2048, 4096, 8192, 32768)
-        )
+        lengths = (512,) if quick else tuple(int(n) for n in args.lengths.split(","))
+        time_decode_attention(args.out / "decode-attention.jsonl", device, lengths)
+    if not {"methods", "ab", "compiled"} & set(steps):
+        return
     smollm2 = random_model(args.folder / "smollm2-135m", args.models / "smollm2-135m")
-    gemma = random_model(args.folder / "gemma3-270m", args.models / "gemma3-270m")
     if "methods" in steps:
         check_methods(smollm2, args.out / "methods.jsonl", device, *((256, 8) if quick else (2048, 32)))
     new_tokens, rounds = (8, 1) if quick else (64, 3)
     if "ab" in steps:
+        gemma = random_model(args.folder / "gemma3-270m", args.models / "gemma3-270m")
         with (args.out / "decode-ab.jsonl").open("w") as rows:
             for model_dir, dtype, length, budget in (
                 (smollm2, "float32", 8192, 1024),
@@ -256,7 +267,7 @@ def main() -> None:
                 decode_ab(model_dir, rows, device, dtype, length, budget, new_tokens, rounds)
     if "compiled" in steps:
         with (args.out / "compiled.jsonl").open("w") as rows:
-            methods = ["full"] if quick else ["full", "refreshkv", "recycled"]
+            methods = ["full"] if quick else args.compiled.split(",")
             time_compiled(smollm2, rows, device, methods, 512 if quick else 8192, 128 if quick else 1024, new_tokens)
 
 
