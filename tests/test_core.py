@@ -489,31 +489,48 @@ def test_one_query_over_many_keys_is_computed_explicitly_and_equals_sdpa(batch, 
 
 
 def test_the_gpu_decode_over_unpacked_heads_equals_the_packed_one():
-    """`grouped_decode` (the GPU's one-query path without a mask, run here on the CPU) against SDPA over packed rows:
-    query head h belongs to KV head h // group."""
+    """`grouped_decode` (the GPU's one-query path, run here on the CPU) against SDPA over packed rows: query head h
+    belongs to KV head h // group, and so does its row of a per-KV-head mask."""
     from refreshkv.core import attention_math
 
     generator = torch.Generator().manual_seed(1)
     query, keys, values = (torch.randn(2, h, n, 16, generator=generator) for h, n in ((6, 1), (2, 300), (2, 300)))
-    packed = torch.nn.functional.scaled_dot_product_attention(
-        attention_math.pack_queries(query, 2), keys, values, scale=0.3
-    )
-    got = attention_math.grouped_decode(query, keys, values, 0.3)
-    assert got.shape == (2, 1, 6, 16)
-    assert torch.allclose(got, attention_math.unpack_output(packed, 6), atol=1e-6)
+    per_kv_head = torch.rand(2, 2, 1, 300, generator=generator) > 0.3
+    per_row = torch.rand(2, 1, 1, 300, generator=generator) > 0.3
+    for mask in (None, per_kv_head, per_row):
+        packed = torch.nn.functional.scaled_dot_product_attention(
+            attention_math.pack_queries(query, 2), keys, values, attn_mask=mask, scale=0.3
+        )
+        got = attention_math.grouped_decode(query, keys, values, 0.3, mask)
+        assert got.shape == (2, 1, 6, 16)
+        assert torch.allclose(got, attention_math.unpack_output(packed, 6), atol=1e-6)
 
 
-def test_the_unpacked_heads_are_taken_off_the_cpu_for_many_keys_without_a_mask(monkeypatch):
-    """The rule of `decode_attention` on a device other than the CPU (the meta device stands in for a GPU)."""
+def test_the_unpacked_heads_are_taken_off_the_cpu_for_many_keys(monkeypatch):
+    """The rule of `decode_attention` on a device other than the CPU (the meta device stands in for a GPU): one
+    query over the cut or more, with or without a mask; not below it, not two queries, not on the CPU."""
     from refreshkv.core import attention_math
 
     calls, cut = [], attention_math.GROUPED_DECODE_FROM
-    monkeypatch.setattr(attention_math, "grouped_decode", lambda *args: calls.append(args[1].shape[2]) or args[0])
-    for device, n, masked in (("meta", cut, False), ("meta", cut - 1, False), ("meta", cut, True), ("cpu", cut, False)):
-        query, keys, values = (torch.zeros(1, h, length, 8, device=device) for h, length in ((6, 1), (2, n), (2, n)))
+
+    def grouped(query, keys, values, scaling, mask):
+        calls.append((keys.shape[2], mask is not None))
+        return query
+
+    monkeypatch.setattr(attention_math, "grouped_decode", grouped)
+    for device, n, masked, q_len in (
+        ("meta", cut, False, 1),
+        ("meta", cut - 1, False, 1),
+        ("meta", cut, True, 1),
+        ("meta", cut, False, 2),
+        ("cpu", cut, False, 1),
+    ):
+        query, keys, values = (
+            torch.zeros(1, h, length, 8, device=device) for h, length in ((6, q_len), (2, n), (2, n))
+        )
         valid = torch.ones(1, n, dtype=torch.bool, device=device) if masked else None
         attention_math.decode_attention(query, keys, values, 0.3, valid)
-    assert calls == [cut]
+    assert calls == [(cut, False), (cut, True)]
 
 
 def test_a_preset_gives_its_values_and_parameters_beside_it_override_them():

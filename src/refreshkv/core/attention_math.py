@@ -28,11 +28,11 @@ _MASKED = torch.finfo(torch.float32).min
 # One query token over at least this many keys on the CPU: two matrix products and a float32 softmax take 0.5-0.9x
 # the time of SDPA's flash kernel (2 threads, 1K-8K keys, bfloat16 and float32; SDPA is faster below 1K).
 EXPLICIT_DECODE_FROM = 1024
-# One query over at least this many keys on a GPU, without a mask: SDPA over the query heads as they are
-# (`enable_gqa`), not packed into rows of their KV head. On an H200 packed rows took 2.5-18x as long per call at
-# 8K-32K keys and `full`'s float32 step at 8K 1.41x as long; over `refreshkv`'s 1K-slot partial cache the unpacked
-# heads made its float32 step 1.1-1.7x slower (benchmarks/cuda_check.py; docs/benchmark.md "On a GPU"). Between
-# 1K and 8K nothing was measured: the cut at 4K is a choice.
+# One query over at least this many keys on a GPU: SDPA over the query heads as they are (`enable_gqa`, a mask
+# repeated per query head), not packed into rows of their KV head. Per call on an H200 (benchmarks/cuda_check.py,
+# docs/benchmark.md "On a GPU"), both models' head layouts, float32 and bfloat16: at 4K keys and more the unpacked
+# heads took 0.1-0.9x the packed rows' time with and without a mask, at 2K 0.5-1.1x, at 1K 0.9-2.1x; over
+# `refreshkv`'s 1K-slot partial cache they made its float32 step 1.1-1.7x slower.
 GROUPED_DECODE_FROM = 4096
 
 
@@ -101,8 +101,7 @@ def decode_attention(query, keys, values, scaling, valid: torch.Tensor | None = 
     One query over `EXPLICIT_DECODE_FROM` keys or more on the CPU is computed explicitly (logits, float32 softmax,
     probabilities times values), faster there than SDPA; in bfloat16 the logits and probabilities are then rounded
     to bfloat16 as in transformers' eager attention. On a GPU one query over `GROUPED_DECODE_FROM` keys or
-    more without a mask takes SDPA over the unpacked heads (`grouped_decode`); with a mask (padded rows, the
-    partial caches' empty slots) the packed rows stay, as nothing else was measured there."""
+    more takes SDPA over the unpacked heads (`grouped_decode`)."""
     kv_heads, n, q_len = keys.shape[1], keys.shape[2], query.shape[2]
     mask = None if valid is None else valid.reshape(valid.shape[0], -1, 1, n)
     if q_len > 1:
@@ -113,8 +112,8 @@ def decode_attention(query, keys, values, scaling, valid: torch.Tensor | None = 
     on_cpu = keys.device.type == "cpu"
     if isinstance(scaling, SoftCapped) or (q_len == 1 and on_cpu and n >= EXPLICIT_DECODE_FROM):
         output = _explicit_attention(pack_queries(query, kv_heads), keys, values, scaling, mask)
-    elif q_len == 1 and not on_cpu and n >= GROUPED_DECODE_FROM and mask is None:
-        return grouped_decode(query, keys, values, scaling)
+    elif q_len == 1 and not on_cpu and n >= GROUPED_DECODE_FROM:
+        return grouped_decode(query, keys, values, scaling, mask)
     else:
         output = F.scaled_dot_product_attention(
             pack_queries(query, kv_heads), keys, values, attn_mask=mask, scale=scaling
@@ -122,10 +121,12 @@ def decode_attention(query, keys, values, scaling, valid: torch.Tensor | None = 
     return unpack_output(output, query.shape[1])
 
 
-def grouped_decode(query, keys, values, scaling) -> torch.Tensor:
-    """One query per query head through SDPA with `enable_gqa` (no packing, no mask). Returns (B, 1, Hq, D) as
-    `decode_attention`."""
-    output = F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=True)
+def grouped_decode(query, keys, values, scaling, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per query head through SDPA with `enable_gqa`; `mask` (B, 1 or Hkv, 1, n) bool, a KV head's row
+    repeated for each of its query heads. Returns (B, 1, Hq, D) as `decode_attention`."""
+    if mask is not None and mask.shape[1] > 1:
+        mask = mask.repeat_interleave(query.shape[1] // mask.shape[1], dim=1)
+    output = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
     return output.transpose(1, 2)
 
 
