@@ -23,6 +23,9 @@ row as soon as it is measured (a run stopped at its time limit keeps what it fin
 - `decode-ab.jsonl`: `full` and `refreshkv` with the one-query attention always packed and, without a mask, always
   grouped (`attention_math.GROUPED_DECODE_FROM` 2^31 and 0), alternated in one process, stock transformers beside
   them: median decode step per round.
+- `decode-ab-padded.jsonl`: `full` over two rows of which one is left-padded (so every step has a mask), its
+  one-query attention always packed against the shipped rule, alternated in one process: median decode step and
+  whether the greedy tokens are the packed run's.
 - `compiled.jsonl`: the `--compiled` methods eager and with `compile=True` at 8K in bfloat16: the first compiled
   generation's seconds (it compiles) and the median step of the ones after it. Last, as it may not finish.
 """
@@ -199,6 +202,33 @@ def decode_ab(model_dir: Path, out, device, dtype: str, length: int, budget: int
     del model
 
 
+def decode_ab_padded(model_dir: Path, out, device, dtype: str, length: int, new_tokens: int, rounds: int):
+    """`full` over two rows, one left-padded (`length` and 7/8 of it: every step has a mask), the one-query attention
+    always packed against the shipped rule (`GROUPED_DECODE_FROM`), alternated round by round."""
+    import statistics
+
+    import refreshkv
+    from refreshkv.core import attention_math
+    from refreshkv.measure.bench import bench_prompt
+
+    model, tokenizer = refreshkv.load_model(model_dir, dtype=getattr(torch, dtype), device=str(device))
+    long, short = bench_prompt(tokenizer, length - new_tokens), bench_prompt(tokenizer, (length - new_tokens) * 7 // 8)
+    pad = long.shape[1] - short.shape[1]
+    ids = torch.cat([long, torch.cat([long.new_zeros(1, pad), short], 1)]).to(device)
+    attention_mask = (torch.arange(ids.shape[1]) >= torch.tensor([[0], [pad]])).long().to(device)
+    shipped, packed_tokens = attention_math.GROUPED_DECODE_FROM, None
+    for round_, rule in itertools.product(range(rounds), ("packed", "shipped")):
+        attention_math.GROUPED_DECODE_FROM = shipped if rule == "shipped" else 2**31
+        result = refreshkv.generate(model, ids, attention_mask, max_new_tokens=new_tokens, eos_token_id=[])
+        row = {"model": model_dir.name, "dtype": dtype, "length": length, "rows": 2, "round": round_, "rule": rule}
+        row["median_step_ms"] = round(1000 * statistics.median(result.step_s), 3)
+        packed_tokens = result.tokens if rule == "packed" else packed_tokens  # this round's packed run's
+        row["same_tokens_as_packed"] = result.tokens == packed_tokens
+        write_row(out, row)
+    attention_math.GROUPED_DECODE_FROM = shipped
+    del model
+
+
 def time_compiled(model_dir: Path, out, device, methods: list[str], length: int, budget: int, new_tokens: int):
     """Eager, then compiled (the first compiled generation compiles; two more are timed), one row per method."""
     import statistics
@@ -236,6 +266,7 @@ def main() -> None:
     parser.add_argument("--steps", default="attention,methods,ab,compiled", help="which of these to run")
     parser.add_argument("--lengths", default="1024,2048,4096,8192,32768", help="key counts of the attention step")
     parser.add_argument("--compiled", default="full,refreshkv,recycled", help="methods of the compiled step")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each A/B")
     args = parser.parse_args()
     if args.step == "shapes":
         save_shapes(args.folder)
@@ -249,12 +280,12 @@ def main() -> None:
     if "attention" in steps:
         lengths = (512,) if quick else tuple(int(n) for n in args.lengths.split(","))
         time_decode_attention(args.out / "decode-attention.jsonl", device, lengths)
-    if not {"methods", "ab", "compiled"} & set(steps):
+    if not {"methods", "ab", "ab-padded", "compiled"} & set(steps):
         return
     smollm2 = random_model(args.folder / "smollm2-135m", args.models / "smollm2-135m")
     if "methods" in steps:
         check_methods(smollm2, args.out / "methods.jsonl", device, *((256, 8) if quick else (2048, 32)))
-    new_tokens, rounds = (8, 1) if quick else (64, 3)
+    new_tokens, rounds = (8, 1) if quick else (64, args.rounds)
     if "ab" in steps:
         gemma = random_model(args.folder / "gemma3-270m", args.models / "gemma3-270m")
         with (args.out / "decode-ab.jsonl").open("w") as rows:
@@ -265,6 +296,10 @@ def main() -> None:
             ):
                 length, budget = (512, 128) if quick else (length, budget)
                 decode_ab(model_dir, rows, device, dtype, length, budget, new_tokens, rounds)
+    if "ab-padded" in steps:
+        with (args.out / "decode-ab-padded.jsonl").open("w") as rows:
+            for dtype in ("float32", "bfloat16"):
+                decode_ab_padded(smollm2, rows, device, dtype, 512 if quick else 8192, new_tokens, rounds)
     if "compiled" in steps:
         with (args.out / "compiled.jsonl").open("w") as rows:
             methods = ["full"] if quick else args.compiled.split(",")
