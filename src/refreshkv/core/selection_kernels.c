@@ -234,6 +234,16 @@ typedef struct {
 
 enum { PIECE = 1024, SLOT_PIECE = 256 }; /* positions and slots of a row that one thread takes at a time */
 
+/* Task `task` of (pieces of PIECE positions) x `heads`, heads varying fastest: its head and positions lo .. hi - 1. */
+typedef struct {
+    int64_t head, lo, hi;
+} Piece;
+
+INLINE Piece piece_of(int64_t task, int64_t heads, int64_t n) {
+    int64_t lo = task / heads * PIECE;
+    return (Piece){task % heads, lo, lo + PIECE < n ? lo + PIECE : n};
+}
+
 /* Piece `piece` of the slots of (batch element b, head h): copy_token_rows from the keys and values whose (batch,
    head) blocks lie `strides` apart into the `slots` consecutive rows of that row of `key_out` / `value_out`. */
 INLINE void gather_piece(const char *keys, const char *values, BlockStrides strides, int64_t b, int64_t h,
@@ -295,9 +305,10 @@ AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads,
     for (int64_t b = 0; b < batch; b++) {
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < heads * pieces; task++) {
-            int64_t h = task % heads, lo = task / heads * PIECE, hi = lo + PIECE < n ? lo + PIECE : n;
-            const float *head = probs + (b * heads + h) * group * n;
-            float *group_highest = highest + h * n;
+            Piece piece = piece_of(task, heads, n);
+            int64_t lo = piece.lo, hi = piece.hi;
+            const float *head = probs + (b * heads + piece.head) * group * n;
+            float *group_highest = highest + piece.head * n;
             memcpy(group_highest + lo, head + lo, (size_t)(hi - lo) * sizeof(float));
             for (int64_t g = 1; g < (first_only ? 1 : group); g++)
                 for (int64_t i = lo; i < hi; i++) group_highest[i] = higher(head[g * n + i], group_highest[i]);
@@ -305,9 +316,10 @@ AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads,
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < heads * pieces; task++) {
             /* the window's maximum, one offset at a time (the positions past either end are -inf padding) */
-            int64_t h = task % heads, lo = task / heads * PIECE, hi = lo + PIECE < n ? lo + PIECE : n;
-            const float *group_highest = highest + h * n;
-            float *scores = all_scores + h * n;
+            Piece piece = piece_of(task, heads, n);
+            int64_t lo = piece.lo, hi = piece.hi;
+            const float *group_highest = highest + piece.head * n;
+            float *scores = all_scores + piece.head * n;
             memcpy(scores + lo, group_highest + lo, (size_t)(hi - lo) * sizeof(float));
             for (int64_t offset = 1; offset <= before; offset++)
                 for (int64_t i = lo > offset ? lo : offset; i < hi; i++)
