@@ -313,13 +313,19 @@ def _refresh(per_head, first_only, before, after, words, valid, k, keys, values,
         raise MemoryError(f"refresh: no scratch space for {n} tokens")
 
 
-def _operator(name: str, function, schema: str, fake, mutates: tuple[str, ...] = ()):
+# Defined on a plain torch.library.Library, not with torch.library.custom_op: a compiled step calls the operator
+# once per layer, and a call through custom_op's wrappers cost 66 us more than the C it runs, this way 10 us (8K
+# tokens, 2 threads, AVX2 kernels: 2 ms of a compiled refresh step at 8K). The alias annotations (a!) in a schema
+# name what an operator writes. Kept alive with the module: the operators live as long as this object.
+_OPERATORS = torch.library.Library("refreshkv", "DEF")
+
+
+def _operator(name: str, function, schema: str, fake):
     """`function` as the operator `refreshkv::name` for torch.compile, its outputs' shapes given by `fake`."""
-    operator = torch.library.custom_op(
-        f"refreshkv::{name}", function, mutates_args=mutates, device_types="cpu", schema=schema
-    )
-    operator.register_fake(fake)
-    return operator
+    _OPERATORS.define(name + schema)
+    _OPERATORS.impl(name, function, "CPU")
+    torch.library.register_fake(f"refreshkv::{name}", fake, lib=_OPERATORS)
+    return getattr(torch.ops.refreshkv, name).default
 
 
 _top_k_operator = _operator(
@@ -339,7 +345,6 @@ _gather_operator = _operator(
     _gather,
     "(Tensor index, Tensor keys, Tensor values, Tensor(a!) key_out, Tensor(b!) value_out) -> ()",
     lambda index, keys, values, key_out, value_out: None,
-    mutates=("key_out", "value_out"),
 )
 _refresh_operator = _operator(
     "refresh_partial",
@@ -347,5 +352,4 @@ _refresh_operator = _operator(
     "(Tensor per_head, bool first_only, int before, int after, Tensor? words, Tensor? valid, int k, Tensor keys, "
     "Tensor values, Tensor(a!) key_out, Tensor(b!) value_out, Tensor(c!) positions, Tensor(d!) scores) -> ()",
     lambda *arguments: None,
-    mutates=("key_out", "value_out", "positions", "scores"),
 )
