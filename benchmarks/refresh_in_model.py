@@ -1,8 +1,9 @@
 """What a refresh costs inside the model, in one process: full steps of `recycled` (stride 2) against `full`'s steps
-and against the same `recycled` with its decode-time refreshes skipped, the C call's time per layer, and how much of
-C_p two refreshes share (the same tokens; the same tokens in the same slots).
+and against the same `recycled` with its decode-time refreshes skipped, the C call's time per layer, and with
+`--overlap` how much of C_p two refreshes share (the same tokens; the same tokens in the same slots: read in Python
+around every C call, which then weighs on the full steps' times).
 
-    ATEN_CPU_CAPABILITY=avx2 python benchmarks/refresh_in_model.py --length 8192 --threads 2 [--compile]
+    ATEN_CPU_CAPABILITY=avx2 python benchmarks/refresh_in_model.py --length 8192 --threads 2 [--compile] [--overlap]
 
 On the embedded model, K = 1024, 48 new tokens; `--rounds` rounds after an untimed first one (which compiles, with
 `--compile`). Prints one line per round and method, then the ratios of the median full steps over the timed rounds.
@@ -37,8 +38,8 @@ class WithoutRefreshes(Recycled):
 class Watched:
     """The C library, timing each `refresh_partial` call and noting how C_p's positions change at each refresh."""
 
-    def __init__(self, library):
-        self.library, self.seconds, self.same_slot, self.same_tokens = library, [], [], []
+    def __init__(self, library, overlap: bool):
+        self.library, self.overlap, self.seconds, self.same_slot, self.same_tokens = library, overlap, [], [], []
 
     def __getattr__(self, name):
         function = getattr(self.library, name)
@@ -46,10 +47,12 @@ class Watched:
 
     def _refresh(self, *arguments):
         positions_pointer, heads, slots, k = arguments[19], arguments[2], arguments[16], arguments[11]
-        before = self._positions(positions_pointer, heads * slots).clone()
+        before = self._positions(positions_pointer, heads * slots).clone() if self.overlap else None
         start = time.perf_counter()
         failed = self.library.refresh_partial(*arguments)
         self.seconds.append(time.perf_counter() - start)
+        if before is None:
+            return failed
         after = self._positions(positions_pointer, heads * slots)
         if before.max() >= 0:  # not the first fill
             old, new = before.view(heads, slots), after.view(heads, slots)[:, :k]
@@ -69,9 +72,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds, after an untimed first one")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--overlap", action="store_true", help="how much of C_p two refreshes share (slows them)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    watched = Watched(native_selection._library())
+    watched = Watched(native_selection._library(), args.overlap)
     native_selection._library = lambda: watched  # every C call of this process goes through it
     model, tokenizer = load_model()
     ids = bench_prompt(tokenizer, args.length - 48)
@@ -91,10 +95,11 @@ def main() -> None:
     full_step = statistics.median(steps["full"])
     for name in ("recycled@s2", "without refreshes"):
         print(f"{name}: full step / full's step {statistics.median(steps[name]) / full_step:.3f}")
-    print(
-        f"between refreshes: {statistics.fmean(watched.same_tokens):.1%} of the kept tokens stay, "
-        f"{statistics.fmean(watched.same_slot):.1%} in the same slot"
-    )
+    if args.overlap:
+        print(
+            f"between refreshes: {statistics.fmean(watched.same_tokens):.1%} of the kept tokens stay, "
+            f"{statistics.fmean(watched.same_slot):.1%} in the same slot"
+        )
 
 
 if __name__ == "__main__":
