@@ -20,9 +20,9 @@ row as soon as it is measured (a run stopped at its time limit keeps what it fin
   every token, the largest logit difference to `full` (must be float32 rounding); at K = L/8, that its logits are
   finite and where its cache lies (`kv_bytes_by_device`); `refreshkv` with `full_cache="offload"` against the dense
   one (its C_f in pinned host memory: the only path that needs a GPU).
-- `decode-ab.jsonl`: `full` and `refreshkv` with the one-query attention always packed and, without a mask, always
-  grouped (`attention_math.GROUPED_DECODE_FROM` 2^31 and 0), alternated in one process, stock transformers beside
-  them: median decode step per round.
+- `decode-ab.jsonl`: `full` and `refreshkv` with the one-query attention always packed and always over the
+  unpacked heads (`attention_math.GROUPED_DECODE_FROM` 2^31 and 0), alternated in one process, stock transformers
+  beside them: median decode step per round.
 - `decode-ab-padded.jsonl`: `full` over two rows of which one is left-padded (so every step has a mask), its
   one-query attention always packed against the shipped rule, alternated in one process: median decode step and
   whether the greedy tokens are the packed run's.
@@ -179,7 +179,7 @@ def time_decode_attention(out: Path, device: torch.device, lengths: tuple[int, .
 
 
 def decode_ab(model_dir: Path, out, device, dtype: str, length: int, budget: int, new_tokens: int, rounds: int):
-    """`full` and `refreshkv` with the one-query attention packed, then grouped, alternated round by round."""
+    """`full` and `refreshkv` with the one-query attention packed, then over the unpacked heads, alternated round by round."""
     import refreshkv
     from refreshkv.core import attention_math
     from refreshkv.measure.bench import REFERENCE, PeakMemory, bench_prompt, run_round
