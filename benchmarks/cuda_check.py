@@ -179,7 +179,8 @@ def time_decode_attention(out: Path, device: torch.device, lengths: tuple[int, .
 
 
 def decode_ab(model_dir: Path, out, device, dtype: str, length: int, budget: int, new_tokens: int, rounds: int):
-    """`full` and `refreshkv` with the one-query attention packed, then over the unpacked heads, alternated round by round."""
+    """`full` and `refreshkv` with the one-query attention packed, then over the unpacked heads, alternated round by
+    round."""
     import refreshkv
     from refreshkv.core import attention_math
     from refreshkv.measure.bench import REFERENCE, PeakMemory, bench_prompt, run_round
