@@ -31,6 +31,7 @@ row as soon as it is measured (a run stopped at its time limit keeps what it fin
 """
 
 import argparse
+import contextlib
 import itertools
 import json
 import shutil
@@ -178,20 +179,34 @@ def time_decode_attention(out: Path, device: torch.device, lengths: tuple[int, .
                 write_row(rows, row)
 
 
+@contextlib.contextmanager
+def unpacked_heads_from(keys: int):
+    """Inside the block, one query takes the unpacked heads from `keys` keys on (`attention_math.GROUPED_DECODE_FROM`;
+    0: always, 2**31: never, packed rows); the shipped value is back after it."""
+    from refreshkv.core import attention_math
+
+    shipped = attention_math.GROUPED_DECODE_FROM
+    attention_math.GROUPED_DECODE_FROM = keys
+    try:
+        yield
+    finally:
+        attention_math.GROUPED_DECODE_FROM = shipped
+
+
 def decode_ab(model_dir: Path, out, device, dtype: str, length: int, budget: int, new_tokens: int, rounds: int):
     """`full` and `refreshkv` with the one-query attention packed, then over the unpacked heads, alternated round by
     round."""
     import refreshkv
-    from refreshkv.core import attention_math
     from refreshkv.measure.bench import REFERENCE, PeakMemory, bench_prompt, run_round
 
     model, tokenizer = refreshkv.load_model(model_dir, dtype=getattr(torch, dtype), device=str(device))
     ids = bench_prompt(tokenizer, length - new_tokens).to(device)  # length: with the new tokens
-    methods, default = {"full": {}, "refreshkv": {"budget": budget}}, attention_math.GROUPED_DECODE_FROM
+    methods = {"full": {}, "refreshkv": {"budget": budget}}
     for round_, grouped in itertools.product(range(rounds), (False, True)):
-        attention_math.GROUPED_DECODE_FROM = 0 if grouped else 2**31
         names = ([] if grouped else [REFERENCE]) + list(methods)
-        for run in run_round(model, ids, methods, names, new_tokens, PeakMemory(device), share_prefill=False):
+        with unpacked_heads_from(0 if grouped else 2**31):
+            runs = run_round(model, ids, methods, names, new_tokens, PeakMemory(device), share_prefill=False)
+        for run in runs:
             row = {"model": model_dir.name, "dtype": dtype, "length": length, "round": round_}
             row |= {"method": run.method, "grouped": grouped if run.method != REFERENCE else None}
             row |= {
@@ -199,7 +214,6 @@ def decode_ab(model_dir: Path, out, device, dtype: str, length: int, budget: int
                 "mean_ms": round(1000 * run.decode_mean_s, 3),
             }
             write_row(out, row)
-    attention_math.GROUPED_DECODE_FROM = default
     del model
 
 
@@ -219,14 +233,13 @@ def decode_ab_padded(model_dir: Path, out, device, dtype: str, length: int, new_
     attention_mask = (torch.arange(ids.shape[1]) >= torch.tensor([[0], [pad]])).long().to(device)
     shipped, packed_tokens = attention_math.GROUPED_DECODE_FROM, None
     for round_, rule in itertools.product(range(rounds), ("packed", "shipped")):
-        attention_math.GROUPED_DECODE_FROM = shipped if rule == "shipped" else 2**31
-        result = refreshkv.generate(model, ids, attention_mask, max_new_tokens=new_tokens, eos_token_id=[])
+        with unpacked_heads_from(shipped if rule == "shipped" else 2**31):
+            result = refreshkv.generate(model, ids, attention_mask, max_new_tokens=new_tokens, eos_token_id=[])
         row = {"model": model_dir.name, "dtype": dtype, "length": length, "rows": 2, "round": round_, "rule": rule}
         row["median_step_ms"] = round(1000 * statistics.median(result.step_s), 3)
         packed_tokens = result.tokens if rule == "packed" else packed_tokens  # this round's packed run's
         row["same_tokens_as_packed"] = result.tokens == packed_tokens
         write_row(out, row)
-    attention_math.GROUPED_DECODE_FROM = shipped
     del model
 
 
