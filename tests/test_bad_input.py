@@ -724,3 +724,50 @@ def test_chat_bad_input_is_one_line_before_loading(tmp_path, no_model, monkeypat
         args += ["--budget", "8"]
     code, _, err = cli(monkeypatch, capsys, *args)
     assert_one_line_error(code, err, message.format(q=questions, out=out))
+
+
+# ---- issue 50: silently wrong results and late checks -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("params", [{"budget": 100}, {"bogus": 100}])
+def test_parameters_beside_a_method_object_are_refused(llama, params):
+    """They were ignored: `budget=100` beside make_policy("snapkv", budget=40) ran with 40."""
+    import torch
+
+    from refreshkv import PolicyError, generate, make_policy
+    from refreshkv.runtime.conversation import Conversation
+
+    ids = torch.randint(3, 100, (1, 48))
+    for entry in (generate, Conversation):
+        with pytest.raises(PolicyError, match=f"'snapkv' object.*{next(iter(params))} beside it") as error:
+            entry(llama, ids, method=make_policy("snapkv", budget=40), **params)
+        assert "\n" not in str(error.value)
+
+
+def test_a_cache_given_a_new_prompt_is_refused_until_reset(llama):
+    """The same ids again used to be fed as a continuation: other tokens, and the earlier ones still counted."""
+    import torch
+    from conftest import random_prompt
+
+    from refreshkv import PolicyCache, PolicyError, make_policy, with_cache
+
+    ids = random_prompt(30, seed=5)
+    cache = PolicyCache(make_policy("snapkv", budget=8, window=4), llama, max_new_tokens=4)
+    options = dict(**with_cache(llama, cache), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    first = llama.generate(ids, **options)
+    held = cache.get_seq_length()
+    with pytest.raises(PolicyError, match=rf"holds {held} tokens .* start at position \d+, .*cache.reset\(\)") as error:
+        llama.generate(ids, **options)
+    assert "\n" not in str(error.value) and cache.get_seq_length() == held  # refused before a token went in
+    cache.reset()
+    assert torch.equal(llama.generate(ids, **options), first)
+
+
+def test_threads_beyond_the_cores_are_refused_before_loading(no_model, monkeypatch, capsys):
+    from refreshkv.runtime.prepare import check_runtime, usable_cores
+
+    cores = usable_cores()
+    for command in ("bench", "profile"):
+        code, _, err = cli(monkeypatch, capsys, command, "--threads", cores + 1)
+        assert_one_line_error(code, err, f"threads must be 1 to {cores} (the CPU cores this process may use)")
+    assert check_runtime(threads=cores).threads == cores

@@ -38,7 +38,9 @@ PresetOpt = Annotated[
 ParamOpt = Annotated[list[str], typer.Option("--param", help="Any other method parameter, NAME=VALUE (repeatable).")]
 DtypeOpt = Annotated[str, typer.Option(help="float32 or bfloat16.")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu or cuda.")]
-ThreadsOpt = Annotated[Optional[int], typer.Option(min=1, help="torch CPU threads.")]
+ThreadsOpt = Annotated[
+    Optional[int], typer.Option(min=1, help="torch CPU threads, at most the CPU cores this process may use.")
+]
 WeightLayoutOpt = Annotated[
     str,
     typer.Option(

@@ -14,7 +14,8 @@ window, whatever the method (sliding_window.py).
 
 Beam search (`reorder_cache`, `batch_repeat_interleave`, `batch_select_indices`) reorders every layer's state
 (`LayerState.select_rows`); `reset` empties the cache for a new generation; `crop` is done by the method (only
-`full` can: the others have dropped tokens).
+`full` can: the others have dropped tokens). A cache that holds tokens takes only tokens that continue them (a
+conversation's next turn); a new prompt given to it is refused until `reset` (continuation.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections import Counter
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .continuation import ContinuationCheck
 from .policy import Policy, PolicyError, check_positive
 from .rope import inverse_frequencies
 from .sliding_window import SlidingWindow
@@ -311,6 +313,7 @@ class PolicyCache(Cache):
             if model_or_config.config._attn_implementation != ATTENTION_NAME:
                 model_or_config.set_attn_implementation(ATTENTION_NAME)
             config = model_or_config.config
+            weakref.finalize(self, ContinuationCheck(model_or_config, self).close)  # a new prompt is not a next turn
         else:
             config = model_or_config
         if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:

@@ -220,3 +220,16 @@ def make_policy(name: str, preset: str | None = None, **params) -> Policy:
         names = ", ".join(allowed) or "none"
         raise PolicyError(f"method '{name}' has no parameter {', '.join(unknown)}; its parameters: {names}")
     return cls(**given)
+
+
+def policy_of(method: str | Policy, **params) -> Policy:
+    """`method` as a Policy: a name is built with `params` (`make_policy`); a Policy object is taken as it is and
+    refuses parameters beside it, which it would ignore (its own were set when it was made)."""
+    if not isinstance(method, Policy):
+        return make_policy(method, **params)
+    if params:
+        raise PolicyError(
+            f"method is a '{method.name}' object, made with its parameters; {', '.join(sorted(params))} beside it "
+            "would be ignored: give them to make_policy, or give the method by name"
+        )
+    return method

@@ -25,7 +25,7 @@ import torch
 
 from ..core.cache import PolicyCache
 from ..core.cache_argument import with_cache
-from ..core.policy import Policy, PolicyError, croppable_methods, make_policy
+from ..core.policy import Policy, PolicyError, croppable_methods, policy_of
 from ..core.shared_prefill import SharedPrefill
 from .generate import DecodeSettings, check_length, decode, prefill, synchronize
 from .inputs import check_eos, check_new_tokens, check_token_ids, vocabulary_size
@@ -46,7 +46,8 @@ class Turn:
 class Conversation:
     """Questions over one prefilled context, under one KV method; see the module docstring.
 
-    `context_ids`: (1, n) token ids. `eos_token_id`: where answers end (default: the model's).
+    `context_ids`: (1, n) token ids. `eos_token_id`: where answers end (default: the model's). `method`: a name with
+    its `params`, or a method object alone.
     """
 
     def __init__(
@@ -60,7 +61,7 @@ class Conversation:
         eos_token_id: int | list[int] | None = None,
         **params,
     ):
-        policy = method if isinstance(method, Policy) else make_policy(method, **params)
+        policy = policy_of(method, **params)
         check_token_ids("context_ids", context_ids, vocabulary_size(model))
         if context_ids.shape[0] != 1:
             raise ValueError(f"a conversation takes one context (a batch of 1), got {context_ids.shape[0]} rows")

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from ..core.cache import PolicyCache
 from ..core.cache_argument import with_cache
-from ..core.policy import Policy, check_positive, make_policy
+from ..core.policy import Policy, check_positive, make_policy, policy_of
 from ..core.shared_prefill import SharedPrefill
 from .compiled import check_compile_works, compiled_forward, runs_eagerly
 from .fidelity import fidelity as fidelity_to
@@ -167,7 +167,8 @@ def generate(
     compile: bool = False,
     **method_params,
 ) -> GenerationOutput:
-    """Generate with a KV method, e.g. `generate(model, ids, method="refreshkv", budget=1024)`.
+    """Generate with a KV method, e.g. `generate(model, ids, method="refreshkv", budget=1024)`, or a method object
+    (`method=make_policy("refreshkv", budget=1024)`), which takes no parameters beside it (PolicyError).
 
     With `forced_tokens` (B, N) the loop feeds those tokens instead of its own choices (teacher forcing, for
     perplexity): N steps, no end-of-sequence stop; the method manages its caches exactly as in generation.
@@ -177,7 +178,7 @@ def generate(
     `compile=True`: decode steps run the model's forward under torch.compile (compiled.py); greedy tokens equal the
     eager ones, the first steps (and a schedule's first full step) pay for compilation.
     """
-    policy = method if isinstance(method, Policy) else make_policy(method, **method_params)
+    policy = policy_of(method, **method_params)
     return generate_many(
         model,
         input_ids,

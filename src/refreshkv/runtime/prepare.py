@@ -8,6 +8,7 @@ asked for. The CLI's commands (generate, demo, bench, profile, eval, sweep, trai
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -37,7 +38,8 @@ def check_runtime(
     threads: int | None = None,
 ) -> Runtime:
     """The options checked: the dtype known, the device present here, the weight layout known, torch.compile
-    working (if asked)."""
+    working (if asked), CPU threads no more than the cores this process may run on (more only make the threads
+    wait for each other, and thousands of them brought a machine to a halt)."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype '{dtype}'; choose from: {', '.join(DTYPES)}")
     if device not in DEVICES:
@@ -45,9 +47,18 @@ def check_runtime(
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but no CUDA GPU is available")
     check_weight_layout(weight_layout)
+    if threads is not None and not 1 <= threads <= usable_cores():
+        raise ValueError(f"threads must be 1 to {usable_cores()} (the CPU cores this process may use), got {threads}")
     if compile:
         check_compile_works()
     return Runtime(DTYPES[dtype], device, compile, weight_layout, threads)
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the system has one, else all of them)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def load_checked(model, runtime: Runtime):
