@@ -577,7 +577,7 @@ def test_a_budget_that_holds_the_whole_length_is_refused(tmp_path, doc, no_model
 
     spec = sweep_file(
         tmp_path,
-        "out: r.jsonl\nlengths: [100, 200]\ntasks: [ppl]\nmethods: [{name: snapkv, grid: {budget: [8, 150]}}]\n",
+        "out: r.jsonl\nlengths: [100, 200]\ntasks: [ppl]\nmethods: [{name: snapkv, grid: {budget: [40, 150]}}]\n",
     )
     with pytest.raises(SweepError, match=rf"^{spec}: method snapkv: budget 150 is not below the length 100 "):
         load_sweep(spec)
@@ -771,3 +771,55 @@ def test_threads_beyond_the_cores_are_refused_before_loading(no_model, monkeypat
         code, _, err = cli(monkeypatch, capsys, command, "--threads", cores + 1)
         assert_one_line_error(code, err, f"threads must be 1 to {cores} (the CPU cores this process may use)")
     assert check_runtime(threads=cores).threads == cores
+
+
+@pytest.mark.parametrize("value", [-4, 0])
+def test_a_ppl_target_below_one_is_refused_before_loading(value, doc, no_model, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "r.jsonl"
+    args = ppl_eval_args(doc, out)
+    args[args.index("target_tokens=4")] = f"target_tokens={value}"
+    code, _, err = cli(monkeypatch, capsys, *args)
+    assert_one_line_error(code, err, f"task 'ppl': option target_tokens must be an integer >= 1, got {value}")
+    assert not out.exists()
+
+
+def test_a_snapkv_budget_below_its_window_is_refused_before_loading(tmp_path, doc, no_model, monkeypatch, capsys):
+    """The docs promise every combination is checked first; budget 16 < window 32 failed after the model loaded."""
+    from refreshkv.eval.sweep import SweepError
+
+    for params, message in (
+        ("{budget: 16}", r"budget \(16\) must hold the observation window \(32 tokens\)"),
+        ("{budget_ratio: 0.1}", r"budget \(10 tokens: budget_ratio 0.1 of 100 prompt tokens\) must hold the obs"),
+    ):
+        spec = sweep_file(
+            tmp_path, f"out: r.jsonl\nlengths: [100]\ntasks: [ppl]\nmethods: [{{name: snapkv, params: {params}}}]\n"
+        )
+        with pytest.raises(SweepError, match=rf"^{spec}: {message}"):
+            load_sweep(spec)
+    code, _, err = cli(monkeypatch, capsys, "sweep", spec)
+    assert_one_line_error(code, err, "must hold the observation window (32 tokens)")
+    code, _, err = cli(monkeypatch, capsys, "generate", "--method", "snapkv", "--budget", "16", "--prompt", "hi")
+    assert_one_line_error(code, err, "budget (16) must hold the observation window (32 tokens)")
+
+
+@pytest.mark.parametrize("setup", ["missing folder", "unwritable", "dangling link"])
+def test_chat_out_that_cannot_be_made_is_refused_before_loading(tmp_path, no_model, monkeypatch, capsys, setup):
+    """It failed after the prefill (11-19 s) with a raw errno message; a dangling link had its target created."""
+    document, questions = tmp_path / "doc.txt", tmp_path / "q.txt"
+    document.write_text("some text")
+    questions.write_text("a question?\n")
+    target = tmp_path / "elsewhere" / "t.jsonl"
+    if setup == "missing folder":
+        out, message = tmp_path / "missing" / "dir" / "t.jsonl", "No such file or directory"
+    elif setup == "unwritable":
+        blocker = tmp_path / "a-file"
+        blocker.write_text("")
+        out, message = blocker / "t.jsonl", "Not a directory"  # unwritable even by root
+    else:
+        target.parent.mkdir()
+        out, message = tmp_path / "link.jsonl", "is a symbolic link"
+        out.symlink_to(target)
+    args = ["chat", "--prompt-file", document, "--questions", questions, "--out", out, "--method", "full"]
+    code, _, err = cli(monkeypatch, capsys, *args)
+    assert_one_line_error(code, err, f"--out {out}", message)
+    assert not target.exists() and (setup == "dangling link" or not out.exists())

@@ -185,7 +185,7 @@ def test_sweep_file_errors_are_one_line(tmp_path):
         "out: r.jsonl\nlengths: [0]\ntasks: [ppl]\nmethods: [full]\n": "'lengths' must be an integer >= 1",
         "out: r.jsonl\nlengths: [100]\ntasks: [ppl]\n": "missing required key 'methods'",
         "lengths: [100]\ntasks: [ppl]\nmethods: [full]\n": "no output file",
-        "out: r.jsonl\nlengths: [100]\ntasks: [recovery]\nmethods: [full, snapkv]\n": "recovery",
+        "out: r.jsonl\nlengths: [100]\ntasks: [recovery]\nmethods: [full, streamingllm]\n": "recovery",
         "out: [\n": "not valid YAML",
     }
     for text, message in cases.items():
@@ -193,8 +193,8 @@ def test_sweep_file_errors_are_one_line(tmp_path):
         with pytest.raises(SweepError, match=None) as error:
             load_sweep(spec)
         assert message in str(error.value) and "\n" not in str(error.value) and str(spec) in str(error.value)
-    spec.write_text("out: r.jsonl\nlengths: 100\ntasks: [ppl]\nmethods: [{name: snapkv, grid: {budget: [8, 16]}}]\n")
-    assert [m for m in load_sweep(spec).methods] == [("snapkv", {"budget": 8}), ("snapkv", {"budget": 16})]
+    spec.write_text("out: r.jsonl\nlengths: 100\ntasks: [ppl]\nmethods: [{name: snapkv, grid: {budget: [40, 48]}}]\n")
+    assert [m for m in load_sweep(spec).methods] == [("snapkv", {"budget": 40}), ("snapkv", {"budget": 48})]
 
 
 def test_sweep_model_from_the_command_line_replaces_the_files(tmp_path):
@@ -226,13 +226,13 @@ def test_resume_skips_finished_rows_and_refuses_another_configuration(tmp_path, 
     assert [r["id"] for r in rows] == [f"{NIAH}/L300/s0/{i}" for i in range(3)]
     before = out.read_bytes()
     with pytest.raises(ResultsError, match="holds results of another configuration"):
-        run_eval(model, TOKENIZER, config(method="snapkv", params={"budget": 8}), 2, out, progress=False)
+        run_eval(model, TOKENIZER, config(method="snapkv", params={"budget": 40}), 2, out, progress=False)
     with pytest.raises(ResultsError, match="another configuration"):
         run_eval(model, TOKENIZER, config(seed=1), 2, out, progress=False)
     assert out.read_bytes() == before
     # the same through the command line: exit code 2, one line, the file untouched (refused before loading a model)
     result = CliRunner().invoke(
-        _app(), ["eval", "--task", NIAH, "--method", "snapkv", "--budget", "8", "--length", "300", "--out", str(out)]
+        _app(), ["eval", "--task", NIAH, "--method", "snapkv", "--budget", "40", "--length", "300", "--out", str(out)]
     )
     assert result.exit_code == 2 and "another configuration" in result.output
     assert out.read_bytes() == before

@@ -2,11 +2,13 @@
 
 Interactive by default (a `> ` prompt with line editing and history; an empty line is ignored, Ctrl-C or Ctrl-D
 ends the conversation); `--questions FILE` (one question per line) runs without a prompt and writes one JSONL row
-per turn and method (`--out`, default standard output).
+per turn and method (`--out`, default standard output; a new file, made before the model loads, so that a path that
+exists, is a link or cannot be created is refused first).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..runtime.output_files import new_text_file
 from ..runtime.prepare import check_runtime, load_checked
 from .options import (
     BudgetOpt,
@@ -109,20 +112,19 @@ def register(app, user_errors) -> None:
         asked = read_questions(questions) if questions is not None else None
         if out is not None and asked is None:
             raise ValueError("--out writes the rows of a --questions run; give --questions FILE too")
-        if out is not None and out.exists():
-            raise ValueError(f"--out {out} exists; remove it or choose another file")
-        lm, tokenizer, _ = load_checked(model, check_runtime(dtype, device))
-        form = TurnFormat(tokenizer)
-        context = form.context(document).to(lm.device)
-        print(f"prefilling the document ({context.shape[1]} tokens) for {', '.join(method)} ...", file=sys.stderr)
-        if question_aware:
-            conversations = [
-                Conversation(lm, context, p, question_aware=True, keep_answers=not drop_answers) for p in policies
-            ]
-        else:
-            conversations = Conversation.several(lm, context, policies, keep_answers=not drop_answers)
-        sink = open(out, "w", encoding="utf-8") if out is not None else sys.stdout  # noqa: SIM115
-        try:
+        runtime = check_runtime(dtype, device)
+        # the rows' file is made before the model loads: a path that cannot take it is refused first
+        with new_text_file(out, "--out") if out is not None else contextlib.nullcontext(sys.stdout) as sink:
+            lm, tokenizer, _ = load_checked(model, runtime)
+            form = TurnFormat(tokenizer)
+            context = form.context(document).to(lm.device)
+            print(f"prefilling the document ({context.shape[1]} tokens) for {', '.join(method)} ...", file=sys.stderr)
+            if question_aware:
+                conversations = [
+                    Conversation(lm, context, p, question_aware=True, keep_answers=not drop_answers) for p in policies
+                ]
+            else:
+                conversations = Conversation.several(lm, context, policies, keep_answers=not drop_answers)
             for number, question in enumerate(asked or interactive_questions(), 1):
                 for name, conversation in zip(method, conversations):
                     previous = conversation.turns[-1].tokens if conversation.turns else []
@@ -151,6 +153,3 @@ def register(app, user_errors) -> None:
                         "kv_bytes_read_per_step": round(turn.kv_bytes_read_per_step),
                     }
                     print(json.dumps(row), file=sink, flush=True)
-        finally:
-            if sink is not sys.stdout:
-                sink.close()

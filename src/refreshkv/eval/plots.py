@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ..runtime.output_files import save_figure
 from .summary import Group, mean, method_summaries
 
 
@@ -28,8 +29,10 @@ def _pyplot():
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    _pyplot().close(fig)
+    try:
+        save_figure(fig, path, "report file", dpi=120)
+    finally:
+        _pyplot().close(fig)
     return path
 
 

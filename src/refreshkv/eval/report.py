@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..runtime.output_files import refuse_link, write_text
 from . import stats
 from .summary import (
     FRONTIER_TARGET,
@@ -304,7 +305,9 @@ def default_out_dir(first: str | os.PathLike) -> Path:
 
 
 def write_report(paths, out_dir: str | os.PathLike | None = None, plots: bool = True):
-    """Load the rows, write PNGs and summary.md into `out_dir`; returns (groups, out_dir, written files)."""
+    """Load the rows, write PNGs and summary.md into `out_dir`; returns (groups, out_dir, written files). Each file
+    replaces its old one whole; a symbolic link in their place is refused before any is written
+    (runtime/output_files.py)."""
     groups = group_rows(load_results(paths))
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(paths[0])
     if plots:
@@ -317,11 +320,11 @@ def write_report(paths, out_dir: str | os.PathLike | None = None, plots: bool = 
         raise ValueError(
             f"cannot make the report folder {out_dir} ({error.strerror}); give another --out-dir"
         ) from None
-    written = []
-    if plots:
-        from .plots import write_plots
+    from .plots import PLOTS, write_plots
 
-        written = write_plots(groups, out_dir)
     summary = out_dir / "summary.md"
-    summary.write_text(markdown_summary(groups, [str(p) for p in paths], written), encoding="utf-8")
+    for name in ["summary.md", *(name for name, _ in PLOTS if plots)]:  # a link refused before anything is written
+        refuse_link(out_dir / name, "report file")
+    written = write_plots(groups, out_dir) if plots else []
+    write_text(summary, markdown_summary(groups, [str(p) for p in paths], written), "report file")
     return groups, out_dir, written + [summary]

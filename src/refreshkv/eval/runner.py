@@ -32,6 +32,7 @@ from ..measure.budget_report import budget_report
 from ..runtime.conversation import Conversation, TurnFormat
 from ..runtime.generate import check_length, generate_many
 from ..runtime.models import DEFAULT_MODEL, NAMED_MODELS
+from ..runtime.output_files import refuse_link
 from .distributed import Launch, my_share
 from .perplexity import teacher_forced, teacher_forced_many
 from .recovery import RecoveryTask, probe_for, recovery_score
@@ -92,6 +93,9 @@ def check_task_options(name: str, options: dict) -> None:
                 f"task '{name}': option {option} must be {'an integer' if expected is int else 'a number'}, "
                 f"got {value!r}"
             )
+    check_values = getattr(task, "check_options", None)  # a task's own rules for its values (ppl: target_tokens)
+    if check_values is not None:
+        check_values(options)
 
 
 def is_number(value, integer: bool = False) -> bool:
@@ -117,9 +121,12 @@ def short_hash(value) -> str:
     return hashlib.sha256(canonical(value).encode()).hexdigest()[:16]
 
 
-def check_budget_below_length(policy, length: int) -> None:
-    """A budget of `length` tokens or more keeps every token: the row would be `full`'s under another name (a
-    frontier point that measures nothing), so it is refused."""
+def check_budget_at_length(policy, length: int) -> None:
+    """The method's budget at `length` tokens, checked before any model loads: one the method can use (`budget_for`
+    refuses, e.g., a budget_ratio whose K cannot hold snapkv's window; prompts have at most `length` tokens, so what
+    is refused here would be on every example), and below the length: a budget of `length` tokens or more keeps
+    every token, and the row would be `full`'s under another name (a frontier point that measures nothing)."""
+    policy.budget_for(length)
     budget = getattr(policy, "budget", None)
     if budget is not None and budget >= length:
         raise ValueError(
@@ -165,7 +172,7 @@ class RunConfig:
         """Everything that can be checked without the tokenizer: task, options, method, parameters, length."""
         task = find_task(self.task)
         check_task_options(self.task, self.task_options)
-        check_budget_below_length(make_policy(self.method, **self.params), self.length)
+        check_budget_at_length(make_policy(self.method, **self.params), self.length)
         if task_kind(task) == "recovery" and self.method != "full":
             raise ValueError(f"task 'recovery' measures attention under 'full', got method '{self.method}'")
         if not isinstance(self.length, int) or isinstance(self.length, bool) or self.length < 1:
@@ -446,7 +453,8 @@ class ResultsFile:
     The file is opened (created if missing) and locked before it is read, so `done` stays what the file holds until
     `close`: a second run on the same file is refused instead of repeating rows, and the torn tail cut before the
     first append is the one read here. Opening first also refuses an unwritable path before any work is done; a file
-    this run created and never wrote to is removed again on close.
+    this run created and never wrote to is removed again on close. A symbolic link is refused, never followed
+    (runtime/output_files.py).
     """
 
     def __init__(self, path: str | os.PathLike, run: str):
@@ -478,13 +486,15 @@ class ResultsFile:
 
     def _open_locked(self) -> tuple[int, bool]:
         """(descriptor holding the lock, whether this run created the file)."""
+        refuse_link(self.path, "results file")
+        append = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW  # a link made after the check is not followed either
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             while True:
                 try:
-                    fd, created = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644), True
+                    fd, created = os.open(self.path, append | os.O_CREAT | os.O_EXCL, 0o644), True
                 except FileExistsError:
-                    fd, created = os.open(self.path, os.O_WRONLY | os.O_APPEND), False
+                    fd, created = os.open(self.path, append), False
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:

@@ -2,7 +2,8 @@
 
 Schema (see docs/evaluation.md for an example):
 
-    out: results.jsonl          # required unless --out is given; relative to the YAML file's folder
+    out: results.jsonl          # required unless --out is given; relative to the YAML file's folder, and inside
+                                # it or the working directory (runtime/output_files.py)
     model: null                 # a named model (gemma3-270m), a model directory or .gguf; null = smollm2-135m
     chat: true                  # chat template where the model has one (default true)
     fidelity: true              # rows also compare each method with full on full's answer (default true)
@@ -33,10 +34,11 @@ from pathlib import Path
 
 from ..core.policy import METHODS, make_policy
 from ..runtime.models import named_model
+from ..runtime.output_files import lies_inside
 from ..runtime.prepare import DTYPES
 from .distributed import Launch, rank_file, sweep_files
 from .recovery import RecoveryTask
-from .runner import RunConfig, check_budget_below_length, check_task_options, find_task, model_identity, short_hash
+from .runner import RunConfig, check_budget_at_length, check_task_options, find_task, model_identity, short_hash
 
 TOP_KEYS = ("out", "model", "chat", "dtype", "seed", "num_examples", "lengths", "tasks", "methods", "fidelity")
 
@@ -202,6 +204,11 @@ def load_sweep(path: str | Path, out: str | Path | None = None, model: str | Non
     if not isinstance(out_path, (str, Path)):
         raise SweepError(f"{where}: 'out' must be a file path, got {out_path!r}")
     out_path = Path(out_path) if out is not None else path.parent / out_path
+    if out is None and not lies_inside(out_path, [path.parent, Path.cwd()]):  # a YAML cannot send rows elsewhere
+        raise SweepError(
+            f"{where}: 'out' {data['out']} lies outside the sweep file's folder and the working directory; "
+            "give --out on the command line to write elsewhere"
+        )
     if model is None:
         model = data.get("model")
         if model is not None and not isinstance(model, str):
@@ -258,7 +265,7 @@ def load_sweep(path: str | Path, out: str | Path | None = None, model: str | Non
             try:
                 policy = make_policy(name, **params)
                 for length in lengths:
-                    check_budget_below_length(policy, length)
+                    check_budget_at_length(policy, length)
             except ValueError as error:
                 raise SweepError(f"{where}: {error}") from None
             if (name, params) not in methods:

@@ -18,7 +18,15 @@ from __future__ import annotations
 import dataclasses
 
 from ..core.attention_math import AGGREGATIONS, POOLINGS, attention_probs, selection_scores
-from ..core.policy import PolicyError, check_choice, check_kernel, check_positive, check_window, register
+from ..core.policy import (
+    DEFAULT_BUDGET_RATIO,
+    PolicyError,
+    check_choice,
+    check_kernel,
+    check_positive,
+    check_window,
+    register,
+)
 from ..core.selection import SelectionPolicy
 
 
@@ -49,14 +57,25 @@ class SnapKV(SelectionPolicy):
         check_kernel(self.kernel)
         check_choice("pooling", self.pooling, POOLINGS)
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
+        if self.budget is not None:  # refused when the method is made, before any model loads
+            self._holding_the_window(self.budget, "")
+
+    def _holding_the_window(self, budget: int, source: str) -> int:
+        if budget < self.window:
+            raise PolicyError(f"budget ({budget}{source}) must hold the observation window ({self.window} tokens)")
+        return budget
+
+    def budget_for(self, prompt_length: int) -> int:
+        """K for the prompt; a budget_ratio that gives fewer tokens than the window is refused."""
+        budget = super().budget_for(prompt_length)
+        ratio = DEFAULT_BUDGET_RATIO if self.budget_ratio is None else self.budget_ratio
+        return self._holding_the_window(budget, f" tokens: budget_ratio {ratio:g} of {prompt_length} prompt tokens")
 
     def check_prompt(self, shortest):
         check_window("window", self.window, shortest)
 
     def selected_budget(self, layer) -> int:
         """Prompt tokens chosen per layer on average: the budget less the window, which is always kept."""
-        if layer.budget < self.window:
-            raise PolicyError(f"budget ({layer.budget}) must hold the observation window ({self.window} tokens)")
         return layer.budget - self.window
 
     def layer_budget(self, layer) -> int:

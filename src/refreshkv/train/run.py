@@ -34,6 +34,7 @@ from ..core.attention import PATTERN_ARGUMENT, TRAINING_UNSUPPORTED
 from ..core.cache import layer_windows
 from ..core.policy import DEFAULT_BUDGET_RATIO
 from ..eval.distributed import current_launch
+from ..runtime.output_files import write_text
 from ..texts.documents import read_documents
 from .pattern import PartialPattern
 from .progress import TrainProgress
@@ -204,7 +205,7 @@ def train(
     if primary:
         out.mkdir(parents=True, exist_ok=True)  # nothing is written before the data has been checked
         write_split(out / "split", splits)
-        (out / "run.json").write_text(json.dumps(record, indent=1) + "\n")
+        write_text(out / "run.json", json.dumps(record, indent=1) + "\n", "training record")
         for partial in set(checkpoints.glob("checkpoint-*")) - set(done):
             shutil.rmtree(partial)  # killed while saving: its step is redone from the previous checkpoint
     args = TrainingArguments(
@@ -270,7 +271,7 @@ def train(
     }
     save_model(trainer, tokenizer, out / "model")
     if trainer.is_world_process_zero():
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+        write_text(out / "metrics.json", json.dumps(metrics, indent=1) + "\n", "training record")
     return metrics
 
 

@@ -19,6 +19,7 @@ import json
 import random
 from pathlib import Path
 
+from ..runtime.output_files import write_text
 from ..texts.documents import Document
 
 SPLITS = ("train", "dev", "test")
@@ -62,6 +63,6 @@ def write_split(folder: Path, splits: dict[str, list[Document]]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for split, documents in splits.items():
         lines = "".join(json.dumps({"name": d.name, "text": d.text}) + "\n" for d in documents)
-        (folder / f"{split}.jsonl").write_text(lines, encoding="utf-8")
+        write_text(folder / f"{split}.jsonl", lines, "training split")
     names = {split: [d.name for d in documents] for split, documents in splits.items()}
-    (folder / "documents.json").write_text(json.dumps(names, indent=1) + "\n", encoding="utf-8")
+    write_text(folder / "documents.json", json.dumps(names, indent=1) + "\n", "training split")

@@ -24,7 +24,9 @@ class Example(TypedDict):
 
 
 class Task(Protocol):
-    """A task; a `build` that takes a `chat` argument is told by the runner whether prompts get the chat template."""
+    """A task; a `build` that takes a `chat` argument is told by the runner whether prompts get the chat template.
+    A task may also have `check_options(options)`, which the runner calls before any model loads to refuse option
+    values that `build` could only refuse later (ppl's `target_tokens`)."""
 
     name: str
 

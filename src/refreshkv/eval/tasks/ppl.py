@@ -67,6 +67,12 @@ class PerplexityTask:
             return options
         return {**options, "paths": [Path(path).name for path in _as_list(options["paths"])]}
 
+    def check_options(self, options: dict) -> None:
+        """The option values `build` could only refuse after the model loads (the runner checks them first)."""
+        target = options.get("target_tokens", 256)
+        if not isinstance(target, int) or isinstance(target, bool) or target < 1:
+            raise ValueError(f"task 'ppl': option target_tokens must be an integer >= 1, got {target!r}")
+
     def build(
         self,
         tokenizer,
@@ -79,6 +85,7 @@ class PerplexityTask:
     ) -> list[Example]:
         if not paths:
             raise ValueError("task 'ppl' needs the option 'paths' (a list of UTF-8 text files)")
+        self.check_options({"target_tokens": target_tokens})
         paths = _as_list(paths)
         hashes = None if sha256 is None else _as_list(sha256)
         if hashes is not None and len(hashes) != len(paths):

@@ -1,0 +1,110 @@
+"""Where the package writes the files it makes for the user, and how (results, reports and plots, a conversation's
+rows, benchmark JSON and plots, a training run's records). docs/evaluation.md, "Where outputs go", states the rules:
+
+- A path given on the command line (or to a function) is taken as given. A path written inside a file the package
+  reads (a sweep YAML's `out`) must lie in that file's folder or in the current working directory, so that a YAML
+  from elsewhere cannot make a run write anywhere else (`lies_inside`).
+- A file is never written through a symbolic link: a link at the path (even one whose target is missing, which
+  would be created) is refused in one line, never followed and never replaced (`refuse_link`, and O_NOFOLLOW or
+  O_EXCL on every open, so that a link made after the check is not followed either).
+- A file is written whole or not at all: a new file is created exclusively (`create_new`), and a file that is
+  replaced is written beside it and renamed over it (`replaced`). The folders leading to a file are the user's
+  (given, or the sweep file's): a folder that is a link is followed.
+
+Every refusal is an `OutputError`, a ValueError of one line naming the path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from pathlib import Path
+
+
+class OutputError(ValueError):
+    """An output path the package will not write; the message is one line naming it and what to do."""
+
+
+def refuse_link(path: Path, what: str) -> None:
+    """Refuse `path` if it is a symbolic link (dangling or not)."""
+    if path.is_symlink():
+        raise OutputError(
+            f"{what} {path} is a symbolic link; files are never written through one: remove it or give another path"
+        )
+
+
+def _cannot(path: Path, what: str, error: OSError) -> OutputError:
+    return OutputError(f"cannot write {what} {path} ({error.strerror or error}); give a path in a writable folder")
+
+
+def _exclusive(path: Path) -> int:
+    """`path` created for writing, never through a link (O_EXCL does not follow one, O_NOFOLLOW says so)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+
+
+def create_new(path: Path, what: str) -> int:
+    """A descriptor of `path`, created now for writing: refused if anything (a file, a link) is there already or its
+    folder cannot take it."""
+    refuse_link(path, what)
+    try:
+        return _exclusive(path)
+    except FileExistsError:
+        refuse_link(path, what)  # made since the check
+        raise OutputError(f"{what} {path} exists; remove it or choose another file") from None
+    except OSError as error:
+        raise _cannot(path, what, error) from None
+
+
+@contextlib.contextmanager
+def new_text_file(path: Path, what: str):
+    """A text file created now at `path` (`create_new`), removed again when the block leaves it empty (a run that
+    failed before its first line leaves nothing)."""
+    file = os.fdopen(create_new(path, what), "w", encoding="utf-8")
+    try:
+        yield file
+    finally:
+        empty = file.tell() == 0
+        file.close()
+        if empty:
+            path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def replaced(path: Path, what: str):
+    """A binary file whose content replaces `path` when the block ends without error (written beside it, then
+    renamed over it: a reader sees the old file or the new one, never a part). A link at `path` is refused."""
+    refuse_link(path, what)
+    staging = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
+    try:
+        file = os.fdopen(_exclusive(staging), "wb")
+    except OSError as error:
+        raise _cannot(path, what, error) from None
+    try:
+        with file:
+            yield file
+        refuse_link(path, what)  # made while writing: the rename would replace the link itself, still refused
+        try:
+            os.replace(staging, path)
+        except OSError as error:  # e.g. a folder of that name
+            raise _cannot(path, what, error) from None
+    finally:
+        staging.unlink(missing_ok=True)
+
+
+def lies_inside(path: Path, folders: list[Path]) -> bool:
+    """Whether `path` lies in one of `folders` (both resolved: neither `..` nor a link leads out)."""
+    target = path.resolve()
+    return any(target.is_relative_to(folder.resolve()) for folder in folders)
+
+
+def write_text(path: Path, text: str, what: str) -> None:
+    """`text` (UTF-8) as the whole new content of `path`, by `replaced`."""
+    with replaced(path, what) as file:
+        file.write(text.encode("utf-8"))
+
+
+def save_figure(figure, path: Path, what: str, dpi: int) -> None:
+    """A matplotlib figure as a PNG at `path`, by `replaced`."""
+    with replaced(path, what) as file:
+        figure.savefig(file, format="png", dpi=dpi)
