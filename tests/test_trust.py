@@ -1,11 +1,13 @@
 """Issue 50, trust: no code from a model folder, no native library or converted model that is not what this package
 wrote, plugins that replace a method said so, and no file written outside the documented places or through a link."""
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 from test_bad_input import assert_one_line_error, cli, report_rows, sweep_file
+from test_core import registry  # noqa: F401  (the fixture)
 
 from refreshkv.eval.runner import ResultsFile
 from refreshkv.eval.sweep import SweepError, load_sweep
@@ -80,3 +82,50 @@ def test_a_replaced_file_is_whole_or_untouched(tmp_path):
     with pytest.raises(OutputError, match="cannot write --json"):
         with replaced(tmp_path / "missing" / "x.json", "--json"):
             pass
+
+
+# ---- a plugin that replaces a built-in method: said once, and named wherever methods are listed -------------------
+
+
+def test_a_replacing_plugin_is_said_once_and_named_in_the_tables(monkeypatch, registry, caplog, capsys, tmp_path):
+    import dataclasses
+
+    from conftest import tiny_model
+    from test_bad_input import WordTokenizer
+    from test_core import load_plugins
+
+    import refreshkv.runtime.loading
+    from refreshkv import make_policy
+
+    base = type(make_policy("snapkv"))
+    plugin = type("Faster", (base,), {"name": "snapkv", "replaces": True, "__module__": "otherpkg.mod"})
+    plugin = dataclasses.dataclass(plugin)
+    for _ in range(2):  # a second load of the same plugin says nothing more
+        load_plugins(monkeypatch, {("snapkv", "otherpkg"): plugin})
+    assert [record.getMessage() for record in caplog.records] == [
+        "warning: refreshkv: method 'snapkv' is otherpkg.mod.Faster from package otherpkg, replacing "
+        "refreshkv.methods.snapkv.SnapKV"
+    ]
+    code, out, _ = cli(monkeypatch, capsys, "methods")
+    assert code == 0 and "snapkv (from otherpkg)" in out and "oracle (ceiling)" in out
+
+    monkeypatch.setattr(
+        refreshkv.runtime.loading, "load_model", lambda *a, **k: (tiny_model("llama", layers=2), WordTokenizer())
+    )
+    prompt = " ".join(f"w{i}" for i in range(40))
+    args = ["generate", "--method", "snapkv", "--budget", "8", "--window", "4", "--compare", "full"]
+    code, out, err = cli(monkeypatch, capsys, *args, "--prompt", prompt, "--max-new-tokens", "2")
+    assert code == 0, err
+    assert "snapkv (from otherpkg)" in out.split("generation")[-1]  # the stats table's column
+
+    rows = [
+        {"run": "r", "config": config, "id": f"e{i}", "task": "ppl", "method": method, "params": {}, "length": 40}
+        | {"seed": 0, "model": "m", "decode_ms_per_token": 1.0, "kv_bytes_full": 1000, "score": 2.0, "provider": who}
+        for config, method, who in (("c", "full", "refreshkv"), ("d", "snapkv", "otherpkg"))
+        for i in range(2)
+    ]
+    results = tmp_path / "r.jsonl"
+    results.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    code, out, err = cli(monkeypatch, capsys, "report", results, "--no-plots", "--out-dir", tmp_path / "rep")
+    assert code == 0, err
+    assert "snapkv (from otherpkg)" in out and "snapkv (from otherpkg)" in (tmp_path / "rep" / "summary.md").read_text()

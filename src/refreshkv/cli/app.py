@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from typer.exceptions import TyperException
 
+from ..core.policy import label_notes
 from ..runtime.inputs import SamplingSettings
 from ..runtime.prepare import check_runtime, load_checked
 from .chat_command import register as register_chat_command
@@ -135,7 +136,7 @@ def stats_table(results: list[dict]) -> Table:
     table = Table(title="generation")
     table.add_column("")
     for result in results:
-        table.add_column(result["method"], justify="right")
+        table.add_column(result["method"] + label_notes(result["method"], result["provider"]), justify="right")
     for label, key in STAT_ROWS:
         if key not in results[0]:
             continue
@@ -156,7 +157,7 @@ def show(results: list[dict], as_json: bool) -> None:
     from ..measure.budget_report import budget_table
 
     for result in results:
-        out.rule(f"[bold]{result['method']}[/bold]")
+        out.rule(f"[bold]{result['method'] + label_notes(result['method'], result['provider'])}[/bold]")
         out.print(result["text"], markup=False, highlight=False)
         if len(set(result["budget_per_layer"])) > 1:  # layer-adaptive methods: show what each layer kept
             print_table(out, budget_table(result, title=f"{result['method']}: kept prompt tokens"))
@@ -442,7 +443,7 @@ def methods():
         presets = "; ".join(
             f"{preset}: " + ", ".join(f"{k}={v}" for k, v in values.items()) for preset, values in cls.presets.items()
         )
-        table.add_row(name, params, presets or "-", cls.summary, PROVIDERS.get(name, BUILT_IN))
+        table.add_row(name + label_notes(name), params, presets or "-", cls.summary, PROVIDERS.get(name, BUILT_IN))
     print_table(out, table)
 
 

@@ -191,6 +191,17 @@ def register(cls: type[Policy], provider: str = BUILT_IN) -> type[Policy]:
     return cls
 
 
+def label_notes(name: str, provider: str | None = None) -> str:
+    """What tables add to a method's name: ` (ceiling)` for a quality reference that reads the whole cache to choose
+    (oracle), ` (from PACKAGE)` where another package provides it (a plugin, e.g. one that replaced a built-in
+    method). `provider`: as a result row records it; None: this process's registry."""
+    cls = METHODS.get(name)
+    provider = PROVIDERS.get(name, BUILT_IN) if provider is None else provider
+    notes = ["ceiling"] if cls is not None and cls.ceiling else []
+    notes += [f"from {provider}"] if provider != BUILT_IN else []
+    return "".join(f" ({note})" for note in notes)
+
+
 def croppable_methods() -> list[str]:
     """The registered methods that can forget their last tokens (`crop`)."""
     return sorted(name for name, cls in METHODS.items() if cls.crop is not Policy.crop)

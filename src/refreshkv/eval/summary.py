@@ -10,7 +10,7 @@ import math
 import sys
 from pathlib import Path
 
-from ..core.policy import METHODS, BudgetPolicy
+from ..core.policy import BUILT_IN, METHODS, BudgetPolicy, label_notes
 from . import stats
 from .runner import canonical, read_results
 
@@ -78,11 +78,11 @@ def warn_non_finite(rows) -> None:
 
 
 def method_label(row: dict) -> str:
-    """`method(param=value,...)`; a quality reference that reads the whole cache (oracle) says `(ceiling)`."""
+    """`method(param=value,...)`, with `label_notes`: `(ceiling)` for a quality reference that reads the whole cache
+    (oracle), `(from PACKAGE)` for rows of a method another package provided (its own group: another method)."""
     params = ",".join(f"{k}={v}" for k, v in sorted((row.get("params") or {}).items()))
     label = f"{row['method']}({params})" if params else row["method"]
-    method = METHODS.get(row["method"])
-    return f"{label} (ceiling)" if method is not None and method.ceiling else label
+    return label + label_notes(row["method"], row.get("provider", BUILT_IN))
 
 
 def curve_label(row: dict) -> str:
@@ -91,7 +91,7 @@ def curve_label(row: dict) -> str:
     get curves of their own."""
     budget = METHODS.get(row["method"], BudgetPolicy).budget_parameters
     others = {k: v for k, v in (row.get("params") or {}).items() if k not in budget}
-    return method_label({"method": row["method"], "params": others})
+    return method_label({**row, "params": others})
 
 
 def is_reference(row: dict) -> bool:

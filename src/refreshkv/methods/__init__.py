@@ -8,8 +8,9 @@ declaring, in its pyproject.toml,
     my_method = "my_package.my_module:MyPolicy"
 
 where `MyPolicy` is a `Policy` subclass (registered here) or a module whose import registers its methods. A plugin
-cannot take a registered name unless its class sets `replaces = True` (then `refreshkv methods` and every result row
-name the package that provides it), and `full` can never be replaced. A plugin that fails to load or collides is
+cannot take a registered name unless its class sets `replaces = True` (then one line on stderr says so when it is
+loaded, and `refreshkv methods`, every table that lists methods and every result row name the package that provides
+it), and `full` can never be replaced. A plugin that fails to load or collides is
 left out with one warning naming its package; the package goes on without it.
 """
 
@@ -19,7 +20,7 @@ import logging
 import pkgutil
 from importlib.metadata import entry_points
 
-from ..core.policy import Policy, PolicyError, register
+from ..core.policy import METHODS, Policy, PolicyError, register
 
 ENTRY_POINT_GROUP = "refreshkv.methods"
 LOG = logging.getLogger("refreshkv")
@@ -33,7 +34,13 @@ def load_methods() -> None:
         try:
             loaded = entry.load()
             if inspect.isclass(loaded) and issubclass(loaded, Policy):
+                replaced = METHODS.get(getattr(loaded, "name", None))
                 register(loaded, provider=package)
+                if replaced not in (None, loaded):  # said once, when loaded; tables add "(from PACKAGE)"
+                    LOG.warning(
+                        f"warning: refreshkv: method '{loaded.name}' is {loaded.__module__}.{loaded.__qualname__} "
+                        f"from package {package}, replacing {replaced.__module__}.{replaced.__qualname__}"
+                    )
         except Exception as error:  # a broken plugin must not break the package: say so and go on without it
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             verb = "was not registered" if isinstance(error, PolicyError) else "failed to load"
