@@ -124,14 +124,14 @@ def test_a_different_gguf_with_the_same_name_and_size_gets_its_own_conversion(tm
     monkeypatch.setattr(
         refreshkv.runtime.cache_folder.hashlib,
         "file_digest",
-        lambda f, name: hashed.append(f.name) or real_digest(f, name),
+        lambda f, name: (hashed.append(f.name) if f.name.endswith(".gguf") else None) or real_digest(f, name),
     )
 
     first_dir, second_dir = resolve_model_dir(first), resolve_model_dir(second)
     assert first_dir != second_dir and fake_conversion == [first, second]
     assert json.loads((second_dir / "config.json").read_text())["source"] == str(second)
     assert resolve_model_dir(first) == first_dir and len(fake_conversion) == 2  # converted once
-    assert len(hashed) == 2  # hashed once, remembered by path + mtime + size
+    assert len(hashed) == 2  # hashed once, remembered by path, inode, size, mtime and ctime
     stat = first.stat()
     os.utime(first, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     assert resolve_model_dir(first) == first_dir and len(hashed) == 3  # touched: hashed again, same content
@@ -201,14 +201,19 @@ def test_concurrent_first_loads_convert_once(tmp_path, monkeypatch):
     assert len(calls) == 1 and len(results) == 2 and results[0] == results[1]
 
 
-def test_a_corrupt_cached_conversion_says_how_to_clear_it(tmp_path, fake_conversion, monkeypatch):
+def test_a_corrupt_cached_conversion_says_how_to_clear_it(tmp_path, monkeypatch):
+    """A conversion whose own output does not load (its record matches: nothing changed it since)."""
+    monkeypatch.setenv("REFRESHKV_CACHE", str(tmp_path / "cache"))
+
+    def convert_badly(gguf, target):
+        tiny_model().save_pretrained(target)
+        weights = target / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+
+    monkeypatch.setattr(refreshkv.runtime.loading, "_convert_gguf", convert_badly)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"x" * 100)
     target = resolve_model_dir(gguf)
-    (target / "config.json").unlink()
-    tiny_model().save_pretrained(target)
-    weights = target / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(
         ModelError, match=rf"^cannot load the weights in {target} \(model.safetensors\): .*delete {target} to convert"
     ):

@@ -3,6 +3,7 @@ wrote, plugins that replace a method said so, and no file written outside the do
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,119 @@ def test_a_replacing_plugin_is_said_once_and_named_in_the_tables(monkeypatch, re
     code, out, err = cli(monkeypatch, capsys, "report", results, "--no-plots", "--out-dir", tmp_path / "rep")
     assert code == 0, err
     assert "snapkv (from otherpkg)" in out and "snapkv (from otherpkg)" in (tmp_path / "rep" / "summary.md").read_text()
+
+
+# ---- code from a model folder never runs -------------------------------------------------------------------------
+
+
+def folder_with_code(tmp_path) -> tuple[Path, Path]:
+    """A tiny model folder whose config names a class in its own modeling file, which leaves a mark when imported."""
+    from conftest import tiny_model
+
+    folder, mark = tmp_path / "model", tmp_path / "code-ran"
+    tiny_model().save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "own"  # no class of transformers: only the folder's code would read it
+    config["auto_map"] = {"AutoConfig": "modeling_own.OwnConfig", "AutoModelForCausalLM": "modeling_own.OwnModel"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "modeling_own.py").write_text(f"open({str(mark)!r}, 'w').close()\n")
+    return folder, mark
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_model_folder_with_its_own_code_is_refused_without_a_prompt(tmp_path, monkeypatch, capsys, command):
+    """transformers asked "run the custom code? [y/N]" on stdout; a "y" from stdin ran the folder's file."""
+    import io
+
+    folder, mark = folder_with_code(tmp_path)
+    capsys.readouterr()  # what saving the folder printed
+    document = tmp_path / "doc.txt"
+    document.write_text("some text")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\ny\n"))
+    args = ["--prompt", "hi"] if command == "generate" else ["--prompt-file", document, "--method", "full"]
+    code, out, err = cli(monkeypatch, capsys, command, "--model", folder, *args)
+    assert_one_line_error(code, err, f"model folder {folder} asks to run its own code (config.json has auto_map")
+    assert "never runs code from a model folder" in err and "[y/N]" not in out + err and not mark.exists()
+
+
+def test_transformers_is_told_never_to_run_a_folders_code(tmp_path, monkeypatch):
+    """Past the folder check (a config that needs code some other way), transformers refuses rather than asks."""
+    import io
+
+    import refreshkv.runtime.loading
+    from refreshkv.runtime.loading import ModelError, load_model
+
+    folder, mark = folder_with_code(tmp_path)
+    monkeypatch.setattr(refreshkv.runtime.loading, "refuse_custom_code", lambda folder: None)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\ny\n"))
+    with pytest.raises(ModelError, match=f"^cannot load the model in {folder}: .*contains custom code") as error:
+        load_model(folder)
+    assert "\n" not in str(error.value) and not mark.exists()
+
+
+# ---- the converted-model cache: used only as its conversion wrote it ---------------------------------------------
+
+
+@pytest.fixture
+def recorded_conversion(tmp_path, monkeypatch):
+    """A private cache, a GGUF and a conversion that writes a config and 1 MB of weights (no transformers)."""
+    import refreshkv.runtime.loading
+
+    monkeypatch.setenv("REFRESHKV_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def convert(gguf, target):
+        calls.append(gguf)
+        target.mkdir()
+        (target / "config.json").write_text(json.dumps({"model_type": "llama", "rope_theta": 10000.0}))
+        (target / "model.safetensors").write_bytes(bytes(range(256)) * 4096)
+
+    monkeypatch.setattr(refreshkv.runtime.loading, "_convert_gguf", convert)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"x" * 100)
+    return gguf, calls
+
+
+TAMPERING = {
+    "a config value": "config.json is not the file its conversion wrote",
+    "weights overwritten in place, mtime restored": "model.safetensors is not the file its conversion wrote",
+    "a file added": r"other files than its conversion wrote \(modeling_own.py\)",
+    "a file removed": r"other files than its conversion wrote \(model.safetensors\)",
+    "the record removed": "no record of the files its conversion wrote",
+}
+
+
+@pytest.mark.parametrize("tamper", TAMPERING)
+def test_a_changed_conversion_is_converted_again_never_used(recorded_conversion, monkeypatch, tamper):
+    """A changed rope_theta changed the output, and overwritten weights printed " changing changing"; both silently."""
+    import refreshkv.runtime.cache_folder
+    from refreshkv.runtime import conversion_record
+    from refreshkv.runtime.loading import resolve_model_dir
+
+    gguf, calls = recorded_conversion
+    target = resolve_model_dir(gguf)
+    digests = []
+    real = refreshkv.runtime.cache_folder.hashlib.file_digest
+    monkeypatch.setattr(
+        refreshkv.runtime.cache_folder.hashlib, "file_digest", lambda f, name: digests.append(f) or real(f, name)
+    )
+    assert resolve_model_dir(gguf) == target and len(calls) == 1 and digests == []  # intact: stat only, no hashing
+    config, weights = target / "config.json", target / "model.safetensors"
+    if tamper == "a config value":
+        config.write_text(config.read_text().replace("10000.0", "20000.0"))
+    elif tamper == "weights overwritten in place, mtime restored":
+        before = weights.stat()
+        with weights.open("r+b") as file:
+            file.seek(4096)
+            file.write(b"\0" * 409600)
+        os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    elif tamper == "a file added":
+        (target / "modeling_own.py").write_text("")
+    elif tamper == "a file removed":
+        weights.unlink()
+    else:
+        (target / conversion_record.RECORD).unlink()
+    with pytest.warns(UserWarning, match=rf"model in {target} is not used: .*{TAMPERING[tamper]}.*converting the GGUF"):
+        assert resolve_model_dir(gguf) == target
+    assert len(calls) == 2 and json.loads(config.read_text())["rope_theta"] == 10000.0
+    assert conversion_record.problem(target) is None

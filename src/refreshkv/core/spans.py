@@ -71,7 +71,7 @@ def word_table_for(config, tokenizer=None) -> WordTable:
         from transformers import AutoTokenizer
 
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         except (OSError, ValueError) as error:
             raise PolicyError(
                 f"pooling='span' needs the model's tokenizer, and none loads from {path!r} "

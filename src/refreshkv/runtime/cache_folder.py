@@ -3,7 +3,8 @@ makes concurrent first loads convert once.
 
 $REFRESHKV_CACHE, default ~/.cache/refreshkv (core/cache_root.py). A conversion is keyed by the GGUF's content
 (SHA-256), not its name: another file with the same name and size gets its own conversion. The hash of a file is
-computed once and remembered by path, mtime and size (hashes/).
+computed once and remembered by path, inode, size, modification and change times (hashes/): a file rewritten in
+place, even with its modification time set back, has a new change time and is hashed again.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from ..core.cache_root import cache_dir
 
 
 def file_hash(path: Path) -> str:
-    """SHA-256 of a file's content, remembered in the cache by path + mtime + size so that it is computed once."""
+    """SHA-256 of a file's content, remembered in the cache by path, inode, size, mtime and ctime so that it is
+    computed once."""
     stat = path.stat()
-    identity = f"{path.resolve()}|{stat.st_mtime_ns}|{stat.st_size}"
+    identity = f"{path.resolve()}|{stat.st_ino}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}"
     memo = cache_dir() / "hashes" / hashlib.sha256(identity.encode()).hexdigest()[:32]
     if memo.is_file():
         return memo.read_text().strip()

@@ -1,14 +1,21 @@
 """Loading models fully offline: a named model (models.py; default `smollm2-135m`), any local Hugging Face
 directory, or a GGUF file.
 
-Parsing a GGUF takes 30-70 s, so the first load converts it once to safetensors + tokenizer files in the cache
-folder (cache_folder.py), keyed by its content; later loads take about a second. Nothing here ever contacts a model
-hub. Every failure to read a model (a name not known, a package missing or incomplete, weights that do not load, a
-cache that cannot be written) is one `ModelError` line naming what was expected.
+Parsing a GGUF takes 30-70 s, so the first load converts it once to safetensors + tokenizer files in the cache folder
+(cache_folder.py), keyed by its content; later loads take about a second, and use the conversion only if its files are
+the ones it recorded (conversion_record.py; otherwise it is converted again). Nothing here ever contacts a model hub.
+Every failure to read a model (a name not known, a package missing or incomplete, weights that do not load, a cache that
+cannot be written) is one `ModelError` line naming what was expected.
+
+No code from a model folder ever runs: a folder whose config.json or tokenizer_config.json names its own classes
+(`auto_map`, which transformers would offer to import from the folder's .py files) is refused in one line before
+transformers reads it, and every transformers call passes `trust_remote_code=False`, so that it refuses anything
+else that needs custom code instead of asking whether to run it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -18,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from . import conversion_record
 from .cache_folder import cache_dir, exclusive, file_hash
 from .models import DEFAULT_MODEL, NAMED_MODELS, ModelError, NamedModel, looks_like_a_name, named_model
 
@@ -49,8 +57,10 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
     except Exception as error:  # a damaged file fails anywhere in the parser, e.g. reshaping a truncated tensor
         raise ModelError(
             f"cannot read {gguf} as a GGUF model ({_first_line(error)}); is it truncated or damaged?"
@@ -88,20 +98,54 @@ def writable(folder: Path) -> None:
 def converted(stem: str, key: str, gguf_of) -> Path:
     """The conversion of a GGUF with content hash `key` (cache/<stem>-<key[:16]>), made once under a lock:
     concurrent first loads convert once, the others wait and then find it. `gguf_of(folder)` gives the GGUF, written
-    into `folder` if it must be made, and whether to delete it afterwards."""
+    into `folder` if it must be made, and whether to delete it afterwards. A conversion found in the cache is used
+    only if its folder holds exactly what the conversion recorded (conversion_record.py); any other is converted
+    again, said in one warning line."""
     target = cache_dir() / f"{stem}-{key[:16]}"
-    if (target / "config.json").is_file():
+    if target.is_dir() and conversion_record.problem(target) is None:
         return target
     writable(target.parent)
     with exclusive(target):
-        if not (target / "config.json").is_file():
-            gguf, temporary = gguf_of(target.parent)
-            try:
-                _convert_gguf(gguf, target)
-            finally:
-                if temporary:
-                    gguf.unlink(missing_ok=True)
+        if target.exists():
+            why = conversion_record.problem(target)
+            if why is None:  # converted meanwhile by a load that held the lock first
+                return target
+            warnings.warn(
+                f"refreshkv: the converted model in {target} is not used: {why}; converting the GGUF again",
+                stacklevel=4,  # the caller of load_model
+            )
+            _discard(target)
+        gguf, temporary = gguf_of(target.parent)
+        try:
+            _convert_gguf(gguf, target)
+        finally:
+            if temporary:
+                gguf.unlink(missing_ok=True)
+        conversion_record.record(target)
     return target
+
+
+def _discard(folder: Path) -> None:
+    """Remove a cached folder: renamed aside first, so that its name is free at once."""
+    aside = folder.with_name(f".{folder.name}.discarded-{os.getpid()}")
+    folder.rename(aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def refuse_custom_code(model_dir: Path) -> None:
+    """Refuse a model folder that asks to run its own code (`auto_map` in config.json or tokenizer_config.json)."""
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            data = json.loads((model_dir / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # missing or not JSON: transformers says what is wrong with it
+            continue
+        if isinstance(data, dict) and "auto_map" in data:
+            classes = data["auto_map"] if isinstance(data["auto_map"], dict) else {}
+            raise ModelError(
+                f"model folder {model_dir} asks to run its own code ({name} has auto_map"
+                f"{': ' + ', '.join(sorted(classes)) if classes else ''}); this package never runs code from a model "
+                f"folder: give a model of a supported family ({', '.join(SUPPORTED_FAMILIES)}) without custom code"
+            )
 
 
 def named_model_dir(model: NamedModel) -> Path:
@@ -128,6 +172,7 @@ def resolve_model_dir(path: str | os.PathLike | None = None) -> Path:
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ModelError(f"model directory '{path}' has no config.json; give a Hugging Face model directory")
+        refuse_custom_code(p)
         return p
     if p.suffix != ".gguf":
         raise ModelError(f"model path '{path}' is neither a directory nor a .gguf file")
@@ -144,7 +189,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
 
     model_dir = resolve_model_dir(path)
     try:
-        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as error:
         raise _unloadable(model_dir, error) from None
     _check_family(config)
@@ -152,7 +197,11 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
         with warnings.catch_warnings():  # torch.load's unpickler warns about the file before refusing it
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=dtype, attn_implementation=ATTENTION_NAME, local_files_only=True
+                model_dir,
+                dtype=dtype,
+                attn_implementation=ATTENTION_NAME,
+                local_files_only=True,
+                trust_remote_code=False,
             ).to(device)
     except pickle.UnpicklingError:  # torch's own text goes on to suggest weights_only=False: not to be followed
         reason = "torch.load(weights_only=True) refused it (a pickle that is not plain tensors, or not a checkpoint)"
@@ -160,7 +209,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
     except Exception as error:  # the weights' readers (safetensors, torch.load's unpickler) fail in many ways
         raise _unloadable(model_dir, error, weights=True) from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as error:
         raise _unloadable(model_dir, error) from None
     model.eval()
