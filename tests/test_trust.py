@@ -180,6 +180,44 @@ def test_transformers_is_told_never_to_run_a_folders_code(tmp_path, monkeypatch)
     assert "\n" not in str(error.value) and not mark.exists()
 
 
+# ---- the compiled selection library: loaded only as this package built it ----------------------------------------
+
+
+def test_a_planted_native_library_is_built_over_and_never_loaded(tmp_path, monkeypatch):
+    import subprocess
+
+    import torch
+
+    from refreshkv.core import native_selection
+
+    compiler = native_selection._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler on this machine")
+    monkeypatch.setenv("REFRESHKV_CACHE", str(tmp_path / "cache"))
+    native_selection._library.cache_clear()
+    scores = torch.tensor([[0.1, 0.3, 0.2]])
+    try:
+        assert native_selection.top_k_in_order(scores, 2).tolist() == [[1, 2]]  # built, with its record
+        [library] = (tmp_path / "cache" / "native").glob("*.so")
+        source = native_selection._sha256(native_selection.SOURCE.read_bytes())
+        record = json.loads(library.with_suffix(".json").read_text())
+        assert record["source_sha256"] == source and record["library_sha256"] == native_selection._sha256(
+            library.read_bytes()
+        )
+        mark = tmp_path / "planted-ran"
+        planted = tmp_path / "planted.c"
+        planted.write_text(
+            f'#include <stdio.h>\n__attribute__((constructor)) static void run(void) {{ fclose(fopen("{mark}", "w")); }}\n'
+        )
+        subprocess.run([compiler, "-shared", "-fPIC", str(planted), "-o", str(library)], check=True)
+        native_selection._library.cache_clear()
+        with pytest.warns(UserWarning, match=rf"{library.name} is not the library this package built .* building it"):
+            assert native_selection.top_k_in_order(scores, 2).tolist() == [[1, 2]]
+        assert not mark.exists() and native_selection._recorded(library, source)  # built over
+    finally:
+        native_selection._library.cache_clear()
+
+
 # ---- the converted-model cache: used only as its conversion wrote it ---------------------------------------------
 
 

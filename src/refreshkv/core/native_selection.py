@@ -8,13 +8,14 @@ selection, a dozen small operators per layer whose dispatch and passes over memo
 The results are the PyTorch reference's exactly (core/attention_math.py; tests/test_native_selection.py).
 
 The C file is compiled once per machine with the system's C compiler (`$CC`, else `cc`) into the cache folder
-($REFRESHKV_CACHE/native, keyed by the source's and the compiler's identity) and loaded with ctypes. Where it cannot
-be (no compiler, a failed build; a GPU tensor), the callers use the PyTorch operators, which give the same results; a
-missing compiler or a failed build is said once, as a warning. Where PyTorch runs on GNU OpenMP it is built with
-OpenMP and each call shares its work between `torch.get_num_threads()` of PyTorch's own threads (`_torch_openmp`):
-alone, a refresh's C used one of the cores while the others waited for it. REFRESHKV_NATIVE=0 turns the C path off
-(to compare the two; a compiled step reads it when it is traced). Under torch.compile the C calls are torch.library
-operators.
+($REFRESHKV_CACHE/native, keyed by the source's and the compiler's identity) and loaded with ctypes, only if the record
+written beside it when it was built (the SHA-256 of its source and its own) matches: any other file there is built over,
+never loaded (`_build`); whoever can write the cache folder can also forge a record: keep it yours. Where it cannot be
+(no compiler, a failed build; a GPU tensor), the callers use the PyTorch operators, which give the same results; a
+missing compiler or a failed build is said once, as a warning. Where PyTorch runs on GNU OpenMP it is built with OpenMP
+and each call shares its work between `torch.get_num_threads()` of PyTorch's own threads (`_torch_openmp`): alone, a
+refresh's C used one of the cores while the others waited for it. REFRESHKV_NATIVE=0 turns the C path off (to compare
+the two; a compiled step reads it when it is traced). Under torch.compile the C calls are torch.library operators.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -68,16 +70,49 @@ def _torch_openmp() -> bool:
         return False
 
 
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _recorded(target: Path, source_sha256: str) -> bool:
+    """Whether the record beside the library says this package built it from this source and its bytes hash as
+    recorded (False for a planted or damaged file, one built from an older source, one without a record)."""
+    try:
+        record = json.loads(target.with_suffix(".json").read_text())
+        library_sha256 = _sha256(target.read_bytes())
+    except (OSError, ValueError):
+        return False
+    expected = {"source_sha256": source_sha256, "library_sha256": library_sha256}
+    return isinstance(record, dict) and all(record.get(key) == value for key, value in expected.items())
+
+
 def _build(compiler: str, source: Path, flags: list[str], target: Path) -> ctypes.CDLL | str:
-    """The library compiled with `flags` into `target` (kept there) and loaded, or why not."""
-    if not target.is_file():
+    """The library compiled with `flags` into `target` and loaded, or why not. Beside it a record (target.json)
+    holds the SHA-256 of the source it was built from and its own; a library found there is loaded only if both
+    match, and any other is built again (said once): a file placed in the cache folder never runs."""
+    code = source.read_bytes()
+    if not _recorded(target, _sha256(code)):
+        if target.exists():
+            warnings.warn(
+                f"refreshkv: {target} is not the library this package built from {source.name} (no record, or "
+                "another SHA-256 than recorded): building it again",
+                stacklevel=5,
+            )
         staging = target.with_suffix(f".{os.getpid()}.so")
         command = [compiler, "-O3", "-std=c11", "-shared", "-fPIC", *flags, str(source), "-o", str(staging)]
         built = subprocess.run(command, capture_output=True, text=True)
         if built.returncode != 0:
             last_line = (built.stderr.strip().splitlines() or ["no message"])[-1]
             return f"compiling {source.name} failed ({last_line})"
+        record = {
+            "source_sha256": _sha256(code),
+            "library_sha256": _sha256(staging.read_bytes()),
+            "command": command[:-2],
+        }
+        record_staging = staging.with_suffix(".json")
+        record_staging.write_text(json.dumps(record, indent=1) + "\n")
         staging.replace(target)  # atomic: another process never loads half a file
+        record_staging.replace(target.with_suffix(".json"))
     try:
         return ctypes.CDLL(str(target))
     except OSError as error:
