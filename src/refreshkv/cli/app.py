@@ -284,13 +284,14 @@ def bench_methods(names: str, budget: int, param: list[str]) -> dict[str, dict]:
     return methods
 
 
-def parse_lengths(lengths: str) -> list[int]:
+def parse_integers(text: str, option: str, minimum: int) -> list[int]:
+    """A comma-separated list of integers >= `minimum` (`--lengths`, `--batch`)."""
     try:
-        values = [int(v) for v in lengths.split(",") if v.strip()]
+        values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"--lengths expects comma-separated integers, got '{lengths}'") from None
-    if not values or min(values) < 16:
-        raise ValueError(f"--lengths expects integers >= 16, got '{lengths}'")
+        raise ValueError(f"{option} expects comma-separated integers, got '{text}'") from None
+    if not values or min(values) < minimum:
+        raise ValueError(f"{option} expects integers >= {minimum}, got '{text}'")
     return values
 
 
@@ -330,19 +331,45 @@ def bench(
     ] = True,
     compile: CompileOpt = False,
     weight_layout: WeightLayoutOpt = "stored",
+    batch: Annotated[
+        str,
+        typer.Option(
+            help="Rows decoded together after one prefill (distinct windows of the book text); comma-separated "
+            "sizes run interleaved, e.g. 1,4,8,16."
+        ),
+    ] = "1",
+    memory_cap: Annotated[
+        Optional[float],
+        typer.Option(
+            help="GB (2^30 bytes) for weights + KV + decode activations: each method runs alone at the largest "
+            "batch that fits (worked out first; excludes --batch)."
+        ),
+    ] = None,
 ):
     """Decode speed, memory and distance to the bandwidth floor of methods, interleaved in one run."""
     from tqdm.auto import tqdm
 
-    from ..measure.bench import run_bench
+    from ..measure.batch_memory import GB
+    from ..measure.bench import check_batching, run_bench
     from ..measure.bench_report import bench_tables, check_plotting, plot_bench
 
     chosen = bench_methods(methods, budget, param)
-    length_list = parse_lengths(lengths)
+    length_list = parse_integers(lengths, "--lengths", 16)
+    batches = parse_integers(batch, "--batch", 1)
+    cap = None if memory_cap is None else memory_cap * GB
+    check_batching(batches, cap)
     if plot is not None:
         check_plotting()
     lm, tokenizer, layout = load_checked(model, check_runtime(dtype, device, compile, weight_layout, threads))
-    with tqdm(total=rounds * len(chosen) * len(length_list), desc="bench runs", unit="run") as bar:
+    runs = rounds * len(chosen) * len(length_list) * len(set(batches))
+    bars = []  # opened once run_bench has checked everything, so that a refusal stays one line
+
+    def progress(done: int) -> None:
+        if not bars:
+            bars.append(tqdm(total=runs, desc="bench runs", unit="run"))
+        bars[0].update(done)
+
+    try:
         result = run_bench(
             lm,
             tokenizer,
@@ -350,10 +377,15 @@ def bench(
             length_list,
             new_tokens,
             rounds,
-            progress=bar.update,
+            progress=progress,
             share_prefill=share_prefill,
             compile=compile,
+            batches=batches,
+            memory_cap=cap,
         )
+    finally:
+        for bar in bars:
+            bar.close()
     result["machine"]["weight_layout"] = layout or weight_layout
     for table in bench_tables(result):
         print_table(out, table)
@@ -393,21 +425,26 @@ def profile(
     threads: ThreadsOpt = None,
     weight_layout: WeightLayoutOpt = "stored",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+    batch: Annotated[
+        int, typer.Option(help="Rows decoded together (distinct windows of the book text), as `bench --batch`.")
+    ] = 1,
 ):
     """Profile one decode step with torch.profiler: the operators it spends its time in."""
     from ..core.policy import make_policy
-    from ..measure.bench import bench_prompt, machine_facts
+    from ..measure.bench import bench_prompt, check_batching, machine_facts
     from ..measure.profile_step import profile_step
     from ..runtime.generate import check_length
 
     policy = make_policy(method, **parse_pairs(param, "--param"))
+    check_batching([batch], None)
     if length - step < 16:
         raise ValueError(f"--length {length} leaves fewer than 16 prompt tokens before step {step}")
     lm, tokenizer, layout = load_checked(
         model, check_runtime(dtype, device, weight_layout=weight_layout, threads=threads)
     )
     check_length(lm, length - step, step)
-    result = profile_step(lm, bench_prompt(tokenizer, length - step).to(lm.device), policy, step, top, rounds)
+    prompts = bench_prompt(tokenizer, length - step, batch).to(lm.device)
+    result = profile_step(lm, prompts, policy, step, top, rounds)
     result["machine"] = {**machine_facts(lm), "weight_layout": layout or weight_layout}
     if as_json:
         print(json.dumps(result))
@@ -416,11 +453,12 @@ def profile(
 
     machine = result["machine"]
     table = Table(
-        title=f"{method}: decode step {step} at {result['context']} tokens ({result['full_layers']:g} of "
-        f"{lm.config.num_hidden_layers} layers attended fully)",
+        title=f"{method}: decode step {step} at {result['context']} tokens, batch {batch} "
+        f"({result['full_layers']:g} of {lm.config.num_hidden_layers} layers attended fully)",
         caption=f"{machine['device']}, {machine['cpu']}, {machine['threads']} threads, {dtype}, "
         f"{layout_note(machine['weight_layout'])}; medians of {rounds} rounds: self CPU "
-        f"{result['self_cpu_ms']:.1f} ms, wall {result['wall_ms']:.1f} ms under the profiler",
+        f"{result['self_cpu_ms']:.1f} ms, wall {result['wall_ms']:.1f} ms under the profiler; "
+        f"{result['operator_calls']} operator calls",
     )
     for column in ("operator", "self CPU ms", "share", "calls"):
         table.add_column(column, justify="left" if column == "operator" else "right", no_wrap=column == "operator")

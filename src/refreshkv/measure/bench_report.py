@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from rich.table import Table
@@ -36,6 +37,18 @@ MEMORY = (
     ("floor ms", "floor_ms", "{:.1f}"),
     ("measured/floor", "measured_over_floor", "{:.2f}"),
 )
+BATCH = (  # issue 48: rows decoded together; the floor reads the weights once and every row's KV
+    ("method", "label", "{}"),
+    ("batch", "batch", "{}"),
+    ("tok/s", "tokens_per_s", "{:.1f}"),
+    ("vs full", "speedup_vs_full", "{:.2f}x"),
+    ("ms/step", "decode_ms_per_step", "{:.1f}"),
+    ("floor ms/step", "floor_ms", "{:.1f}"),
+    ("measured/floor", "measured_over_floor", "{:.2f}"),
+    ("KV MB/row", "kv_bytes_held_per_row", "mb"),
+    ("KV MB read/row", "kv_bytes_attended_per_row", "mb"),
+    ("peak RSS MB", "peak_process_bytes", "mb"),
+)
 COLUMNS = SPEED + MEMORY[1:] + STEPS[1:]
 
 
@@ -55,6 +68,30 @@ def layout_note(layout: str | dict) -> str:
     return f"{layout} weight layout"
 
 
+def batched(result: dict) -> bool:
+    """A run of several rows at once (`--batch` other than 1, or `--memory-cap`)."""
+    return result.get("memory_cap_bytes") is not None or result.get("batches", [1]) != [1]
+
+
+def table_groups(result: dict) -> list[tuple[str, list[dict]]]:
+    """(title suffix, rows) per table: one per length, and per batch size where the run had several."""
+    groups = []
+    for length in sorted({row["length"] for row in result["rows"]}):
+        rows = [row for row in result["rows"] if row["length"] == length]
+        cap = result.get("memory_cap_bytes")
+        if cap is not None:
+            groups.append(
+                (f"{length} tokens of context, each method at its largest batch under {cap / 2**30:g} GB", rows)
+            )
+        elif not batched(result):
+            groups.append((f"{length} tokens of context", rows))
+        else:
+            for batch in sorted({row["batch"] for row in rows}):
+                chosen = [row for row in rows if row["batch"] == batch]
+                groups.append((f"{length} tokens of context, batch {batch}", chosen))
+    return groups
+
+
 def bench_tables(result: dict) -> list[Table]:
     machine = result["machine"]
     cpu = f"{machine['cpu']} (bf16 instructions: {machine['cpu_bf16']}), " if "cpu" in machine else ""
@@ -66,15 +103,15 @@ def bench_tables(result: dict) -> list[Table]:
         f"bandwidth {machine['memory_bandwidth_gb_s']:.1f} GB/s, weights {machine['weight_bytes'] / 2**20:.0f} MB, "
         f"{result['new_tokens']} new tokens, median of {result['rounds']} interleaved rounds"
     )
+    kinds = [("speed", SPEED), ("full and partial steps", STEPS), ("memory and bandwidth floor", MEMORY)]
+    if batched(result):
+        kinds.insert(0, ("throughput", BATCH))
+        caption += f"; peak RSS: {machine['peak_memory']}" if "peak_memory" in machine else ""
     tables = []
-    for length in sorted({row["length"] for row in result["rows"]}):
-        for kind, columns in (
-            ("speed", SPEED),
-            ("full and partial steps", STEPS),
-            ("memory and bandwidth floor", MEMORY),
-        ):
+    for where, rows in table_groups(result):
+        for kind, columns in kinds:
             table = Table(
-                title=f"{kind} at {length} tokens of context",
+                title=f"{kind} at {where}",
                 caption=caption if kind == "memory and bandwidth floor" else None,
             )
             for label, key, _ in columns:
@@ -83,7 +120,7 @@ def bench_tables(result: dict) -> list[Table]:
                 table.add_column(
                     label, justify="right", no_wrap=key == "label", min_width=14 if key == "label" else None
                 )
-            for row in (r for r in result["rows"] if r["length"] == length):
+            for row in rows:
                 row = {"label": row["method"], **row}  # results written before labels existed
                 table.add_row(*(_cell(row.get(key), fmt) for _, key, fmt in columns))
             tables.append(table)
@@ -92,10 +129,12 @@ def bench_tables(result: dict) -> list[Table]:
 
 def markdown_table(result: dict) -> str:
     """The same figures as a Markdown table (for the README)."""
-    header = ["context", *(label for label, _, _ in COLUMNS)]
+    shown = {key for _, key, _ in COLUMNS}
+    columns = COLUMNS + (tuple(c for c in BATCH if c[1] not in shown) if batched(result) else ())
+    header = ["context", *(label for label, _, _ in columns)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in result["rows"]:
-        cells = [str(row["length"])] + [_cell({"label": row["method"], **row}.get(k), fmt) for (_, k, fmt) in COLUMNS]
+        cells = [str(row["length"])] + [_cell({"label": row["method"], **row}.get(k), fmt) for (_, k, fmt) in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -107,6 +146,13 @@ def check_plotting() -> None:
         raise ValueError("--plot needs matplotlib: pip install 'refreshkv[eval]'") from None
 
 
+def series(result: dict, row: dict) -> str:
+    """A plotted line: a method, and its batch where a run had several fixed ones."""
+    if batched(result) and result.get("memory_cap_bytes") is None:
+        return f"{row['method']}, batch {row['batch']}"
+    return row["method"]
+
+
 def plot_bench(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -114,12 +160,12 @@ def plot_bench(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    for method in dict.fromkeys(row["method"] for row in result["rows"]):
-        rows = sorted((r for r in result["rows"] if r["method"] == method), key=lambda r: r["length"])
-        axis.plot([r["length"] for r in rows], [r["decode_ms_per_token"] for r in rows], marker="o", label=method)
-    floor = sorted((r for r in result["rows"] if r["method"] == "full"), key=lambda r: r["length"])
-    if floor:
-        axis.plot([r["length"] for r in floor], [r["floor_ms"] for r in floor], "k--", label="full: bandwidth floor")
+    for name in dict.fromkeys(map(functools.partial(series, result), result["rows"])):
+        rows = sorted((r for r in result["rows"] if series(result, r) == name), key=lambda r: r["length"])
+        axis.plot([r["length"] for r in rows], [r["decode_ms_per_token"] for r in rows], marker="o", label=name)
+        if rows[0]["method"] == "full":  # the floor per token: a step's floor shared by its rows
+            floors = [r["floor_ms"] / r.get("batch", 1) for r in rows]
+            axis.plot([r["length"] for r in rows], floors, "k--", label=f"{name}: bandwidth floor")
     machine = result["machine"]
     axis.set(
         xlabel="context length (tokens)",
@@ -153,7 +199,7 @@ def plot_step_histograms(result: dict, path: Path) -> None:
             if steps:
                 axis.hist(steps, bins=bins, color=color, alpha=0.6, label=f"{kind} steps ({len(steps)})")
         axis.set_ylabel("steps")
-        axis.set_title(f"{row['method']}, {row['length']} tokens", fontsize=9, loc="left")
+        axis.set_title(f"{series(result, row)}, {row['length']} tokens", fontsize=9, loc="left")
         axis.legend(fontsize=7, loc="upper right")
     machine = result["machine"]
     axes[-1, 0].set_xlabel(f"decode step ms ({machine['device']}, {machine['threads']} threads, {machine['dtype']})")

@@ -24,6 +24,13 @@ def vocabulary_size(model) -> int:
 def check_token_ids(name: str, ids, vocabulary: int) -> None:
     """`ids` is a non-empty (batch, length) integer tensor of ids in [0, vocabulary)."""
     if not isinstance(ids, torch.Tensor):
+        lengths = sorted({len(row) for row in ids if hasattr(row, "__len__")}) if isinstance(ids, (list, tuple)) else []
+        if len(lengths) > 1:  # rows of a batch decode in step: shorter ones need left padding and a mask
+            raise ValueError(
+                f"{name} must be a torch tensor of token ids, got prompts of unequal lengths ({lengths[0]} to "
+                f"{lengths[-1]} tokens): left-pad them to one length and pass attention_mask (0 at the padding), "
+                "e.g. tokenizer(texts, padding=True, padding_side='left', return_tensors='pt')"
+            )
         raise ValueError(f"{name} must be a torch tensor of token ids, got {type(ids).__name__}")
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
         raise ValueError(f"{name} must hold integer token ids (torch.long), got {ids.dtype}")

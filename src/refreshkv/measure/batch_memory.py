@@ -1,0 +1,162 @@
+"""How many rows fit in memory: what a batched `bench` works out before it times anything (issue 48).
+
+A row's bytes under a method (`RowBytes`):
+- `kv`, measured: the method's cache after one prefill of one row at the benchmarked length, sized for the tokens
+  still to be decoded (stores are allocated for them at prefill): `full` the whole sequence, refreshkv and recycled
+  C_f (in their `full_cache` format: int4 is 4-bit codes plus scales) and C_p, an eviction method its K tokens and
+  the decoded ones. Measured rather than modelled, so it holds for every method, layer-adaptive ones included.
+- `decode`, estimated: one decode step's transient per row, at most one layer's at a time: the logits over the
+  vocabulary (and a float32 copy), float32 logits, probabilities and selection scores per query head over the whole
+  context (a full step or a refresh), and, for a C_f not held densely (quantized, offloaded), that layer's keys and
+  values made dense. Small beside the KV; an overestimate for methods that never attend to the whole context.
+- `prefill`, estimated: the prompt's forward per row, one layer at a time: hidden states (residual, normed input,
+  attention output), queries, keys and values, the MLP's gate, up and product, and attention scores of up to 256
+  prompt queries per query head (H2O scores the prompt in blocks of 256).
+
+`--memory-cap` bounds the decode working set: weights + B x (kv + decode). The batch's one prefill is not under the
+cap (its transient grows with B x length; the run's peak RSS shows it), but it is counted when checking that a run
+fits in the memory this machine has free. GB here are 2^30 bytes, as the tables' MB are 2^20.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from ..core.cache import PolicyCache
+from ..core.policy import Policy
+from ..core.shared_prefill import SharedPrefill
+from ..runtime.generate import prefill
+
+GB = 2**30
+PREFILL_SCORED_QUERIES = 256  # H2O's block of prompt queries (methods/h2o.py), the largest a built-in method scores
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBytes:
+    kv: int  # measured
+    decode: int  # estimated
+    prefill: int  # estimated
+
+    @property
+    def resident(self) -> int:
+        """What a row holds while the batch decodes: what `--memory-cap` counts."""
+        return self.kv + self.decode
+
+
+def gb(size: float) -> str:
+    return f"{size / GB:.2f} GB"
+
+
+def _text(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _sizes(text) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of the model's attention."""
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return heads, getattr(text, "num_key_value_heads", None) or heads, head_dim
+
+
+def decode_bytes(config, element: int, context: int, dense_full_cache: bool = True) -> int:
+    """Estimated transient of one row in one decode step (module doc); `element`: bytes per value of the model's
+    dtype; `dense_full_cache=False`: the method makes one layer's keys and values dense at a full step."""
+    text = _text(config)
+    heads, kv_heads, head_dim = _sizes(text)
+    logits = text.vocab_size * (element + 4)
+    scores = context * heads * 4 * 3
+    densified = 0 if dense_full_cache else context * kv_heads * head_dim * 2 * element
+    return logits + scores + densified
+
+
+def prefill_bytes(config, element: int, length: int) -> int:
+    """Estimated transient of one row in the prompt's forward (module doc)."""
+    text = _text(config)
+    heads, kv_heads, head_dim = _sizes(text)
+    per_token = 3 * text.hidden_size + (heads + 2 * kv_heads) * head_dim + 3 * text.intermediate_size
+    return length * (per_token * element + PREFILL_SCORED_QUERIES * heads * 4)
+
+
+@torch.inference_mode()
+def row_bytes(model, prompt: torch.Tensor, policies: dict[str, Policy], new_tokens: int) -> dict[str, RowBytes]:
+    """Each method's `RowBytes` for rows like `prompt` (one row) followed by `new_tokens` decoded tokens: its KV
+    from one prefill of `prompt` (the methods that share their prefill in one forward), the rest estimated."""
+    caches = {name: PolicyCache(policy, model, new_tokens) for name, policy in policies.items()}
+    shared = [cache for cache in caches.values() if cache.policy.shares_prefill]
+    alone = [cache for cache in caches.values() if not cache.policy.shares_prefill]
+    mask = torch.ones_like(prompt)
+    for group in ([SharedPrefill(shared)] if shared else []) + alone:
+        prefill(model, prompt, mask, group)
+    element = model.dtype.itemsize
+    context = prompt.shape[1] + new_tokens
+    return {
+        name: RowBytes(
+            sum(cache.nbytes_per_layer()),
+            decode_bytes(model.config, element, context, getattr(cache.policy, "full_cache", "dense") == "dense"),
+            prefill_bytes(model.config, element, prompt.shape[1]),
+        )
+        for name, cache in caches.items()
+    }
+
+
+def check_cap(cap: float, weights: int) -> None:
+    """A cap must leave room beside the weights."""
+    if cap <= weights:
+        raise ValueError(f"--memory-cap {gb(cap)} does not hold the model's weights ({gb(weights)}); give more")
+
+
+def largest_batch(cap: float, weights: int, row: RowBytes) -> int:
+    """Rows whose resident bytes fit in `cap` beside the weights (0: not one)."""
+    return max(int((cap - weights) // row.resident), 0)
+
+
+def capped_batches(cap: float, weights: int, rows: dict[str, RowBytes], length: int) -> dict[str, int]:
+    """Each method's largest batch under `cap`; refused if a method fits no row."""
+    batches = {name: largest_batch(cap, weights, row) for name, row in rows.items()}
+    for name, batch in batches.items():
+        if batch == 0:
+            need = weights + rows[name].resident
+            raise ValueError(
+                f"--memory-cap {gb(cap)} holds no row of {name} at {length} tokens (weights {gb(weights)} + "
+                f"{rows[name].resident / 2**20:.0f} MB per row): give at least {gb(need)}"
+            )
+    return batches
+
+
+def check_fits(batch: int, rows: list[RowBytes], together: bool, available: int | None, what: str) -> None:
+    """Refuse a run of `batch` rows of each method in `rows` that would not fit in `available` bytes (None: unknown,
+    not checked). `together`: one prefill for all, whose caches then exist at once; else one method at a time."""
+    if available is None:
+        return
+    if together:
+        need_per_row = sum(row.resident for row in rows) + max(row.prefill for row in rows)
+    else:
+        need_per_row = max(row.resident + row.prefill for row in rows)
+    if batch * need_per_row > available:
+        most = int(available // need_per_row)
+        shared = " (the methods' caches at once: fewer methods or --no-share-prefill need less)" if together else ""
+        raise ValueError(
+            f"{what} needs about {gb(batch * need_per_row)} for KV, decode and prefill{shared}; {gb(available)} "
+            f"are free here: at most {most} rows"
+        )
+
+
+def proc_bytes(path: str, field: str) -> int | None:
+    """A size that Linux gives in kB in a /proc file (`MemAvailable` in /proc/meminfo...); None where unreadable."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for new tensors: on a GPU its free memory, on Linux MemAvailable; None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return proc_bytes("/proc/meminfo", "MemAvailable")

@@ -1,0 +1,178 @@
+"""bench with many rows at once (issue 48): distinct rows, one prefill per batch, the memory cap's arithmetic and the
+refusals that come before anything is timed."""
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_bad_input import WordTokenizer, assert_one_line_error, cli, no_model, tiny_loader  # noqa: F401
+
+import refreshkv
+from refreshkv.measure import batch_memory, bench
+from refreshkv.measure.batch_memory import GB, RowBytes, capped_batches, check_cap, check_fits, largest_batch
+
+MB = 2**20
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models decode fastest on one thread: a second one only waits for it (seconds on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_rows_are_distinct_windows_of_the_book_and_row_0_is_the_single_prompt():
+    rows = bench.bench_prompt(WordTokenizer(), 300, rows=4)
+    assert rows.shape == (4, 300) and len({tuple(row.tolist()) for row in rows}) == 4
+    assert rows[0].tolist() == bench.bench_prompt(WordTokenizer(), 300)[0].tolist()
+
+
+@pytest.mark.parametrize("method, params", [("full", {}), ("refreshkv", {"budget": 12, "qc_stride": 3})])
+def test_each_row_of_a_batch_gets_the_tokens_it_gets_alone(method, params):
+    model = tiny_model("llama", layers=2)
+    rows = bench.bench_prompt(WordTokenizer(), 60, rows=4)
+    batch = refreshkv.generate(model, rows, method=method, max_new_tokens=10, eos_token_id=[], **params)
+    for i, row in enumerate(rows):
+        alone = refreshkv.generate(model, row[None], method=method, max_new_tokens=10, eos_token_id=[], **params)
+        assert batch.tokens[i] == alone.tokens[0], (method, i)
+
+
+def run(monkeypatch, **kwargs):
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda device: 1e10)
+    methods = {"transformers": {}, "full": {}, "streamingllm": {"budget": 8}}
+    model = tiny_model("llama", layers=1)
+    return bench.run_bench(model, WordTokenizer(), methods, [40], new_tokens=4, rounds=2, **kwargs)
+
+
+def test_every_round_runs_every_batch_and_reports_tokens_per_second_of_all_rows(monkeypatch):
+    calls = []
+    real_round = bench.run_round
+
+    def recording(model, ids, methods, names, *args, **kwargs):
+        calls.append((tuple(ids.shape), list(names)))
+        return real_round(model, ids, methods, names, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_round", recording)
+    result = run(monkeypatch, batches=[1, 3])
+    methods = ["transformers", "full", "streamingllm"]
+    turned = methods[1:] + methods[:1]
+    assert calls == [((1, 36), methods), ((3, 36), methods), ((3, 36), turned), ((1, 36), turned)]
+    assert [(row["batch"], row["method"]) for row in result["rows"]] == [(1, m) for m in methods] + [
+        (3, m) for m in methods
+    ]
+    for row in result["rows"]:
+        assert row["tokens_per_s"] == pytest.approx(1000 * row["batch"] / row["decode_ms_per_step"])
+        assert row["kv_bytes_held_per_row"] == row["kv_bytes_held"] / row["batch"]
+    full = [row for row in result["rows"] if row["method"] == "full"]
+    assert full[1]["kv_bytes_held"] == 3 * full[0]["kv_bytes_held"]
+    sizes = result["row_bytes"]["40"]
+    assert sizes["full"]["kv"] == full[0]["kv_bytes_held"] and sizes["transformers"] == sizes["full"]
+    assert sizes["streamingllm"]["kv"] < sizes["full"]["kv"]
+
+
+def test_a_run_of_one_row_works_out_no_row_sizes(monkeypatch):
+    monkeypatch.setattr(bench, "row_bytes", lambda *args: pytest.fail("one row needs no sizing"))
+    assert run(monkeypatch)["row_bytes"] == {}
+
+
+def test_under_a_cap_each_method_runs_alone_at_its_largest_batch(monkeypatch):
+    model = tiny_model("llama", layers=1)
+    cap = bench.weight_bytes(model) + 0.5 * MB
+    result = run(monkeypatch, memory_cap=cap)
+    sizes = result["row_bytes"]["40"]
+    for row in result["rows"]:
+        expected = largest_batch(cap, result["machine"]["weight_bytes"], RowBytes(**sizes[row["method"]]))
+        assert row["batch"] == expected and row["peak_process_bytes"] is not None  # alone: its own peak
+    batches = {row["method"]: row["batch"] for row in result["rows"]}
+    assert batches["streamingllm"] > batches["full"] == batches["transformers"] > 1
+    full = next(row for row in result["rows"] if row["method"] == "full")
+    assert full["speedup_vs_full"] == 1.0 and not result["shared_prefill"]
+
+
+def test_the_cap_arithmetic_on_hand_made_sizes():
+    row = RowBytes(kv=300 * MB, decode=20 * MB, prefill=500 * MB)
+    assert row.resident == 320 * MB
+    assert largest_batch(6 * GB, 512 * MB, row) == (6 * 1024 - 512) // 320 == 17
+    assert largest_batch(800 * MB, 512 * MB, row) == 0
+    int4 = RowBytes(kv=60 * MB, decode=32 * MB, prefill=500 * MB)
+    assert capped_batches(6 * GB, 512 * MB, {"full": row, "refreshkv@int4": int4}, 8192) == {
+        "full": 17,
+        "refreshkv@int4": (6 * 1024 - 512) // 92,
+    }
+    with pytest.raises(ValueError, match=r"holds no row of full at 8192 tokens .* give at least 0.81 GB"):
+        capped_batches(800 * MB, 512 * MB, {"full": row, "refreshkv@int4": int4}, 8192)
+    with pytest.raises(ValueError, match=r"--memory-cap 0.50 GB does not hold the model's weights \(0.50 GB\)"):
+        check_cap(512 * MB, 512 * MB)
+
+
+def test_a_shared_prefill_counts_every_methods_rows_and_one_prefill():
+    full, small = RowBytes(300 * MB, 20 * MB, 500 * MB), RowBytes(40 * MB, 20 * MB, 500 * MB)
+    check_fits(4, [full, small], True, 4 * 880 * MB, "x")
+    with pytest.raises(ValueError, match=r"at most 3 rows"):
+        check_fits(4, [full, small], True, 4 * 880 * MB - 1, "x")
+    check_fits(4, [full, small], False, 4 * 820 * MB, "x")  # one method at a time: the largest
+    check_fits(10**6, [full], True, None, "x")  # free memory unknown: not checked
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch", "0"], "--batch expects integers >= 1, got '0'"),
+        (["--batch", "1,x"], "--batch expects comma-separated integers"),
+        (["--memory-cap", "0"], "--memory-cap expects a size > 0 GB, got 0"),
+        (["--memory-cap", "6", "--batch", "4"], "--memory-cap chooses each method's batch: leave out --batch"),
+    ],
+)
+def test_bad_batches_and_caps_are_one_line_before_loading(args, message, no_model, monkeypatch, capsys):  # noqa: F811
+    assert_one_line_error(*cli(monkeypatch, capsys, "bench", *args)[::2], message)
+
+
+def test_profile_refuses_batch_0_before_loading(no_model, monkeypatch, capsys):  # noqa: F811
+    code, _, err = cli(monkeypatch, capsys, "profile", "--batch", "0")
+    assert_one_line_error(code, err, "--batch expects integers >= 1")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--memory-cap", "0.0001"], "does not hold the model's weights"),
+        (["--batch", "1,1000000"], "at most"),
+    ],
+)
+def test_a_cap_below_the_weights_and_a_batch_that_does_not_fit_write_no_json(
+    args,
+    message,
+    tiny_loader,
+    tmp_path,
+    monkeypatch,
+    capsys,  # noqa: F811
+):
+    monkeypatch.setattr(batch_memory, "available_memory", lambda device: GB)
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda device: pytest.fail("refused after the runs began"))
+    out = tmp_path / "bench.json"
+    common = ["--methods", "full,streamingllm", "--budget", "8", "--lengths", "40", "--new-tokens", "4"]
+    code, _, err = cli(monkeypatch, capsys, "bench", *common, *args, "--json", out)
+    assert_one_line_error(code, err, message)
+    assert not out.exists()
+
+
+def test_prompts_of_unequal_length_without_a_mask_name_the_padding():
+    model = tiny_model("llama", layers=1)
+    with pytest.raises(ValueError, match="unequal lengths \\(2 to 3 tokens\\): left-pad") as error:
+        refreshkv.generate(model, [[5, 6, 7], [5, 6]])
+    assert "\n" not in str(error.value)
+
+
+def test_a_batched_result_shows_a_throughput_table_per_batch():
+    from refreshkv.measure.bench_report import bench_tables, markdown_table
+
+    rows = [{"method": "full", "length": 100, "batch": b, "decode_ms_per_step": 10.0 * b} for b in (1, 8)]
+    machine = {"device": "cpu", "threads": 1, "dtype": "float32", "memory_bandwidth_gb_s": 10.0, "weight_bytes": 1}
+    result = {"rows": rows, "machine": machine, "new_tokens": 8, "rounds": 1, "batches": [1, 8]}
+    titles = [table.title for table in bench_tables(result)]
+    assert titles[0] == "throughput at 100 tokens of context, batch 1" and titles[4].endswith("batch 8")
+    assert "| batch |" in markdown_table(result) and "| batch |" not in markdown_table({**result, "batches": [1]})
+    json.dumps(result)
