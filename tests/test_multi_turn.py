@@ -102,3 +102,14 @@ def test_turn_summary_pairs_each_conversations_first_and_later_turns():
     assert (summary["turn_1"], summary["later_turns"], summary["later_vs_turn_1"]) == (0.5, 0.75, 1.5)
     low, high = summary["later_vs_turn_1_ci"]
     assert low <= 1.5 <= high and low < high  # resampled over conversations
+
+
+def test_bare_questions_open_no_answer_and_unknown_forms_are_refused():
+    task = get_task("multiturn/niah")
+    [prefixed] = task.build(TOKENIZER, LENGTH, 1, seed=3, needles=3)
+    [bare] = task.build(TOKENIZER, LENGTH, 1, seed=3, needles=3, question="bare")
+    assert all(turn["answer_prefix"] for turn in prefixed["turns"])
+    assert [turn["answer_prefix"] for turn in bare["turns"]] == ["", "", ""]
+    assert [t["question"] for t in bare["turns"]] == [t["question"] for t in prefixed["turns"]]
+    with pytest.raises(ValueError, match=r"unknown question form 'sentence'; choose from: prefixed, bare$"):
+        task.build(TOKENIZER, LENGTH, 1, seed=3, question="sentence")

@@ -366,3 +366,31 @@ def test_exhausted_filler_and_missing_official_pieces_are_one_line_errors():
     )
     with pytest.raises(MissingDataError, match=missing):
         ruler_json("nope.json")
+
+
+# ---- questions asked as users ask them (option `question`) -----------------------------------------------------
+
+
+@pytest.mark.parametrize("subtask", ["niah_single_2", "niah_multivalue", "qa_1"])
+def test_a_bare_question_ends_the_input_with_the_same_needles_and_no_answer_prefix(subtask):
+    prefixed, bare = build(subtask), build(subtask, question="bare")
+    assert bare["answer_prefix"] == "" and prefixed["answer_prefix"]
+    assert bare["reference"] == prefixed["reference"]  # the same needles, only the question's form differs
+    question = prefixed["prompt"].rsplit("\n", 1)[1]
+    assert bare["prompt"].endswith(question)
+
+
+def test_a_sentence_question_is_asked_as_q_and_a_after_demonstrations_answered_in_sentences():
+    prefixed, sentence = build("niah_multikey_1"), build("niah_multikey_1", question="sentence")
+    question = prefixed["prompt"].rsplit("\n", 1)[1]
+    assert sentence["prompt"].startswith("Q: What color is the sky on a clear day?\nA: The sky on a clear day is")
+    assert sentence["prompt"].endswith(f"\nQ: {question}\nA:") and sentence["answer_prefix"] == ""
+    assert sentence["reference"] == prefixed["reference"]
+
+
+def test_question_forms_are_checked_before_anything_is_built():
+    with pytest.raises(ValueError, match=r"unknown question form 'last'; choose from: prefixed, bare, sentence$"):
+        check_task_options("ruler/niah_single_1", {"question": "last"})
+    with pytest.raises(ValueError, match=r"question='sentence' asks a needle's question; use it with a niah task"):
+        check_task_options("ruler/vt", {"question": "sentence"})
+    check_task_options("ruler/vt", {"question": "bare"})

@@ -13,7 +13,9 @@ The haystack is the packaged book text (public domain), repeated as needed and c
 needles inserted between sentences. Each example is a dict with the context as `prompt` and its `turns` (question,
 answer prefix, reference, new tokens); the runner prefills the context once per method and asks the turns in order
 (runtime/conversation.py), one row per turn (`turn` = 1..N). Choices: the context is question-agnostic (no question
-is prefilled with it: every question, the first too, is appended), the answers stay in the context.
+is prefilled with it: every question, the first too, is appended), the answers stay in the context. Option
+`question`: `prefixed` (default) opens each answer with the prefix above; `bare` asks the question alone, so the
+model writes its own words before the value, as users' questions are asked.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ CHAIN_NEEDLE = "The value of {key} is {value}."
 CHAIN_FIRST = "What is the value of {key} mentioned in the provided text?"
 CHAIN_NEXT = "What is the value of the key you just named, as the provided text gives it?"
 CHAIN_PREFIX = "The value is"
+QUESTION_FORMS = ("prefixed", "bare")
 
 
 def haystack(words: int, needles: list[str]) -> str:
@@ -47,16 +50,34 @@ def haystack(words: int, needles: list[str]) -> str:
 
 
 class MultiTurnTask:
-    """`multiturn/niah` or `multiturn/chain` (see the module docstring); option `needles` (turns), default 6."""
+    """`multiturn/niah` or `multiturn/chain` (see the module docstring); options `needles` (turns), default 6, and
+    `question` (prefixed or bare)."""
 
     def __init__(self, kind: str):
         self.kind = kind
         self.name = f"multiturn/{kind}"
 
-    def build(self, tokenizer, length: int, num_examples: int, seed: int, needles: int = 6) -> list[Example]:
+    def build(
+        self, tokenizer, length: int, num_examples: int, seed: int, needles: int = 6, question: str = "prefixed"
+    ) -> list[Example]:
+        self.check_options({"needles": needles, "question": question})
+        examples = [self._example(tokenizer, length, seed, index, needles) for index in range(num_examples)]
+        if question == "bare":
+            for example in examples:
+                for turn in example["turns"]:
+                    turn["answer_prefix"] = ""
+        return examples
+
+    def check_options(self, options: dict) -> None:
+        """The option values that the task alone decides, checked before any model is loaded."""
+        needles = options.get("needles", 6)
         if not isinstance(needles, int) or isinstance(needles, bool) or not 1 <= needles <= 16:
             raise ValueError(f"task '{self.name}': needles must be an integer in [1, 16], got {needles!r}")
-        return [self._example(tokenizer, length, seed, index, needles) for index in range(num_examples)]
+        question = options.get("question", "prefixed")
+        if question not in QUESTION_FORMS:
+            raise ValueError(
+                f"task '{self.name}': unknown question form {question!r}; choose from: {', '.join(QUESTION_FORMS)}"
+            )
 
     def _example(self, tokenizer, length: int, seed: int, index: int, needles: int) -> Example:
         rng = random.Random(f"{self.name}/{seed}/{index}")

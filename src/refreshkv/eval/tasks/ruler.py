@@ -14,7 +14,12 @@ Task names: `ruler` builds the 13 subtasks round-robin (example i is subtask i m
 option `subtask` picks one; each subtask is also registered as `ruler/<subtask>`. Every example's
 `task` field is `ruler/<subtask>`, which is what `score` dispatches on.
 
-Prompt and budget: RULER's input is `model template(task template) + answer prefix`. With `model_template`
+Prompt and budget: RULER's input is `model template(task template) + answer prefix`. The option `question`
+(`QUESTION_FORMS`) asks the question otherwise, as users ask it, so that the model writes its own words before the
+value: `bare` ends the input at the question (no answer prefix; with the chat template the assistant turn starts
+empty); `sentence` (niah tasks) puts two short questions answered in full sentences before the task text and asks
+the task's question as `Q: ... A:` after the text, with no answer prefix, so that a base model too answers in a
+sentence ("The special magic number for ... is ..."). With `model_template`
 unset the runner's chat template is the model template: `prompt` is the task text, `answer_prefix` follows the
 assistant turn's start, and one-shot examples inside the prompt take RULER's `base` form. With
 `model_template=<name of a RULER template>` (needs `--no-chat`), `prompt` is RULER's whole input text. Either
@@ -71,6 +76,14 @@ SUBTASKS = (
     "fwe",
     "qa_1",
     "qa_2",
+)
+
+# How the question is asked (`question` option): RULER's answer prefix, none, or in a full sentence (module doc)
+QUESTION_FORMS = ("prefixed", "bare", "sentence")
+# `question="sentence"`: demonstrations placed before the task text (none of RULER's; written for this option)
+SENTENCE_DEMONSTRATIONS = (
+    "Q: What color is the sky on a clear day?\nA: The sky on a clear day is blue.\n"
+    "Q: How many legs does a spider have?\nA: A spider has eight legs.\n\n"
 )
 
 # niah.py's DEPTHS, np.round(np.linspace(0, 100, 40)): 40 needle depths in percent (an expression, so restated)
@@ -220,7 +233,13 @@ def _lines_context(lines: Callable[[int], list[str]], needles: list[str], seed: 
     return context
 
 
-def _niah(args: dict, frame: _Frame, tokenizer, length: int, rng: random.Random) -> _Prompt:
+def _as_sentence_question(template: str) -> str:
+    """A niah template with its question (the line after the context) asked as `Q: ... A:`, demonstrations first."""
+    before, question = template.rsplit("{context}\n", 1)
+    return SENTENCE_DEMONSTRATIONS + before + "{context}\nQ: " + question + "\nA:"
+
+
+def _niah(args: dict, frame: _Frame, tokenizer, length: int, rng: random.Random, sentence: bool = False) -> _Prompt:
     family = _family("niah")
     value_kind = args["type_needle_v"]
     num_keys, num_queries = max(args["num_needle_k"], args["num_needle_q"]), args["num_needle_q"]
@@ -240,6 +259,8 @@ def _niah(args: dict, frame: _Frame, tokenizer, length: int, rng: random.Random)
     template, answer_prefix, noun = frame.wrap(family["template"]), family["answer_prefix"], value_kind
     if num_queries * args["num_needle_v"] == 1:
         template, answer_prefix, noun = _singular(template), _singular(answer_prefix), value_kind[:-1]
+    if sentence:
+        template = _as_sentence_question(template)
 
     haystack = args["type_haystack"]
     if haystack == "essay":
@@ -520,10 +541,12 @@ class RulerTask:
         seed: int,
         subtask: str | None = None,
         model_template: str | None = None,
+        question: str = "prefixed",
         chat: bool = True,
     ) -> list[Example]:
         if subtask is not None and self.subtask is not None and subtask != self.subtask:
             raise ValueError(f"task '{self.name}' cannot build subtask '{subtask}'; use the task 'ruler/{subtask}'")
+        self.check_options({"subtask": subtask, "question": question})
         chosen = subtask or self.subtask
         subtasks = [_check_subtask(chosen)] if chosen else list(SUBTASKS)
         frame = _frame(model_template, chat)
@@ -535,10 +558,14 @@ class RulerTask:
             max_new_tokens = _family(family)["tokens_to_generate"]
             # one generator per example, so that an example does not depend on the ones before it
             rng = random.Random(f"{task}/{seed}/{index}")
-            prompt = GENERATORS[family](args, frame, tokenizer, length, rng)
+            if question == "sentence":
+                prompt = _niah(args, frame, tokenizer, length, rng, sentence=True)
+            else:
+                prompt = GENERATORS[family](args, frame, tokenizer, length, rng)
             # a RULER model template is plain text: the answer prefix is part of the prompt
-            answer_prefix = "" if frame.name else prompt.answer_prefix
-            render = (lambda n, p=prompt: p.render(n) + p.answer_prefix) if frame.name else prompt.render
+            asked_prefix = prompt.answer_prefix if question == "prefixed" else ""
+            answer_prefix = "" if frame.name else asked_prefix
+            render = (lambda n, p=prompt.render, a=asked_prefix: p(n) + a) if frame.name else prompt.render
             units, text = fit_to_length(
                 render,
                 tokenizer,
@@ -561,6 +588,20 @@ class RulerTask:
                 )
             )
         return examples
+
+    def check_options(self, options: dict) -> None:
+        """The option values that the task alone decides, checked before any model is loaded."""
+        question = options.get("question", "prefixed")
+        if question not in QUESTION_FORMS:
+            raise ValueError(
+                f"task '{self.name}': unknown question form {question!r}; choose from: {', '.join(QUESTION_FORMS)}"
+            )
+        chosen = options.get("subtask") or self.subtask
+        if question == "sentence" and (chosen is None or not chosen.startswith("niah")):
+            raise ValueError(
+                f"task '{self.name}': question='sentence' asks a needle's question; use it with a niah task "
+                f"({', '.join(s for s in SUBTASKS if s.startswith('niah'))})"
+            )
 
     def score(self, prediction: str, example: Example) -> float:
         """The family's per-sample metric from the wheel (0-100), as a fraction."""
