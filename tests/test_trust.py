@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_bad_input import assert_one_line_error, cli, report_rows, sweep_file
+from test_bad_input import assert_one_line_error, cli, no_model, report_rows, sweep_file  # noqa: F401 (a fixture)
 from test_core import registry  # noqa: F401  (the fixture)
 
 from refreshkv.eval.runner import ResultsFile
@@ -70,6 +70,17 @@ def test_report_refuses_a_linked_file_before_writing_any(tmp_path, monkeypatch, 
     assert victim.read_text() == "keep me" and sorted(p.name for p in out_dir.iterdir()) == [linked]
 
 
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_bench_refuses_a_linked_output_before_measuring(tmp_path, no_model, monkeypatch, capsys, option):  # noqa: F811
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bench.png"
+    linked = out if option == "--json" else tmp_path / "bench-steps.png"  # --plot also writes NAME-steps.png
+    linked.symlink_to(tmp_path / "elsewhere")
+    code, _, err = cli(monkeypatch, capsys, "bench", "--methods", "full", option, out)
+    assert_one_line_error(code, err, f"bench output {linked} is a symbolic link")
+    assert not (tmp_path / "elsewhere").exists()
+
+
 def test_a_replaced_file_is_whole_or_untouched(tmp_path):
     path = tmp_path / "out.json"
     path.write_text("old")
@@ -118,6 +129,19 @@ def test_a_replacing_plugin_is_said_once_and_named_in_the_tables(monkeypatch, re
     code, out, err = cli(monkeypatch, capsys, *args, "--prompt", prompt, "--max-new-tokens", "2")
     assert code == 0, err
     assert "snapkv (from otherpkg)" in out.split("generation")[-1]  # the stats table's column
+
+    from rich.console import Console
+
+    from refreshkv.measure import bench
+    from refreshkv.measure.bench_report import bench_tables
+
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda device: 1e10)
+    methods = {"full": {}, "snapkv": {"budget": 8, "window": 4}}
+    result = bench.run_bench(tiny_model("llama", layers=1), WordTokenizer(), methods, [40], new_tokens=3, rounds=1)
+    console = Console(width=300, record=True)
+    for table in bench_tables(result):
+        console.print(table)
+    assert "snapkv (from otherpkg)" in console.export_text()
 
     rows = [
         {"run": "r", "config": config, "id": f"e{i}", "task": "ppl", "method": method, "params": {}, "length": 40}

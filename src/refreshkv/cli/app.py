@@ -351,7 +351,8 @@ def bench(
 
     from ..measure.batch_memory import GB
     from ..measure.bench import check_batching, run_bench
-    from ..measure.bench_report import bench_tables, check_plotting, plot_bench
+    from ..measure.bench_report import bench_tables, check_plotting, plot_bench, plot_paths
+    from ..runtime.output_files import refuse_link, replaced
 
     chosen = bench_methods(methods, budget, param)
     length_list = parse_integers(lengths, "--lengths", 16)
@@ -360,6 +361,9 @@ def bench(
     check_batching(batches, cap)
     if plot is not None:
         check_plotting()
+    for output in [json_out, *(plot_paths(plot) if plot is not None else ())]:
+        if output is not None:
+            refuse_link(output, "bench output")  # before minutes of measuring, not after
     lm, tokenizer, layout = load_checked(model, check_runtime(dtype, device, compile, weight_layout, threads))
     runs = rounds * len(chosen) * len(length_list) * len(set(batches))
     bars = []  # opened once run_bench has checked everything, so that a refusal stays one line
@@ -390,7 +394,8 @@ def bench(
     for table in bench_tables(result):
         print_table(out, table)
     if json_out is not None:
-        json_out.write_text(json.dumps(result, indent=1))
+        with replaced(json_out, "--json") as file:
+            file.write(json.dumps(result, indent=1).encode())
     if plot is not None:
         plot_bench(result, plot)
 

@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from ..core.cache_argument import with_cache
-from ..core.policy import METHODS, make_policy
+from ..core.policy import label_notes, make_policy
 from ..runtime.generate import check_length, generate, generate_many, synchronize
 from ..texts import book_text
 from .batch_memory import GB, available_memory, capped_batches, check_cap, check_fits, proc_bytes, row_bytes
@@ -267,11 +267,10 @@ def summarize(runs: list[Run], weights: int, bandwidth: float) -> dict:
     floor = (weights + attended) / bandwidth
     peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
     prefill = statistics.median(r.prefill_s for r in runs)
-    method = METHODS.get(method_of(runs[0].method))
     return {
         "method": runs[0].method,
-        # a quality reference that reads the whole cache to choose (oracle) is labelled, never read as a speed-up
-        "label": runs[0].method + (" (ceiling)" if method is not None and method.ceiling else ""),
+        # a quality reference (oracle) is labelled, never read as a speed-up; a plugin's method names its package
+        "label": runs[0].method + label_notes(method_of(runs[0].method)),
         "length": runs[0].length,
         "batch": batch,
         "rounds": len(runs),

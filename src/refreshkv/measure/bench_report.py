@@ -7,6 +7,8 @@ from pathlib import Path
 
 from rich.table import Table
 
+from ..runtime.output_files import save_figure
+
 SPEED = (
     ("method", "label", "{}"),
     ("prefill s", "prefill_s", "{:.2f}"),
@@ -153,6 +155,11 @@ def series(result: dict, row: dict) -> str:
     return row["method"]
 
 
+def plot_paths(path: Path) -> tuple[Path, Path]:
+    """The PNGs `plot_bench` writes: `path`, and beside it NAME-steps.png."""
+    return path, path.with_name(f"{path.stem}-steps{path.suffix}")
+
+
 def plot_bench(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -179,9 +186,9 @@ def plot_bench(result: dict, path: Path) -> None:
     axis.grid(alpha=0.3)
     axis.legend(loc="upper left", ncol=3, fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path, "--plot", dpi=120)
     plt.close(figure)
-    plot_step_histograms(result, path.with_name(f"{path.stem}-steps{path.suffix}"))
+    plot_step_histograms(result, plot_paths(path)[1])
 
 
 def plot_step_histograms(result: dict, path: Path) -> None:
@@ -204,5 +211,5 @@ def plot_step_histograms(result: dict, path: Path) -> None:
     machine = result["machine"]
     axes[-1, 0].set_xlabel(f"decode step ms ({machine['device']}, {machine['threads']} threads, {machine['dtype']})")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    save_figure(figure, path, "--plot", dpi=110)
     plt.close(figure)
