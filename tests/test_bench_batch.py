@@ -176,3 +176,19 @@ def test_a_batched_result_shows_a_throughput_table_per_batch():
     assert titles[0] == "throughput at 100 tokens of context, batch 1" and titles[4].endswith("batch 8")
     assert "| batch |" in markdown_table(result) and "| batch |" not in markdown_table({**result, "batches": [1]})
     json.dumps(result)
+
+
+def test_the_cli_writes_each_batchs_rows(tiny_loader, tmp_path, monkeypatch, capsys):  # noqa: F811
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda device: 1e10)
+    out = tmp_path / "bench.json"
+    args = ["--methods", "full,streamingllm", "--budget", "8", "--lengths", "40", "--new-tokens", "4", "--rounds", "1"]
+    code, printed, _ = cli(monkeypatch, capsys, "bench", *args, "--batch", "1,2", "--json", out)
+    result = json.loads(out.read_text())
+    assert code in (0, None) and "throughput at 40 tokens of context, batch 2" in printed
+    assert [(row["method"], row["batch"]) for row in result["rows"]] == [
+        ("full", 1),
+        ("streamingllm", 1),
+        ("full", 2),
+        ("streamingllm", 2),
+    ]
+    assert result["batches"] == [1, 2] and set(result["row_bytes"]["40"]) == {"full", "streamingllm"}
