@@ -545,3 +545,19 @@ def test_a_preset_gives_its_values_and_parameters_beside_it_override_them():
             make_policy(name, preset=preset)
     with pytest.raises(PolicyError, match="^method 'pyramidkv' has no preset 'paper'; its presets: none$"):
         make_policy("pyramidkv", preset="paper")
+
+
+@pytest.mark.parametrize("window", [1, 5])
+def test_a_full_step_selects_with_the_window_of_the_last_queries_as_a_prompt_of_those_tokens_would(llama, window):
+    """The observation window slides with decoding: the C_p that a full step at step S rebuilds is the one a prompt
+    ending in the same S decoded tokens gets at its prefill (the same keys and the same last `window` queries)."""
+    ids, stride = random_prompt(80), 6
+    params = dict(budget=12, stride=stride, window=window, pooling="centered")
+    decoded = generate(llama, ids, method="recycled", max_new_tokens=stride + 1, eos_token_id=[], **params)
+    refreshed = decoded.cache.layers[1].state.partial.store.positions[..., :12]
+    longer = torch.cat([ids, torch.tensor([decoded.tokens[0][:stride]])], dim=1)  # the prompt and S written tokens
+    cache = PolicyCache(make_policy("recycled", **params), llama, max_new_tokens=1)
+    with torch.no_grad():
+        llama(longer, **with_cache(llama, cache))
+    at_prefill = cache.layers[1].state.partial.store.positions[..., :12]
+    assert torch.equal(refreshed.sort(-1).values, at_prefill.sort(-1).values)

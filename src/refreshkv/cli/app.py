@@ -43,6 +43,7 @@ from .options import (
     read_prompt,
 )
 from .tables import print_table
+from .trace_command import register as register_trace_command
 from .train_commands import register as register_train_commands
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -508,6 +509,7 @@ def models():
 register_chat_command(app, user_errors)
 register_eval_commands(app, user_errors)
 register_train_commands(app, user_errors)
+register_trace_command(app, user_errors)
 
 
 def main() -> None:

@@ -138,8 +138,13 @@ def attend_with_probs(query, keys, values, scaling, valid: torch.Tensor | None =
     probs = attention_probs(query, keys, scaling, valid)  # (B, Hkv, G, 1, n)
     batch, kv_heads, group, _, n = probs.shape
     probs = probs.view(batch, kv_heads, group, n)
+    return weighted_values(probs, values), probs
+
+
+def weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One query token's attention output (B, 1, Hq, D) from its probabilities (B, Hkv, G, n) over `values`."""
     output = torch.matmul(probs.to(values.dtype), values)  # (B, Hkv, G, D)
-    return unpack_output(output, query.shape[1]), probs
+    return unpack_output(output, probs.shape[1] * probs.shape[2])
 
 
 def attention_probs(

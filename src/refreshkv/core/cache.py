@@ -302,6 +302,8 @@ class PolicyCache(Cache):
     `tokenizer`: for a method that reads word spans (`pooling="span"`) when the model's folder holds none.
     """
 
+    layer_type = PolicyLayer  # a subclass may watch each layer's attention (measure/trace.py)
+
     def __init__(self, policy: Policy, model_or_config, max_new_tokens: int | None = None, tokenizer=None):
         if not isinstance(policy, Policy):
             raise PolicyError(
@@ -329,7 +331,7 @@ class PolicyCache(Cache):
         # per layer (layer types may rotate differently); None: no RoPE the package can undo
         self.rope_inv_freq = [inverse_frequencies(model_or_config, layer_type) for layer_type in layer_types]
         self.layer_windows = layer_windows(text_config)
-        super().__init__(layers=[PolicyLayer(self, i) for i in range(self.num_layers)])
+        super().__init__(layers=[self.layer_type(self, i) for i in range(self.num_layers)])
         self.word_table = None
         if policy.uses_word_spans():
             if not hasattr(model_or_config, "get_input_embeddings"):

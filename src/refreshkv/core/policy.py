@@ -66,6 +66,13 @@ class Policy:
         overrides this and says so in its docstring (refreshkv: one full step that rebuilds C_p)."""
         return layer.decode_each(self.decode, query, key, value, scaling)
 
+    def selection(self, layer: PolicyLayer, query: torch.Tensor, scaling) -> torch.Tensor | None:
+        """(B, Hkv, m) positions of the tokens a step that does not attend to everything attends to (-1: none), for
+        analysis (`refreshkv trace`), read after a decode step with its query: the tokens held, by default (what an
+        eviction method attends to); a method with a partial cache gives it, one that chooses per step recomputes
+        that step's choice; None where every step attends to every token."""
+        return layer.state.kept(layer.pads)
+
     def decides_on_host(self, step: int) -> bool:
         """Whether decode step `step` (counted from 1) takes a decision from device values (`refreshkv`'s QC steps).
         Under `compile=True` on a CPU, where reading them costs nothing, such a step runs eagerly (compiled.py)."""

@@ -32,6 +32,9 @@ class Full(Policy):
         layer.record(1.0, store.attended_bytes())
         return decode_attention(query, keys, values, scaling, layer.valid_positions(store.length, key.device))
 
+    def selection(self, layer, query, scaling):
+        return None  # every step attends to every token
+
     def extend(self, layer, query, key, value, scaling):
         return self.decode(layer, query, key, value, scaling)  # several tokens attend causally, as in one decode
 

@@ -56,20 +56,35 @@ class Oracle(BudgetPolicy):
         store: FullStore = layer.state
         store.append(key, value)
         keys, values = store.view()
-        n = store.length
         layer.record(0.0, store.attended_bytes())
-        packed = pack_queries(query, keys.shape[1])  # (B, Hkv, G, D)
-        logits = logits_of(packed, keys, scaling)  # (B, Hkv, G, n) float32
-        valid = layer.valid_positions(n, key.device)  # (B, 1, 1, n) or None
-        if valid is not None:
-            logits = logits.masked_fill(~valid, torch.finfo(torch.float32).min)
-        if layer.budget + 1 < n:
-            ranking = aggregate_group(logits.softmax(dim=-1), self.aggregation)[..., : n - 1]  # the newest is kept
-            chosen = top_k(
-                ranking, layer.budget, None if valid is None else valid.view(valid.shape[0], 1, -1)[..., :-1]
-            )
+        logits, chosen = self._choose(layer, query, keys, scaling)
+        if chosen is not None:
             keep = torch.zeros_like(logits[:, :, :1], dtype=torch.bool).scatter(-1, chosen.unsqueeze(2), True)
             keep[..., -1] = True
             logits = logits.masked_fill(~keep, float("-inf"))
         output = torch.matmul(logits.softmax(dim=-1).to(values.dtype), values)  # (B, Hkv, G, D)
         return unpack_output(output, query.shape[1])
+
+    def _choose(self, layer, query, keys, scaling):
+        """The current query's float32 logits (B, Hkv, G, n), pads masked, and the K positions (B, Hkv, K) it
+        attends to most besides the newest token (None when every token fits)."""
+        n = keys.shape[2]
+        logits = logits_of(pack_queries(query, keys.shape[1]), keys, scaling)
+        valid = layer.valid_positions(n, keys.device)  # (B, 1, 1, n) or None
+        if valid is not None:
+            logits = logits.masked_fill(~valid, torch.finfo(torch.float32).min)
+        if layer.budget + 1 >= n:
+            return logits, None
+        ranking = aggregate_group(logits.softmax(dim=-1), self.aggregation)[..., : n - 1]  # the newest is kept
+        return logits, top_k(
+            ranking, layer.budget, None if valid is None else valid.view(valid.shape[0], 1, -1)[..., :-1]
+        )
+
+    def selection(self, layer, query, scaling):
+        """The step's K chosen tokens and the newest one; None when every token fits."""
+        keys, _ = layer.state.view()
+        _, chosen = self._choose(layer, query, keys, scaling)
+        if chosen is None:
+            return None
+        newest = torch.full_like(chosen[..., :1], layer.state.length - 1)
+        return torch.cat([chosen, newest], dim=-1)

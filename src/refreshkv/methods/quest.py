@@ -180,6 +180,16 @@ class Quest(BudgetPolicy):
         layer.record(0.0, token_bytes * index.shape[-1] + store.metadata_bytes())
         return decode_attention(query, keys, values, scaling, valid)
 
+    def selection(self, layer, query, scaling):
+        """The step's pages (their tokens' positions); None where the step attends to the whole cache."""
+        store: PagedStore = layer.state
+        selected_pages = layer.budget // self.page_size
+        if layer.layer_idx < self.dense_layers or store.pages <= selected_pages + 1:
+            return None
+        index, chosen = self.selected_tokens(store, query, selected_pages)
+        held = index < store.full.length if chosen is None else chosen & (index < store.full.length)
+        return index.masked_fill(~held, -1)
+
     def selected_tokens(self, store: PagedStore, query, selected_pages: int):
         """(B, Hkv, (selected_pages + 1) * page_size) padded positions, each row's top pages by their bound (page
         order) then the page it is writing, and whether each belongs to a chosen page (None: all do; a padded row

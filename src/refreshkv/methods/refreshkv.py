@@ -4,9 +4,11 @@ Each layer keeps the full cache C_f and a partial cache C_p of K tokens per KV h
 recycled-attention.txt §2.3, §6):
 - prefill: full attention; C_p = top-K tokens by the attention of the last `window` prompt tokens, max-pooled over
   positions (`kernel`) and aggregated over the query heads of a GQA group (`aggregation`, max by default, A.3);
+  the observation window then slides with decoding: it always holds the last `window` queries (prompt and decoded);
 - partial step: attend to C_p plus the new token, which takes the slot of the lowest-scored entry, so C_p keeps K
   entries besides the newest token;
-- full step: attend to all of C_f, recompute the current query's scores (one row per head) and rebuild C_p.
+- full step: attend to all of C_f and rebuild C_p from the attention of the window's queries (with `window` 1, the
+  papers' setting, the current query's alone).
 C_f is read only at full steps, so it can be held in few bits or off the GPU (`full_cache`: dense, int8, int4, int2,
 offload; core/full_cache.py). Then a full step attends to the dequantized C_f and C_p is gathered from it; the
 prefill's selection uses the prompt's exact keys.
@@ -44,6 +46,7 @@ from ..core.attention_math import (
     pool_window,
     selection_scores,
     top_k,
+    weighted_values,
     window_mean,
 )
 from ..core.full_cache import DEFAULT_GROUP_SIZE, check_full_cache, check_group_size, make_full_store
@@ -81,6 +84,7 @@ class RefreshState(LayerState):
     full: FullStore  # C_f (or a store with its interface: quantized, offloaded; core/full_cache.py)
     partial: SelectionState | None  # C_p: K slots + the newest token; None while K holds every token (see decode)
     anchor: torch.Tensor | None  # (B, D) compared query of the last full step (dynamic schedule only)
+    recent: torch.Tensor | None  # (B, Hq, <= window, D) the last queries, oldest first (None with `window` 1)
 
     def nbytes(self) -> int:
         return self.full.nbytes() + (self.partial.nbytes() if self.partial is not None else 0)
@@ -172,11 +176,12 @@ class RefreshKV(BudgetPolicy):
         full = make_full_store(key, layer.capacity(), self.full_cache, self.group_size)
         full.append(key, value)
         anchor = self.compared_query(layer, query) if self.stride is None else None
+        recent = query[:, :, -self.window :].clone() if self.window > 1 else None
         if layer.budget >= layer.capacity():  # K holds the prompt and every announced token: C_p would copy C_f
-            layer.state = RefreshState(full, None, anchor)
+            layer.state = RefreshState(full, None, anchor, recent)
             return
         partial = SelectionState.empty_like(key, layer.budget + 1)
-        layer.state = RefreshState(full, partial, anchor)
+        layer.state = RefreshState(full, partial, anchor, recent)
         valid = layer.valid_positions(length, key.device)
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
         self._refresh(layer, probs, valid, (key, value))
@@ -185,6 +190,7 @@ class RefreshKV(BudgetPolicy):
     def decode(self, layer, query, key, value, scaling):
         state: RefreshState = layer.state
         state.full.append(key, value)
+        self._observe(state, query)
         if state.partial is None:  # K holds every token: a step of `full`, no second copy, no selection
             if state.full.length <= layer.budget + 1:
                 layer.record(1.0, state.full.attended_bytes())
@@ -215,6 +221,7 @@ class RefreshKV(BudgetPolicy):
         answer is read from a selection made for the new question."""
         state: RefreshState = layer.state
         state.full.append(key, value)
+        self._observe(state, query)
         keys, values = state.full.view()
         valid = layer.valid_positions(state.full.length, keys.device)
         layer.record(1.0, state.full.attended_bytes())
@@ -223,8 +230,8 @@ class RefreshKV(BudgetPolicy):
             if state.full.length <= layer.budget + 1:
                 return output
             state.partial = SelectionState.empty_like(key, layer.budget + 1)
-        window = min(self.window, query.shape[2])
-        probs = attention_probs(query[:, :, -window:], keys, scaling, valid, causal_tail=True)
+        window = query[:, :, -self.window :] if state.recent is None else state.recent
+        probs = attention_probs(window, keys, scaling, valid, causal_tail=True)
         self._refresh(layer, probs, valid, (keys, values))
         if self.stride is None:
             state.anchor = self.compared_query(layer, query)
@@ -237,6 +244,8 @@ class RefreshKV(BudgetPolicy):
         if not isinstance(state.full, FullStore) or type(state.full).crop is not FullStore.crop:
             raise PolicyError(f"method '{self.name}' forgets tokens only with full_cache='dense'")
         state.full.crop(tokens)
+        if state.recent is not None:  # the window keeps the queries of the tokens that remain
+            state.recent = state.recent[:, :, : max(state.recent.shape[2] - tokens, 0)]
         partial = state.partial
         if partial is None:
             return
@@ -245,6 +254,11 @@ class RefreshKV(BudgetPolicy):
         partial.scores.masked_fill_(gone, float("-inf"))
         partial.filled = 0  # some slots are empty now: mask until refilled
         partial.empty = int((partial.store.positions < 0).sum(-1).min())
+
+    def selection(self, layer, query, scaling):
+        """C_p (after a full step, the refreshed one); None while K holds every token."""
+        partial = layer.state.partial
+        return None if partial is None else partial.kept(layer.pads)
 
     def _scheduled(self, step: int) -> bool:
         """A full step of the fixed schedule, or a QC step of the dynamic one."""
@@ -281,12 +295,22 @@ class RefreshKV(BudgetPolicy):
         store = partial.store
         return decode_attention(query, store.keys, store.values, scaling, partial.valid(layer.pads))
 
+    def _observe(self, state: RefreshState, query: torch.Tensor) -> None:
+        """Slide the observation window over the new queries (each step's one, or a block's)."""
+        if state.recent is not None:
+            state.recent = torch.cat([state.recent, query], dim=2)[:, :, -self.window :]
+
     def _full_step(self, layer, query, scaling, rows=None):
         state: RefreshState = layer.state
         keys, values = state.full.view()
         valid = layer.valid_positions(state.full.length, keys.device)
-        output, probs = attend_with_probs(query, keys, values, scaling, valid)
-        self._refresh(layer, probs.unsqueeze(3), valid, (keys, values), rows)
+        if state.recent is None:
+            output, probs = attend_with_probs(query, keys, values, scaling, valid)
+            probs = probs.unsqueeze(3)
+        else:  # the window's last query is the current one: its probabilities give the output
+            probs = attention_probs(state.recent, keys, scaling, valid, causal_tail=True)
+            output = weighted_values(probs[:, :, :, -1], values)
+        self._refresh(layer, probs, valid, (keys, values), rows)
         if self.stride is None:
             current = self.compared_query(layer, query)
             state.anchor = current if rows is None else torch.where(rows[:, None], current, state.anchor)
