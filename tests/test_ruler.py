@@ -394,3 +394,11 @@ def test_question_forms_are_checked_before_anything_is_built():
     with pytest.raises(ValueError, match=r"question='sentence' asks a needle's question; use it with a niah task"):
         check_task_options("ruler/vt", {"question": "sentence"})
     check_task_options("ruler/vt", {"question": "bare"})
+
+
+def test_max_new_tokens_replaces_rulers_and_leaves_room_in_the_length():
+    default, short = build("niah_single_2"), build("niah_single_2", max_new_tokens=32)
+    assert default["max_new_tokens"] == 128 and short["max_new_tokens"] == 32
+    assert len(TOKENIZER.encode(short["prompt"])) + 32 <= 2000
+    with pytest.raises(ValueError, match=r"max_new_tokens must be an integer >= 1, got 0$"):
+        check_task_options("ruler/niah_single_2", {"max_new_tokens": 0})

@@ -19,7 +19,8 @@ Prompt and budget: RULER's input is `model template(task template) + answer pref
 value: `bare` ends the input at the question (no answer prefix; with the chat template the assistant turn starts
 empty); `sentence` (niah tasks) puts two short questions answered in full sentences before the task text and asks
 the task's question as `Q: ... A:` after the text, with no answer prefix, so that a base model too answers in a
-sentence ("The special magic number for ... is ..."). With `model_template`
+sentence ("The special magic number for ... is ..."). `max_new_tokens` replaces the family's tokens_to_generate (a
+base model goes on with more questions after its answer; fewer tokens cost less and score alike). With `model_template`
 unset the runner's chat template is the model template: `prompt` is the task text, `answer_prefix` follows the
 assistant turn's start, and one-shot examples inside the prompt take RULER's `base` form. With
 `model_template=<name of a RULER template>` (needs `--no-chat`), `prompt` is RULER's whole input text. Either
@@ -542,11 +543,12 @@ class RulerTask:
         subtask: str | None = None,
         model_template: str | None = None,
         question: str = "prefixed",
+        max_new_tokens: int | None = None,
         chat: bool = True,
     ) -> list[Example]:
         if subtask is not None and self.subtask is not None and subtask != self.subtask:
             raise ValueError(f"task '{self.name}' cannot build subtask '{subtask}'; use the task 'ruler/{subtask}'")
-        self.check_options({"subtask": subtask, "question": question})
+        self.check_options({"subtask": subtask, "question": question, "max_new_tokens": max_new_tokens})
         chosen = subtask or self.subtask
         subtasks = [_check_subtask(chosen)] if chosen else list(SUBTASKS)
         frame = _frame(model_template, chat)
@@ -555,7 +557,7 @@ class RulerTask:
             name = subtasks[index % len(subtasks)]
             task = f"ruler/{name}"
             family, args = _config(name)
-            max_new_tokens = _family(family)["tokens_to_generate"]
+            new_tokens = max_new_tokens or _family(family)["tokens_to_generate"]
             # one generator per example, so that an example does not depend on the ones before it
             rng = random.Random(f"{task}/{seed}/{index}")
             if question == "sentence":
@@ -571,7 +573,7 @@ class RulerTask:
                 tokenizer,
                 length,
                 prompt.max_units,
-                count=lambda text, prefix=answer_prefix, new=max_new_tokens: (
+                count=lambda text, prefix=answer_prefix, new=new_tokens: (
                     len(encode_user_turn(tokenizer, text, prefix, chat)) + new
                 ),
             )
@@ -583,7 +585,7 @@ class RulerTask:
                     task=task,
                     prompt=text,
                     reference=prompt.references,
-                    max_new_tokens=max_new_tokens,
+                    max_new_tokens=new_tokens,
                     answer_prefix=answer_prefix,
                 )
             )
@@ -596,6 +598,11 @@ class RulerTask:
             raise ValueError(
                 f"task '{self.name}': unknown question form {question!r}; choose from: {', '.join(QUESTION_FORMS)}"
             )
+        new_tokens = options.get("max_new_tokens")
+        if new_tokens is not None and (
+            not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 1
+        ):
+            raise ValueError(f"task '{self.name}': max_new_tokens must be an integer >= 1, got {new_tokens!r}")
         chosen = options.get("subtask") or self.subtask
         if question == "sentence" and (chosen is None or not chosen.startswith("niah")):
             raise ValueError(
