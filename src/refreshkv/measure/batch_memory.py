@@ -13,9 +13,10 @@ A row's bytes under a method (`RowBytes`):
   attention output), queries, keys and values, the MLP's gate, up and product, and attention scores of up to 256
   prompt queries per query head (H2O scores the prompt in blocks of 256).
 
-`--memory-cap` bounds the decode working set: weights + B x (kv + decode). The batch's one prefill is not under the
-cap (its transient grows with B x length; the run's peak RSS shows it), but it is counted when checking that a run
-fits in the memory this machine has free. GB here are 2^30 bytes, as the tables' MB are 2^20.
+`--memory-cap` bounds the decode working set: weights + B x (kv + decode); the process's own memory (the interpreter,
+PyTorch's libraries) is not counted. The batch's one prefill is not under the cap (its transient grows with
+B x length; the run's peak RSS shows it), but it is counted when checking that a run fits in the memory this machine
+has free. GB here are 2^30 bytes, as the tables' MB are 2^20.
 """
 
 from __future__ import annotations
