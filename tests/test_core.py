@@ -252,6 +252,31 @@ def test_bad_parameters(params, message):
     assert "\n" not in str(error.value)
 
 
+def test_one_budget_rule_for_methods_training_and_the_recovery_task():
+    """K from budget or budget_ratio is resolved by one function (core/policy.py `resolve_budget`), whose ratio is in
+    (0, 1] for methods, `refreshkv train` and the recovery task alike."""
+    from refreshkv.core.policy import resolve_budget
+    from refreshkv.eval.recovery import resolve_k
+    from refreshkv.train.run import TrainConfig
+
+    assert [resolve_budget(1000), resolve_budget(1000, budget=7), resolve_budget(3, budget_ratio=0.1)] == [125, 7, 1]
+    assert resolve_budget(1000, budget_ratio=1.0) == 1000
+    for ratio in (0.25, 1.0):
+        assert make_policy("snapkv", budget_ratio=ratio).budget_for(1000) == resolve_budget(1000, budget_ratio=ratio)
+        assert resolve_k(1000, None, ratio) == resolve_budget(1000, budget_ratio=ratio)
+    config = TrainConfig(data=["x"], model="m", prefix_length=1000, suffix_length=10, budget_ratio=0.25)
+    assert config.pattern().budget == resolve_budget(1000, budget_ratio=0.25)
+    with pytest.raises(PolicyError, match=r"^budget_ratio must be a number in \(0, 1\], got 1.5$"):
+        resolve_budget(1000, budget_ratio=1.5)
+    with pytest.raises(ValueError, match=r"^task 'recovery': budget_ratio must be a number in \(0, 1\], got 0$"):
+        resolve_k(1000, None, 0)
+    with pytest.raises(ValueError, match=r"^--budget-ratio must be a number in \(0, 1\], got 1.5$"):
+        TrainConfig(data=["x"], model="m", budget_ratio=1.5)
+    # a ratio of 1 is a budget the pattern refuses in its own words: K must be below L
+    with pytest.raises(ValueError, match=r"budget K \(1000\) must be below the prefix length L \(1000\)"):
+        TrainConfig(data=["x"], model="m", prefix_length=1000, suffix_length=10, budget_ratio=1.0)
+
+
 def test_unknown_method_names_the_choices():
     with pytest.raises(PolicyError, match="unknown method 'nope'; choose from: .*full.*refreshkv"):
         make_policy("nope")

@@ -123,21 +123,39 @@ class BudgetPolicy(Policy):
     budget_ratio: float | None = None
 
     def __post_init__(self):
-        if self.budget is not None and self.budget_ratio is not None:
-            raise PolicyError("give either budget or budget_ratio, not both")
-        check_positive("budget", self.budget, allow_none=True)
-        if self.budget_ratio is not None and not (is_number(self.budget_ratio) and 0 < self.budget_ratio <= 1):
-            raise PolicyError(f"budget_ratio must be a number in (0, 1], got {self.budget_ratio!r}")
+        check_budget(self.budget, self.budget_ratio)
 
     @classmethod
     def keep_everything(cls) -> dict[str, object]:
         return {"budget": 1 << 20}
 
     def budget_for(self, prompt_length: int) -> int:
-        if self.budget is not None:
-            return self.budget
-        ratio = DEFAULT_BUDGET_RATIO if self.budget_ratio is None else self.budget_ratio
-        return max(1, math.ceil(ratio * prompt_length))
+        return resolve_budget(prompt_length, self.budget, self.budget_ratio)
+
+
+def check_budget(budget, budget_ratio, names: tuple[str, str] = ("budget", "budget_ratio")) -> None:
+    """The one rule for a budget's parameters (methods, `refreshkv train`, the recovery task): `budget` an integer
+    >= 1 or `budget_ratio` a number in (0, 1], not both. `names`: how the caller's user spells the two."""
+    budget_name, ratio_name = names
+    if budget is not None and budget_ratio is not None:
+        raise PolicyError(f"give either {budget_name} or {ratio_name}, not both")
+    check_positive(budget_name, budget, allow_none=True)
+    if budget_ratio is not None and not (is_number(budget_ratio) and 0 < budget_ratio <= 1):
+        raise PolicyError(f"{ratio_name} must be a number in (0, 1], got {budget_ratio!r}")
+
+
+def ratio_or_default(budget_ratio: float | None) -> float:
+    """The share of the prompt that K is when no `budget` is given: `budget_ratio`, 1/8 (the seeds') if unset."""
+    return DEFAULT_BUDGET_RATIO if budget_ratio is None else budget_ratio
+
+
+def resolve_budget(prompt_length: int, budget: int | None = None, budget_ratio: float | None = None) -> int:
+    """K for a prompt of `prompt_length` tokens (a batch's longest): `budget`, else ceil(ratio * prompt_length) and
+    at least 1 (`ratio_or_default`). Refuses what `check_budget` refuses."""
+    check_budget(budget, budget_ratio)
+    if budget is not None:
+        return budget
+    return max(1, math.ceil(ratio_or_default(budget_ratio) * prompt_length))
 
 
 def is_number(value) -> bool:

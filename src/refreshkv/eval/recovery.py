@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
-import math
 from collections.abc import Sequence
 
 import torch
 
 from ..core.attention_math import attention_probs
 from ..core.kvstore import FullStore
-from ..core.policy import DEFAULT_BUDGET_RATIO
+from ..core.policy import PolicyError, resolve_budget
 from ..methods.full import Full
 from .tasks.base import Example, example_id
 from .tasks.ppl import PerplexityTask
@@ -48,16 +47,11 @@ def default_paths() -> list[str]:
 
 
 def resolve_k(length: int, budget: int | None, budget_ratio: float | None) -> int:
-    if budget is not None and budget_ratio is not None:
-        raise ValueError("task 'recovery': give either budget or budget_ratio, not both")
-    if budget is not None:
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
-            raise ValueError(f"task 'recovery': budget must be an integer >= 1, got {budget!r}")
-        return budget
-    ratio = DEFAULT_BUDGET_RATIO if budget_ratio is None else budget_ratio
-    if not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
-        raise ValueError(f"task 'recovery': budget_ratio must be in (0, 1], got {ratio!r}")
-    return max(1, math.ceil(ratio * length))
+    """K for a prefix of `length` tokens, by the methods' rule (`resolve_budget`)."""
+    try:
+        return resolve_budget(length, budget, budget_ratio)
+    except PolicyError as error:
+        raise ValueError(f"task 'recovery': {error}") from None
 
 
 class RecoveryTask:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..core.attention_math import AGGREGATIONS, aggregate_group, decode_attention, pack_queries, top_k
 from ..core.kvstore import FullStore, LayerState, every_position, gather_tokens
-from ..core.policy import DEFAULT_BUDGET_RATIO, BudgetPolicy, PolicyError, check_choice, check_positive, register
+from ..core.policy import BudgetPolicy, PolicyError, check_choice, check_positive, ratio_or_default, register
 
 
 class ZeroedStore(FullStore):
@@ -146,9 +146,8 @@ class Quest(BudgetPolicy):
         budget = super().budget_for(prompt_length)
         if budget < self.page_size:
             raise PolicyError(
-                f"budget ({budget} tokens, from budget_ratio {self.budget_ratio or DEFAULT_BUDGET_RATIO}) must hold at "
-                f"least one page "
-                f"(page_size {self.page_size} tokens)"
+                f"budget ({budget} tokens, from budget_ratio {ratio_or_default(self.budget_ratio)}) must hold at "
+                f"least one page (page_size {self.page_size} tokens)"
             )
         return budget
 

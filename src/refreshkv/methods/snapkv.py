@@ -19,12 +19,12 @@ import dataclasses
 
 from ..core.attention_math import AGGREGATIONS, POOLINGS, attention_probs, selection_scores
 from ..core.policy import (
-    DEFAULT_BUDGET_RATIO,
     PolicyError,
     check_choice,
     check_kernel,
     check_positive,
     check_window,
+    ratio_or_default,
     register,
 )
 from ..core.selection import SelectionPolicy
@@ -68,7 +68,7 @@ class SnapKV(SelectionPolicy):
     def budget_for(self, prompt_length: int) -> int:
         """K for the prompt; a budget_ratio that gives fewer tokens than the window is refused."""
         budget = super().budget_for(prompt_length)
-        ratio = DEFAULT_BUDGET_RATIO if self.budget_ratio is None else self.budget_ratio
+        ratio = ratio_or_default(self.budget_ratio)
         return self._holding_the_window(budget, f" tokens: budget_ratio {ratio:g} of {prompt_length} prompt tokens")
 
     def check_prompt(self, shortest):

@@ -32,7 +32,7 @@ from transformers.utils import logging as hf_logging
 
 from ..core.attention import PATTERN_ARGUMENT, TRAINING_UNSUPPORTED
 from ..core.cache import layer_windows
-from ..core.policy import DEFAULT_BUDGET_RATIO
+from ..core.policy import check_budget, resolve_budget
 from ..eval.distributed import current_launch
 from ..runtime.output_files import write_text
 from ..texts.documents import read_documents
@@ -88,10 +88,7 @@ class TrainConfig:
             raise ValueError(f"unknown --loss-on '{self.loss_on}'; choose from: {', '.join(LOSS_ON)}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown --schedule '{self.schedule}'; choose from: {', '.join(SCHEDULES)}")
-        if self.budget is not None and self.budget_ratio is not None:
-            raise ValueError("give either --budget or --budget-ratio, not both")
-        if self.budget_ratio is not None and not 0 < self.budget_ratio < 1:
-            raise ValueError(f"--budget-ratio must be in (0, 1), got {self.budget_ratio}")
+        check_budget(self.budget, self.budget_ratio, names=("--budget", "--budget-ratio"))
         if self.steps is not None and self.epochs is not None:
             raise ValueError("give either --steps or --epochs, not both")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -102,8 +99,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     def pattern(self) -> PartialPattern:
-        ratio = DEFAULT_BUDGET_RATIO if self.budget_ratio is None else self.budget_ratio
-        budget = self.budget if self.budget is not None else max(1, math.ceil(ratio * self.prefix_length))
+        budget = resolve_budget(self.prefix_length, self.budget, self.budget_ratio)
         return PartialPattern(
             self.prefix_length, self.suffix_length, budget, self.kernel, self.window, self.aggregation
         )
