@@ -18,7 +18,7 @@ import statistics
 import torch
 
 from refreshkv import PolicyCache, load_model, make_policy, with_cache
-from refreshkv.eval.runner import uses_chat
+from refreshkv.eval.examples import uses_chat
 from refreshkv.eval.tasks.base import encode_user_turn
 from refreshkv.eval.tasks.ruler import RulerTask
 

@@ -17,8 +17,9 @@ import refreshkv.runtime.cache_folder
 import refreshkv.runtime.loading
 from refreshkv.cli.app import main
 from refreshkv.cli.options import method_params, parse_value
+from refreshkv.eval.config import check_task_options
 from refreshkv.eval.report import load_results, write_report
-from refreshkv.eval.runner import ResultsError, ResultsFile, check_task_options
+from refreshkv.eval.results_file import ResultsError, ResultsFile
 from refreshkv.eval.sweep import load_sweep
 from refreshkv.runtime.loading import ModelError, load_model, resolve_model_dir
 

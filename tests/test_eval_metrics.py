@@ -9,8 +9,10 @@ import pytest
 from conftest import tiny_model
 from typer.testing import CliRunner
 
+from refreshkv.eval.config import RunConfig
 from refreshkv.eval.metrics import extract_tsv_block, longproc_tsv_f1, normalize_cell
-from refreshkv.eval.runner import ResultsError, RunConfig, run_eval
+from refreshkv.eval.results_file import ResultsError
+from refreshkv.eval.runner import run_eval
 from refreshkv.eval.tasks.chain_of_key import chain_score, parse_chain
 from refreshkv.eval.tasks.ppl import PerplexityTask
 

@@ -16,15 +16,12 @@ from conftest import random_prompt, tiny_model
 from typer.testing import CliRunner
 
 from refreshkv.core.policy import make_policy
+from refreshkv.eval.config import RunConfig
 from refreshkv.eval.perplexity import plain_losses, teacher_forced
 from refreshkv.eval.recovery import RecoveryProbe
 from refreshkv.eval.report import load_results, write_report
-from refreshkv.eval.runner import (
-    ResultsError,
-    RunConfig,
-    read_results,
-    run_eval,
-)
+from refreshkv.eval.results_file import ResultsError, read_results
+from refreshkv.eval.runner import run_eval
 from refreshkv.eval.sweep import SweepError, load_sweep, run_sweep
 
 TESTS = Path(__file__).parent
@@ -283,7 +280,8 @@ KILL_SCRIPT = """
 import sys, zlib
 sys.path.insert(0, {tests!r})
 from conftest import tiny_model
-from refreshkv.eval.runner import RunConfig, run_eval
+from refreshkv.eval.config import RunConfig
+from refreshkv.eval.runner import run_eval
 
 config = RunConfig(task="ppl", method="refreshkv", length=100, params={{"budget": 16}}, model="tiny", chat=False,
                    task_options={{"paths": [{text!r}], "target_tokens": 40}})

@@ -6,8 +6,11 @@ import pytest
 from conftest import tiny_model
 from test_eval_runner import TOKENIZER
 
+from refreshkv.eval.config import RunConfig
+from refreshkv.eval.examples import prepare
 from refreshkv.eval.report import write_report
-from refreshkv.eval.runner import Job, ResultsFile, RunConfig, prepare, read_results, run_jobs
+from refreshkv.eval.results_file import ResultsFile, read_results
+from refreshkv.eval.runner import Job, run_jobs
 from refreshkv.eval.summary import turn_summary
 from refreshkv.eval.tasks import get_task
 

@@ -19,7 +19,8 @@ from long_context_eval.data.template import Templates  # noqa: E402
 from long_context_eval.eval.synthetic.constants import TASKS as METRICS  # noqa: E402
 from nltk.tokenize.punkt import PunktSentenceTokenizer  # noqa: E402
 
-from refreshkv.eval.runner import check_task_options, encode_prompt  # noqa: E402
+from refreshkv.eval.config import check_task_options  # noqa: E402
+from refreshkv.eval.examples import encode_prompt  # noqa: E402
 from refreshkv.eval.sources import (  # noqa: E402
     MissingDataError,
     ruler_json,

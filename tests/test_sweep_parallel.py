@@ -159,7 +159,7 @@ def test_a_task_runs_its_own_number_of_examples(tmp_path):
 
 
 def test_a_rank_file_of_another_sweep_is_refused(tmp_path):
-    from refreshkv.eval.runner import ResultsError
+    from refreshkv.eval.results_file import ResultsError
     from refreshkv.eval.sweep import open_results
 
     sweep = load_sweep(write_sweep(tmp_path, text_file(tmp_path / "doc.txt")))

@@ -10,7 +10,7 @@ import pytest
 from test_bad_input import assert_one_line_error, cli, no_model, report_rows, sweep_file  # noqa: F401 (a fixture)
 from test_core import registry  # noqa: F401  (the fixture)
 
-from refreshkv.eval.runner import ResultsFile
+from refreshkv.eval.results_file import ResultsFile
 from refreshkv.eval.sweep import SweepError, load_sweep
 from refreshkv.runtime.output_files import OutputError, replaced
 

@@ -27,7 +27,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 import refreshkv  # noqa: E402
-from refreshkv.eval.runner import RunConfig, find_task, prepare  # noqa: E402
+from refreshkv.eval.config import RunConfig, find_task  # noqa: E402
+from refreshkv.eval.examples import prepare  # noqa: E402
 from refreshkv.methods.refreshkv import RefreshKV  # noqa: E402
 from refreshkv.methods.snapkv import SnapKV  # noqa: E402
 from refreshkv.methods.streamingllm import StreamingLLM  # noqa: E402

@@ -81,7 +81,9 @@ def register(app, user_errors) -> None:
         ] = True,
     ):
         """Run one task x method configuration over examples into a resumable JSONL file."""
-        from ..eval.runner import ResultsFile, RunConfig, model_identity, run_eval
+        from ..eval.config import RunConfig, model_identity
+        from ..eval.results_file import ResultsFile
+        from ..eval.runner import run_eval
 
         params = method_params(
             budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param, preset
@@ -132,7 +134,7 @@ def register(app, user_errors) -> None:
         runs every N-th example into OUT's rank file (<stem>.rank<r>.jsonl); `refreshkv report OUT` merges them.
         """
         from ..eval.distributed import agree, current_launch
-        from ..eval.runner import short_hash
+        from ..eval.results_file import short_hash
         from ..eval.sweep import load_sweep, open_results, run_sweep
 
         sweep = load_sweep(config, out, model)

@@ -110,7 +110,7 @@ def register(app: typer.Typer, user_errors) -> None:
                 raise ValueError("--task-option and --example go with --task")
             text = read_prompt(prompt, prompt_file)
         else:
-            from ..eval.runner import RunConfig, find_task, task_kind
+            from ..eval.config import RunConfig, find_task, task_kind
 
             if prompt is not None or prompt_file is not None:
                 raise ValueError("give --task or a prompt (--prompt, --prompt-file), not both")
@@ -128,7 +128,7 @@ def register(app: typer.Typer, user_errors) -> None:
                 raise ValueError("this model has no chat template (a base model): leave out --chat")
             text = prompt_text(tokenizer, text, "", chat)
         else:
-            from ..eval.runner import prepare
+            from ..eval.examples import prepare
 
             item = prepare(lm, tokenizer, config, example + 1)[example]
             text = prompt_text(

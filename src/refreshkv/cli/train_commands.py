@@ -60,7 +60,7 @@ def register(app, user_errors) -> None:
         ] = False,
     ):
         """Continued pre-training with RefreshKV's attention pattern (refreshkv.txt §6); docs/training.md."""
-        from ..eval.runner import model_identity
+        from ..eval.config import model_identity
         from ..texts.documents import read_documents
         from ..train.run import TrainConfig, check_out_folder, train
         from ..train.windows import split_documents

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..core.policy import BUILT_IN, METHODS, BudgetPolicy, label_notes
 from . import stats
-from .runner import canonical, read_results
+from .results_file import canonical, read_results
 
 ROW_FIELDS = (
     "run",

@@ -36,9 +36,10 @@ from ..core.policy import METHODS, make_policy
 from ..runtime.models import named_model
 from ..runtime.output_files import lies_inside
 from ..runtime.prepare import DTYPES
+from .config import RunConfig, check_budget_at_length, check_task_options, find_task, model_identity
 from .distributed import Launch, rank_file, sweep_files
 from .recovery import RecoveryTask
-from .runner import RunConfig, check_budget_at_length, check_task_options, find_task, model_identity, short_hash
+from .results_file import short_hash
 
 TOP_KEYS = ("out", "model", "chat", "dtype", "seed", "num_examples", "lengths", "tasks", "methods", "fidelity")
 
@@ -279,7 +280,7 @@ def load_sweep(path: str | Path, out: str | Path | None = None, model: str | Non
 
 def open_results(sweep: Sweep, launch: Launch = Launch()):
     """This process's results file (a rank file under a data-parallel launch), knowing the rows of the others."""
-    from .runner import ResultsFile
+    from .results_file import ResultsFile
 
     results = ResultsFile(rank_file(sweep.out, launch), run=sweep.identity())
     try:
@@ -304,7 +305,8 @@ def run_sweep(
     `results`: the sweep's ResultsFile when the caller opened it already (the command does, before loading the model).
     `share_prefill`: at most this many configurations per shared prefill (None: every method of an example).
     """
-    from .runner import Job, prepare, run_jobs
+    from .examples import prepare
+    from .runner import Job, run_jobs
 
     configs = sweep.configs()
     for config in configs:
