@@ -8,7 +8,8 @@
 Positions are indices into the (left-padded) input; a slot is valid when its position is >= the row's pad count.
 
 `LayerState` is the base of every per-layer state (a store is one too): it says what it holds (`nbytes`), which
-positions it keeps (`kept`), and follows beam search (`select_rows`), so the cache never has to look inside it.
+positions it keeps (`kept`), follows beam search (`select_rows`) and joins row groups (core/join_rows.py), so the
+cache never has to look inside it.
 """
 
 from __future__ import annotations
@@ -87,6 +88,12 @@ class LayerState:
     def nbytes_by_device(self) -> dict[str, int]:
         """`nbytes` per device ("cpu", "cuda:0"): one device, unless a state holds parts on several (offloading)."""
         return {str(self.kept(None).device): self.nbytes()}
+
+    @classmethod
+    def align_groups(cls, states: list[LayerState]) -> None:
+        """Make one layer's states of a batch prefilled in row groups (core/join_rows.py) agree on the shared
+        attributes a state reads from its rows (a count over them, the widest row) as the batch prefilled at once
+        would hold them; by default a state has none."""
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows `index` (B',) of the batch, in that order (beam search reorders and repeats rows)."""

@@ -88,6 +88,27 @@ class SelectionState(LayerState):
     def kept(self, pads: torch.Tensor | None) -> torch.Tensor:
         return self.store.kept(pads)
 
+    @classmethod
+    def align_groups(cls, states: list[SelectionState]) -> None:
+        """Row groups prefilled apart (core/join_rows.py): a ragged selection is as wide as its group's largest head,
+        so each is widened to the widest (`widen`), as the batch prefilled at once holds it; `filled` (slots filled
+        in every row) is the fewest of the groups'."""
+        width = max(state.used for state in states)
+        for state in states:
+            state.widen(width)
+        filled = min(state.filled for state in states)
+        for state in states:
+            state.filled = filled
+
+    def widen(self, width: int) -> None:
+        """`width` slots of selection (`used`): the new ones are holes (masked, so `filled` is 0), and the room left
+        for decoded tokens (`empty`) is unchanged."""
+        extra = width - self.used
+        if extra:
+            self.grow(extra)
+            self.empty -= extra
+            self.filled = 0
+
     def load(self, keys, values, index: torch.Tensor, scores: torch.Tensor, ragged: bool = True) -> None:
         """Hold the tokens at `index` (B, Hkv, k; -1 = none) of keys/values with their scores; empty the rest.
         `ragged=False`: the caller knows no index is -1 (a top-k), so the host need not read the index."""

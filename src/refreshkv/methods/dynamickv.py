@@ -65,6 +65,32 @@ class DynamicState(SelectionState):
     budget: torch.Tensor | None = None  # (B,) selected tokens per KV head in each row
     attention: torch.Tensor | None = None  # (B, Hkv, prefix) A^l, kept until the final update
 
+    @classmethod
+    def align_groups(cls, states: list[DynamicState]) -> None:
+        """Row groups prefilled apart (core/join_rows.py) size their stores for their own largest row: each is
+        widened to the widest, with empty slots before the window, as the batch prefilled at once holds them."""
+        width = max(state.selected for state in states)
+        for state in states:
+            state.widen_selection(width)
+        super().align_groups(states)
+
+    def widen_selection(self, width: int) -> None:
+        """`width` selected slots: empty ones (masked, so `filled` 0) inserted before the window."""
+        extra = width - self.selected
+        if extra == 0:
+            return
+        store = self.store
+        store.keys, store.values = (_with_empty_slots(t, self.selected, extra, 0.0) for t in (store.keys, store.values))
+        store.positions = _with_empty_slots(store.positions, self.selected, extra, -1)
+        self.scores = _with_empty_slots(self.scores, self.selected, extra, float("-inf"))
+        self.selected, self.filled = width, 0
+
+
+def _with_empty_slots(tensor: torch.Tensor, at: int, count: int, fill) -> torch.Tensor:
+    """`tensor` (B, Hkv, slots, ...) with `count` slots holding `fill` inserted at slot `at`."""
+    empty = tensor.new_full((*tensor.shape[:2], count, *tensor.shape[3:]), fill)
+    return torch.cat([tensor[:, :, :at], empty, tensor[:, :, at:]], dim=2)
+
 
 def layer_counts(scores: list[torch.Tensor], per_layer: int) -> torch.Tensor:
     """Eq. 4 / Alg. 1 line 6: per row, how many of the global top-(per_layer * H * l) entries of the concatenated

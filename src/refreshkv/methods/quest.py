@@ -69,6 +69,14 @@ class PagedStore(LayerState):
         self.selected_keys = key.new_empty(*key.shape[:2], 0, key.shape[3])
         self.selected_values = key.new_empty(*key.shape[:2], 0, key.shape[3])
 
+    @classmethod
+    def align_groups(cls, states: list[PagedStore]) -> None:
+        """Row groups prefilled apart (core/join_rows.py): the fewest pads and uniformity of the joined batch."""
+        fewest = min(state.fewest_pads for state in states)
+        uniform = all(state.uniform for state in states) and fewest == max(state.fewest_pads for state in states)
+        for state in states:
+            state.fewest_pads, state.uniform = fewest, uniform
+
     @property
     def pages(self) -> int:
         """Pages holding at least one token, in the row with the most."""

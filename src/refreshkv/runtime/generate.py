@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from ..core.cache import PolicyCache
 from ..core.cache_argument import with_cache
+from ..core.join_rows import join_caches
 from ..core.policy import Policy, check_positive, make_policy, policy_of
 from ..core.shared_prefill import SharedPrefill
 from .compiled import check_compile_works, compiled_forward, runs_eagerly
@@ -165,6 +166,7 @@ def generate(
     forced_tokens: torch.Tensor | None = None,
     eos_check_every: int | None = None,
     compile: bool = False,
+    prefill_rows: int | None = None,
     **method_params,
 ) -> GenerationOutput:
     """Generate with a KV method, e.g. `generate(model, ids, method="refreshkv", budget=1024)`, or a method object
@@ -177,6 +179,7 @@ def generate(
     tokens after its end-of-sequence token are dropped; only the steps decoded (and their statistics) do.
     `compile=True`: decode steps run the model's forward under torch.compile (compiled.py); greedy tokens equal the
     eager ones, the first steps (and a schedule's first full step) pay for compilation.
+    `prefill_rows` N: prefill at most N rows per forward (`generate_many`).
     """
     policy = policy_of(method, **method_params)
     return generate_many(
@@ -196,6 +199,7 @@ def generate(
         forced_tokens=forced_tokens,
         eos_check_every=eos_check_every,
         compile=compile,
+        prefill_rows=prefill_rows,
     )[0]
 
 
@@ -219,6 +223,7 @@ def generate_many(
     eos_check_every: int | None = None,
     compile: bool = False,
     fidelity: bool = False,
+    prefill_rows: int | None = None,
 ) -> list[GenerationOutput]:
     """`generate` under several methods for the price of one prefill, e.g.
     `generate_many(model, ids, methods=["full", "snapkv", make_policy("refreshkv", qc_stride=5)])`.
@@ -231,6 +236,9 @@ def generate_many(
     `fidelity=True` (greedy, one row): every method after the first also gets a second cache, prefilled by the same
     forward, that is fed the first method's answer (teacher forcing); its output's `fidelity` compares the two
     next-token distributions step by step (runtime/fidelity.py). The first method is the reference (`full`).
+
+    `prefill_rows` N: prefill at most N rows per forward (`prefill_in_groups`), for a batch whose one prefill would
+    not fit in memory; decoding is the same one batched step, and the methods still share each group's forward.
     """
     if not methods:
         raise ValueError("methods must name at least one method")
@@ -240,6 +248,7 @@ def generate_many(
         check_token_ids("forced_tokens", forced_tokens, vocabulary_size(model))
         max_new_tokens, eos_token_id = forced_tokens.shape[1], []
     check_new_tokens(max_new_tokens)
+    check_positive("prefill_rows", prefill_rows, allow_none=True)
     if eos_check_every is None:
         eos_check_every = default_eos_check_every(input_ids.device)
     settings = DecodeSettings(do_sample, temperature, top_k, top_p, seed, eos_check_every, compile)
@@ -266,9 +275,7 @@ def generate_many(
     groups.sort(key=lambda group: caches[0] not in group)  # the reference answers before anyone follows it
     outputs = {}
     for group in groups:
-        logits, prefill_s = prefill(
-            model, input_ids, attention_mask, group[0] if len(group) == 1 else SharedPrefill(group)
-        )
+        logits, prefill_s = prefill_in_groups(model, input_ids, attention_mask, group, prefill_rows)
         for cache in group:
             if id(cache) in follows:  # fed the reference's answer, compared with it, then dropped
                 reference = outputs[id(caches[0])]
@@ -313,6 +320,31 @@ def prefill(model, input_ids, attention_mask, cache) -> tuple[torch.Tensor, floa
     ).logits[:, -1]
     synchronize(input_ids.device)
     return logits, time.perf_counter() - start
+
+
+def prefill_in_groups(model, input_ids, attention_mask, caches, rows: int | None) -> tuple[torch.Tensor, float]:
+    """`prefill` into `caches` (one method, or several sharing each forward) at most `rows` rows per forward (None:
+    all at once). Rows after the first group go into new caches of the same methods, joined into `caches` at the end
+    (core/join_rows.py), so that the prefill's transient is one group's while decoding stays one batched step.
+    The seconds count every forward and the join."""
+    batch = input_ids.shape[0]
+    rows = batch if rows is None else min(rows, batch)
+    groups, logits, seconds = [], [], 0.0
+    for start in range(0, batch, rows):
+        group = caches if start == 0 else [PolicyCache(cache.policy, model, cache.max_new_tokens) for cache in caches]
+        chosen = slice(start, start + rows)
+        out, spent = prefill(
+            model, input_ids[chosen], attention_mask[chosen], group[0] if len(group) == 1 else SharedPrefill(group)
+        )
+        groups.append(group)
+        logits.append(out)
+        seconds += spent
+    if len(groups) > 1:
+        start = time.perf_counter()
+        for parts in zip(*groups):  # one method's caches, one per row group
+            join_caches(list(parts))
+        seconds += time.perf_counter() - start
+    return torch.cat(logits), seconds
 
 
 def decode(
