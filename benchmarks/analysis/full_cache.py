@@ -1,6 +1,6 @@
 """Issue 12's quality table from `refreshkv sweep benchmarks/full-cache.yaml`: each quantized C_f against the dense one.
 
-    python benchmarks/analysis/full_cache.py docs/results/full-cache.jsonl
+    python benchmarks/analysis/full_cache.py docs/results/full-cache/full-cache.jsonl
 
 Per length and C_f: the perplexity ratio to dense-C_f `refreshkv` on the same windows (mean PPL / mean dense PPL,
 95% paired bootstrap interval, as `refreshkv report` computes `vs full`), the RULER needle score (mean over the

@@ -1,7 +1,7 @@
 """refreshkv.txt Table 5 from two `refreshkv sweep benchmarks/table5.yaml` results files: before -> after training.
 
-    python benchmarks/analysis/table5.py docs/training/table5-before.jsonl docs/training/table5-after.jsonl
-    python benchmarks/analysis/table5.py docs/training/table5-before.jsonl      (the before column alone)
+    python benchmarks/analysis/table5.py docs/results/table5/table5-before.jsonl docs/results/table5/table5-after.jsonl
+    python benchmarks/analysis/table5.py docs/results/table5/table5-before.jsonl      (the before column alone)
 
 Test PPL per method is exp(mean loss) over every scored token of every window (the last S tokens of each window),
 as a corpus perplexity; the change is relative ((after - before) / before). Only windows present in both files are
