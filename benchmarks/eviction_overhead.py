@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from refreshkv import generate, load_model
-from refreshkv.core.cache_argument import with_cache
+from refreshkv.engine.cache_argument import with_cache
 from refreshkv.measure.bench import bench_prompt, machine_facts
 
 

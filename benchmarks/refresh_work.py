@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from refreshkv.core.spans import WordTable
+from refreshkv.engine.spans import WordTable
 from refreshkv.runtime.loading import resolve_model_dir
 from refreshkv.texts import book_text
 

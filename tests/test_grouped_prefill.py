@@ -1,4 +1,4 @@
-"""A batch prefilled a few rows at a time (`generate_many(prefill_rows=...)`, core/join_rows.py) decodes as the batch
+"""A batch prefilled a few rows at a time (`generate_many(prefill_rows=...)`, engine/join_rows.py) decodes as the batch
 prefilled in one forward: same tokens, logits, statistics and bytes for every method."""
 
 import pytest
@@ -8,8 +8,8 @@ from test_method_contract import left_pad, max_diff, small_budget
 
 import refreshkv
 from refreshkv import METHODS, PolicyError, make_policy
-from refreshkv.core.join_rows import join_states
 from refreshkv.core.kvstore import LayerState
+from refreshkv.engine.join_rows import join_states
 
 ALL = sorted(METHODS)
 NEW = 10

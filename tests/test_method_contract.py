@@ -9,7 +9,7 @@ from conftest import random_prompt, tiny_model
 
 import refreshkv
 from refreshkv import METHODS, Policy, PolicyCache, make_policy
-from refreshkv.core.cache_argument import with_cache
+from refreshkv.engine.cache_argument import with_cache
 
 NEW = 12
 ALL = sorted(METHODS)

@@ -96,8 +96,9 @@ def test_keydiff_keeps_the_distinctive_keys():
 def method_sources() -> list[Path]:
     return [
         *sorted((SOURCE / "methods").glob("*.py")),
+        SOURCE / "core" / "policy.py",
         SOURCE / "core" / "selection.py",
-        SOURCE / "core" / "sliding_window.py",
+        SOURCE / "engine" / "sliding_window.py",
     ]
 
 

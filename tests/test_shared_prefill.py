@@ -1,4 +1,4 @@
-"""One prefill for several methods (core/shared_prefill.py, `generate_many`) equals each method run alone."""
+"""One prefill for several methods (engine/shared_prefill.py, `generate_many`) equals each method run alone."""
 
 import dataclasses
 
@@ -9,8 +9,8 @@ from test_method_contract import left_pad, max_diff, small_budget
 
 import refreshkv
 from refreshkv import METHODS, PolicyCache, PolicyError, make_policy
-from refreshkv.core.cache_argument import with_cache
-from refreshkv.core.shared_prefill import SharedPrefill
+from refreshkv.engine.cache_argument import with_cache
+from refreshkv.engine.shared_prefill import SharedPrefill
 from refreshkv.measure.budget_report import budget_report
 from refreshkv.methods.full import Full
 

@@ -1,4 +1,4 @@
-"""`pooling="span"` (core/spans.py): words from the tokenizer's table, scores spread over words, whole words kept."""
+"""`pooling="span"` (engine/spans.py): words from the tokenizer's table, scores spread over words, whole words kept."""
 
 import pytest
 import torch
@@ -6,8 +6,8 @@ from conftest import random_prompt, tiny_model
 
 from refreshkv import PolicyCache, PolicyError, generate, make_policy
 from refreshkv.core.attention_math import selection_scores, spread_over_spans
-from refreshkv.core.cache_argument import with_cache
-from refreshkv.core.spans import WordTable
+from refreshkv.engine.cache_argument import with_cache
+from refreshkv.engine.spans import WordTable
 
 
 class StubTokenizer:

@@ -51,8 +51,8 @@ def test_the_needle_share_is_the_share_of_its_tokens_in_the_selection(model):
     ids = random_prompt(60, seed=4)
     policy = make_policy("snapkv", budget=20, window=4)
     result = trace_generation(model, ids, policy, 2, [0, 1, 57, 58])
-    from refreshkv.core.cache import PolicyCache
-    from refreshkv.core.cache_argument import with_cache
+    from refreshkv.engine.cache import PolicyCache
+    from refreshkv.engine.cache_argument import with_cache
 
     cache = PolicyCache(policy, model, max_new_tokens=1)
     with torch.no_grad():

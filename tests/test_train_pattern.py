@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_model
 
 from refreshkv import generate, make_policy
-from refreshkv.core.attention import PATTERN_ARGUMENT
+from refreshkv.engine.attention import PATTERN_ARGUMENT
 from refreshkv.train.pattern import PartialPattern
 
 PREFIX, SUFFIX = 48, 12

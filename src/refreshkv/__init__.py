@@ -1,9 +1,9 @@
 """refreshkv: RefreshKV, Recycled Attention and KV-cache eviction baselines on Hugging Face transformers."""
 
-from .core import attention  # noqa: F401  (registers the "refreshkv" attention implementation)
-from .core.cache import PolicyCache
-from .core.cache_argument import with_cache
 from .core.policy import METHODS, Policy, PolicyError, make_policy
+from .engine import attention  # noqa: F401  (registers the "refreshkv" attention implementation)
+from .engine.cache import PolicyCache
+from .engine.cache_argument import with_cache
 from .methods import load_methods
 from .runtime.generate import GenerationOutput, generate, generate_many
 from .runtime.loading import load_model

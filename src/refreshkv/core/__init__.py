@@ -1,2 +1,6 @@
-"""What a method is written against: the policy protocol, the selection base, the cache, the attention function,
-the attention math and the stores. docs/adding-a-method.md walks through them."""
+"""The method API, everything a method is written against: what it may read and write of its layer (contract.py),
+the policy protocol, its parameters and the budget (policy.py), the selection base of eviction methods
+(selection.py), the attention math (attention_math.py), the stores (kvstore.py, full_cache.py, quantized_store.py)
+and RoPE (rope.py). docs/adding-a-method.md walks through them. Behind the math and the stores, not for methods to
+read: their C kernels (native_selection.py, selection_kernels.c, built into cache_root.py's folder). The engine that
+runs a method inside a model is refreshkv/engine/, which a method never imports."""

@@ -21,7 +21,7 @@ AGGREGATIONS = ("max", "mean", "first")
 # How max-pooling spreads an attention peak over positions: `centered` (SnapKV's and the seeds' kernel: kernel // 2
 # tokens either side), `forward` (1 token before the peak and kernel - 2 after it: the rest of a span the peak
 # starts, e.g. a number read digit by digit) or `span` (centred, then over the whole of every word the pooled window
-# touches: core/spans.py).
+# touches: engine/spans.py).
 POOLINGS = ("centered", "forward", "span")
 # Finite, so that a pad query whose keys are all masked gets a uniform row instead of NaN.
 _MASKED = torch.finfo(torch.float32).min

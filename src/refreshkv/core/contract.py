@@ -1,8 +1,9 @@
 """`MethodLayer`: everything a method may read and write of the layer it works on, and nothing else.
 
 A method's hooks (`store_prompt`, `decode`, `select`, `score`, ...) receive one layer of the cache as a
-`MethodLayer`; `PolicyLayer` (cache.py) implements it. Methods use only these members (tests/test_method_contract.py
-reads every method's source to check it), so the cache's internals can change without touching a method.
+`MethodLayer`; `PolicyLayer` (engine/cache.py) implements it. Methods use only these members (the type checker holds
+them to it, and tests/test_scorer_layer.py reads every method's source), so the cache's internals can change without
+touching a method.
 
 Shapes: B rows (left-padded), Hkv KV heads. Positions are indices into the padded input: a row's real tokens start
 at `pads[b]`.
@@ -56,7 +57,7 @@ class MethodLayer(Protocol):
 
     @property
     def prompt_spans(self) -> torch.Tensor | None:
-        """(B, prompt length) word index of each prompt token (core/spans.py) when the method asked for word spans
+        """(B, prompt length) word index of each prompt token (engine/spans.py) when the method asked for word spans
         (`Policy.uses_word_spans`); None otherwise."""
 
     @property
@@ -79,6 +80,10 @@ class MethodLayer(Protocol):
     def method_layers(self) -> list[MethodLayer]:
         """The layers that run the method, bottom first (sliding-window layers whose window bites do not): a
         method that shares a budget across layers (PyramidKV, DynamicKV) spans these."""
+
+    def decode_each(self, decode, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> torch.Tensor:
+        """`decode(layer, query, key, value, scaling)` for each of several new tokens in turn, as if they came one per
+        step (`Policy.extend`'s default); the step's statistics are the mean over the tokens. Returns (B, q, Hq, D)."""
 
     def record(self, full_fraction: float | torch.Tensor, attended_bytes: int) -> None:
         """Once per decode step: the share of rows that attended to the whole cache (0.0-1.0, or a 0-d tensor

@@ -8,7 +8,7 @@
 Positions are indices into the (left-padded) input; a slot is valid when its position is >= the row's pad count.
 
 `LayerState` is the base of every per-layer state (a store is one too): it says what it holds (`nbytes`), which
-positions it keeps (`kept`), follows beam search (`select_rows`) and joins row groups (core/join_rows.py), so the
+positions it keeps (`kept`), follows beam search (`select_rows`) and joins row groups (engine/join_rows.py), so the
 cache never has to look inside it.
 """
 
@@ -91,7 +91,7 @@ class LayerState:
 
     @classmethod
     def align_groups(cls, states: list[LayerState]) -> None:
-        """Make one layer's states of a batch prefilled in row groups (core/join_rows.py) agree on the shared
+        """Make one layer's states of a batch prefilled in row groups (engine/join_rows.py) agree on the shared
         attributes a state reads from its rows (a count over them, the widest row) as the batch prefilled at once
         would hold them; by default a state has none."""
 

@@ -4,25 +4,23 @@ A method is a dataclass of its parameters (validated in `__post_init__`) with tw
 function for each layer: `store_prompt` (the prompt: set `layer.state` to a `LayerState`; the prompt's attention
 output is plain causal attention, computed once by the caller) and `decode` (one new token; must call
 `layer.record` once). Because every method's prompt output is the same, one forward pass can prefill several
-methods at once (core/shared_prefill.py); a future method whose prompt output differs (e.g. chunked prefill over
+methods at once (engine/shared_prefill.py); a future method whose prompt output differs (e.g. chunked prefill over
 a compressed cache) overrides `prefill` instead and sets `shares_prefill = False`, so it always runs alone.
-Everything a generation accumulates lives on the `PolicyLayer` the hook receives (`layer.state`) or on its cache,
-never on the policy object, so one policy object serves all layers of a cache and any number of generations,
-interleaved or not. docs/adding-a-method.md states the rest of the contract.
+Everything a generation accumulates lives on the layer the hook receives (a `MethodLayer`, contract.py: its `state`)
+or on its cache, never on the policy object, so one policy object serves all layers of a cache and any number of
+generations, interleaved or not. docs/adding-a-method.md states the rest of the contract.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from .attention_math import prompt_attention
-
-if TYPE_CHECKING:
-    from .cache import PolicyLayer
+from .contract import MethodLayer
 
 DEFAULT_BUDGET_RATIO = 1 / 8  # the seeds' setting: K = L / 8
 
@@ -46,19 +44,19 @@ class Policy:
     # The parameters that set how much the method keeps: a budget frontier varies them and nothing else.
     budget_parameters: ClassVar[tuple[str, ...]] = ()
 
-    def store_prompt(self, layer: PolicyLayer, query, key, value, scaling: float) -> None:
+    def store_prompt(self, layer: MethodLayer, query, key, value, scaling: float) -> None:
         """Keep what the method needs of the prompt in `layer.state` (key/value: (B, Hkv, L, D), left-padded)."""
         raise NotImplementedError
 
-    def prefill(self, layer: PolicyLayer, query, key, value, mask, scaling: float) -> torch.Tensor:
+    def prefill(self, layer: MethodLayer, query, key, value, mask, scaling: float) -> torch.Tensor:
         """The prompt's attention output; store the prompt. Override only together with `shares_prefill = False`."""
         self.store_prompt(layer, query, key, value, scaling)
         return prompt_attention(query, key, value, mask, scaling)
 
-    def decode(self, layer: PolicyLayer, query, key, value, scaling: float) -> torch.Tensor:
+    def decode(self, layer: MethodLayer, query, key, value, scaling: float) -> torch.Tensor:
         raise NotImplementedError
 
-    def extend(self, layer: PolicyLayer, query, key, value, scaling: float) -> torch.Tensor:
+    def extend(self, layer: MethodLayer, query, key, value, scaling: float) -> torch.Tensor:
         """Several new tokens after the prompt in one forward (a conversation's next question, drafted tokens):
         their attention outputs (B, q, Hq, D). By default they go through `decode` one at a time, each seeing the
         ones before it, exactly as if they had been decoded one per step (the method's own rule applies to each:
@@ -66,7 +64,7 @@ class Policy:
         overrides this and says so in its docstring (refreshkv: one full step that rebuilds C_p)."""
         return layer.decode_each(self.decode, query, key, value, scaling)
 
-    def selection(self, layer: PolicyLayer, query: torch.Tensor, scaling) -> torch.Tensor | None:
+    def selection(self, layer: MethodLayer, query: torch.Tensor, scaling) -> torch.Tensor | None:
         """(B, Hkv, m) positions of the tokens a step that does not attend to everything attends to (-1: none), for
         analysis (`refreshkv trace`), read after a decode step with its query: the tokens held, by default (what an
         eviction method attends to); a method with a partial cache gives it, one that chooses per step recomputes
@@ -83,7 +81,7 @@ class Policy:
         return 0
 
     def uses_word_spans(self) -> bool:
-        """Whether the method reads the prompt's word spans (`MethodLayer.prompt_spans`, core/spans.py): the cache
+        """Whether the method reads the prompt's word spans (`MethodLayer.prompt_spans`, engine/spans.py): the cache
         then needs the model's tokenizer and the prompt's token ids. Methods with `pooling="span"` do."""
         return getattr(self, "pooling", None) == "span"
 
@@ -91,7 +89,7 @@ class Policy:
         """Refuse (PolicyError) a batch whose shortest real prompt has `shortest` tokens if the method cannot work
         on it (e.g. a window longer than the prompt); called once per generation, before any layer's prefill."""
 
-    def crop(self, layer: PolicyLayer, tokens: int) -> None:
+    def crop(self, layer: MethodLayer, tokens: int) -> None:
         """Forget the last `tokens` tokens (assisted decoding, a conversation that drops its answers); only a method
         that keeps every token can."""
         raise PolicyError(

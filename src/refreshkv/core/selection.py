@@ -90,7 +90,7 @@ class SelectionState(LayerState):
 
     @classmethod
     def align_groups(cls, states: list[SelectionState]) -> None:
-        """Row groups prefilled apart (core/join_rows.py): a ragged selection is as wide as its group's largest head,
+        """Row groups prefilled apart (engine/join_rows.py): a ragged selection is as wide as its group's largest head,
         so each is widened to the widest (`widen`), as the batch prefilled at once holds it; `filled` (slots filled
         in every row) is the fewest of the groups'."""
         width = max(state.used for state in states)

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..core.cache import PolicyCache
 from ..core.policy import Policy
+from ..engine.cache import PolicyCache
 from ..runtime.generate import generate_many
 
 

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from ..core.cache import PolicyCache
 from ..core.policy import Policy
-from ..core.shared_prefill import SharedPrefill
+from ..engine.cache import PolicyCache
+from ..engine.shared_prefill import SharedPrefill
 from ..runtime.generate import prefill
 
 GB = 2**30

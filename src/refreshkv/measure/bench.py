@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from ..core.cache_argument import with_cache
 from ..core.policy import label_notes, make_policy
+from ..engine.cache_argument import with_cache
 from ..runtime.generate import check_length, generate, generate_many, synchronize
 from ..texts import book_text
 from .batch_memory import GB, available_memory, capped_batches, check_cap, check_fits, proc_bytes, row_bytes

@@ -16,8 +16,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ..core.cache_argument import with_cache
 from ..core.policy import Policy
+from ..engine.cache_argument import with_cache
 from ..runtime.generate import generate, synchronize
 
 

@@ -22,8 +22,8 @@ import dataclasses
 import torch
 
 from ..core.attention_math import aggregate_group, attention_probs
-from ..core.cache import PolicyCache, PolicyLayer
 from ..core.policy import Policy
+from ..engine.cache import PolicyCache, PolicyLayer
 from ..runtime.generate import DecodeSettings, decode, prefill
 
 MAX_STEPS = 1024  # one row per step and layer: a bounded file (about 2 MB at 30 layers) and memory

@@ -67,7 +67,7 @@ class DynamicState(SelectionState):
 
     @classmethod
     def align_groups(cls, states: list[DynamicState]) -> None:
-        """Row groups prefilled apart (core/join_rows.py) size their stores for their own largest row: each is
+        """Row groups prefilled apart (engine/join_rows.py) size their stores for their own largest row: each is
         widened to the widest, with empty slots before the window, as the batch prefilled at once holds them."""
         width = max(state.selected for state in states)
         for state in states:

@@ -71,7 +71,7 @@ class PagedStore(LayerState):
 
     @classmethod
     def align_groups(cls, states: list[PagedStore]) -> None:
-        """Row groups prefilled apart (core/join_rows.py): the fewest pads and uniformity of the joined batch."""
+        """Row groups prefilled apart (engine/join_rows.py): the fewest pads and uniformity of the joined batch."""
         fewest = min(state.fewest_pads for state in states)
         uniform = all(state.uniform for state in states) and fewest == max(state.fewest_pads for state in states)
         for state in states:

@@ -21,7 +21,7 @@ Choices where the papers are silent:
   the lowest score"); if all recycled tokens are gone, the oldest appended token goes first.
 - C_f receives every token as it is decoded (one in-place write) instead of in a batch at the next full step: the
   result is the same and no separate buffer is needed.
-- Pooling keeps whole words by default (`pooling="span"`, core/spans.py): the papers' centred kernel of 7 cuts a
+- Pooling keeps whole words by default (`pooling="span"`, engine/spans.py): the papers' centred kernel of 7 cuts a
   number that the tokenizer spells digit by digit (issue 30; docs/results.md); `preset="paper"` is the papers'.
 - A full step's own token is a candidate for the refreshed C_p; decode steps are counted from 1 after the prompt, so
   with `stride` S steps S, 2S, ... are full. With rows of a batch on different schedules, the full-step rows are
@@ -108,7 +108,7 @@ class RefreshKV(BudgetPolicy):
     default); `stride` a full step every S decode steps (fixed schedule; excludes the next two);
     `qc_stride` (10) steps between query checks and `threshold` (0.85; 0.95 for Qwen2) the cosine below which a
     layer refreshes (dynamic schedule); `kernel` (7) max-pooling kernel and `pooling` (span: centred, then whole
-    words, core/spans.py; centered: the papers'; forward: 1 token before a peak and kernel - 2 after), `window` (1)
+    words, engine/spans.py; centered: the papers'; forward: 1 token before a peak and kernel - 2 after), `window` (1)
     last prompt tokens whose attention selects at prefill, `aggregation` (max) over a GQA group; `query` (pre_rope)
     the space the check compares queries in; `full_cache` (dense) how C_f is held (int8/int4/int2, offload) and
     `group_size` (32) its quantization groups.

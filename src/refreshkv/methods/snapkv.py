@@ -38,7 +38,7 @@ class SnapKV(SelectionPolicy):
     Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
     default), window included; `window` (32) last prompt tokens whose attention selects (1 in the
     RefreshKV paper's setting); `kernel` (7) max-pooling kernel and `pooling` (span: centred, then whole
-    words, core/spans.py; centered: the papers'; forward: 1 token before a peak,
+    words, engine/spans.py; centered: the papers'; forward: 1 token before a peak,
     kernel - 2 after); `aggregation` (max) over a GQA group.
     """
 

@@ -9,7 +9,7 @@ compiles each with fullgraph and compares it with eager):
   after the second step (one recompile), so the full cache's growing length is a dynamic shape, not a recompile;
 - a schedule's test on the step count (`recycled`'s stride, `refreshkv`'s QC steps) is a branch, which dynamo turns
   into a guard: each side is its own graph, picked on the host without reading the device;
-- statistics are accumulated in device tensors (core/cache.py `DecodeStats`), scalars written into tensors are
+- statistics are accumulated in device tensors (engine/cache.py `DecodeStats`), scalars written into tensors are
   tensors, and `refreshkv`'s per-row decision at QC steps is applied with `torch.where` instead of read on the host.
 A step at which a method decides from device values (`Policy.decides_on_host`: `refreshkv`'s QC steps) runs eagerly
 where reading them costs nothing (`HOST_READS_FREE`: the CPU), so that it computes only the path each layer takes:

@@ -23,10 +23,10 @@ import time
 
 import torch
 
-from ..core.cache import PolicyCache
-from ..core.cache_argument import with_cache
 from ..core.policy import Policy, PolicyError, croppable_methods, policy_of
-from ..core.shared_prefill import SharedPrefill
+from ..engine.cache import PolicyCache
+from ..engine.cache_argument import with_cache
+from ..engine.shared_prefill import SharedPrefill
 from .generate import DecodeSettings, check_length, decode, prefill, synchronize
 from .inputs import check_eos, check_new_tokens, check_token_ids, vocabulary_size
 

@@ -1,7 +1,7 @@
 """The decode loop: prefill the prompt once, then one token per step through the method's cache.
 
 `generate` runs one method; `generate_many` runs several on the same prompt with one shared prefill
-(core/shared_prefill.py). Both are `prefill` followed by `decode`, the loop below.
+(engine/shared_prefill.py). Both are `prefill` followed by `decode`, the loop below.
 
 Rows of a batch are left-padded; each row gets its own positions (0 at its first real token), so a row's output
 equals running it alone (for greedy decoding; sampling draws from one generator for the whole batch).
@@ -16,11 +16,11 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..core.cache import PolicyCache
-from ..core.cache_argument import with_cache
-from ..core.join_rows import join_caches
 from ..core.policy import Policy, check_positive, make_policy, policy_of
-from ..core.shared_prefill import SharedPrefill
+from ..engine.cache import PolicyCache
+from ..engine.cache_argument import with_cache
+from ..engine.join_rows import join_caches
+from ..engine.shared_prefill import SharedPrefill
 from .compiled import check_compile_works, compiled_forward, runs_eagerly
 from .fidelity import fidelity as fidelity_to
 from .inputs import (
@@ -325,7 +325,7 @@ def prefill(model, input_ids, attention_mask, cache) -> tuple[torch.Tensor, floa
 def prefill_in_groups(model, input_ids, attention_mask, caches, rows: int | None) -> tuple[torch.Tensor, float]:
     """`prefill` into `caches` (one method, or several sharing each forward) at most `rows` rows per forward (None:
     all at once). Rows after the first group go into new caches of the same methods, joined into `caches` at the end
-    (core/join_rows.py), so that the prefill's transient is one group's while decoding stays one batched step.
+    (engine/join_rows.py), so that the prefill's transient is one group's while decoding stays one batched step.
     The seconds count every forward and the join."""
     batch = input_ids.shape[0]
     rows = batch if rows is None else min(rows, batch)

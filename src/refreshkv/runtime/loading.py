@@ -185,7 +185,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
     _offline()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from ..core.attention import ATTENTION_NAME
+    from ..engine.attention import ATTENTION_NAME
 
     model_dir = resolve_model_dir(path)
     try:
@@ -221,9 +221,9 @@ def check_attention(model) -> None:
     """Refuse, before any work, a model whose attention the methods cannot run exactly: a layer that bypasses the
     registered attention function (a custom attention module) or whose sliding window differs from its config.
     One 2-token forward through a `full` cache finds both."""
-    from ..core.cache import PolicyCache, check_handoff_taken
-    from ..core.cache_argument import with_cache
     from ..core.policy import PolicyError, make_policy
+    from ..engine.cache import PolicyCache, check_handoff_taken
+    from ..engine.cache_argument import with_cache
 
     ids = torch.zeros(1, 2, dtype=torch.long, device=model.device)
     cache = PolicyCache(make_policy("full"), model)

@@ -30,9 +30,9 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.utils import logging as hf_logging
 
-from ..core.attention import PATTERN_ARGUMENT, TRAINING_UNSUPPORTED
-from ..core.cache import layer_windows
 from ..core.policy import check_budget, resolve_budget
+from ..engine.attention import PATTERN_ARGUMENT, TRAINING_UNSUPPORTED
+from ..engine.cache import layer_windows
 from ..eval.distributed import current_launch
 from ..runtime.output_files import write_text
 from ..texts.documents import read_documents

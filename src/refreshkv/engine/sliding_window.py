@@ -16,9 +16,9 @@ import dataclasses
 
 import torch
 
-from .attention_math import decode_attention
-from .kvstore import SlotStore
-from .policy import Policy
+from ..core.attention_math import decode_attention
+from ..core.kvstore import SlotStore
+from ..core.policy import Policy
 
 
 @dataclasses.dataclass

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention_math import prompt_attention
+from ..core.attention_math import prompt_attention
+from ..core.policy import PolicyError
 from .cache import PolicyCache, PolicyLayer, hand_over
-from .policy import PolicyError
 
 
 class SharedPrefillLayer(CacheLayerMixin):

@@ -12,7 +12,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention_math import SoftCapped, prompt_attention
+from ..core.attention_math import SoftCapped, prompt_attention
 from .cache import ATTENTION_NAME, take_handoff
 
 PATTERN_ARGUMENT = "partial_pattern"  # model(..., partial_pattern=PartialPattern(...)) reaches every layer's attention

@@ -18,8 +18,8 @@ import weakref
 
 import torch
 
+from ..core.policy import PolicyError
 from .cache_argument import NEW_NAME, OLD_NAME
-from .policy import PolicyError
 
 
 class ContinuationCheck:

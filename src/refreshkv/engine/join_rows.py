@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from ..core.kvstore import LayerState
+from ..core.policy import PolicyError
 from .cache import PolicyCache
-from .kvstore import LayerState
-from .policy import PolicyError
 
 
 def refuse(what: str) -> PolicyError:

@@ -4,7 +4,7 @@ transformers calls `Cache.update(key, value, layer_idx)` and then the attention 
 the query (to score tokens), so `PolicyLayer.update` only records the new key/value and hands the layer over to the
 attention function registered in attention.py, which calls `PolicyLayer.attend`; the policy stores, selects and
 attends. The same object therefore works in this library's decode loop and in `model.generate(cache=...)`
-(`past_key_values=` before transformers 5.24; core/cache_argument.py):
+(`past_key_values=` before transformers 5.24; engine/cache_argument.py):
 built from a model, the cache switches it to the "refreshkv" attention (which is plain SDPA without a PolicyCache);
 built from a config, it refuses one whose model would not hand it the layers. A handoff that is never taken (a
 model whose attention bypasses the registered function) is an error at the next layer, never a silent wrong answer.
@@ -27,9 +27,9 @@ from collections import Counter
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..core.policy import Policy, PolicyError, check_positive
+from ..core.rope import inverse_frequencies
 from .continuation import ContinuationCheck
-from .policy import Policy, PolicyError, check_positive
-from .rope import inverse_frequencies
 from .sliding_window import SlidingWindow
 from .spans import PromptTokenWatch, word_table_for
 

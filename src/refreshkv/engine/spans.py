@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from .policy import PolicyError
+from ..core.policy import PolicyError
 
 MAX_SPAN = 32  # a UUID is 20-30 tokens in both models; prose words are 1-4
 _WORD_MARKERS = ("Ġ", "Ċ", "ĉ", "▁")  # byte-level BPE's space, newline and tab; SentencePiece's space
