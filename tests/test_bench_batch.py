@@ -10,7 +10,16 @@ from test_bad_input import WordTokenizer, assert_one_line_error, cli, no_model, 
 
 import refreshkv
 from refreshkv.measure import batch_memory, bench
-from refreshkv.measure.batch_memory import GB, RowBytes, capped_batches, check_cap, check_fits, largest_batch
+from refreshkv.measure.batch_memory import (
+    GB,
+    RowBytes,
+    capped_batches,
+    check_cap,
+    check_fits,
+    largest_batch,
+    most_prefill_rows,
+    working_set,
+)
 
 MB = 2**20
 
@@ -83,9 +92,12 @@ def test_under_a_cap_each_method_runs_alone_at_its_largest_batch(monkeypatch):
     cap = bench.weight_bytes(model) + 0.5 * MB
     result = run(monkeypatch, memory_cap=cap)
     sizes = result["row_bytes"]["40"]
+    room = cap - result["machine"]["weight_bytes"]
     for row in result["rows"]:
-        expected = largest_batch(cap, result["machine"]["weight_bytes"], RowBytes(**sizes[row["method"]]))
-        assert row["batch"] == expected and row["peak_process_bytes"] is not None  # alone: its own peak
+        rows = [RowBytes(**sizes[row["method"]])]
+        assert row["batch"] == largest_batch(room, rows) and row["peak_process_bytes"] is not None  # alone: its own
+        assert row["prefill_rows"] == most_prefill_rows(row["batch"], room, rows)
+        assert working_set(row["batch"], row["prefill_rows"], rows) <= room  # the whole run, its prefill included
     batches = {row["method"]: row["batch"] for row in result["rows"]}
     assert batches["streamingllm"] > batches["full"] == batches["transformers"] > 1
     full = next(row for row in result["rows"] if row["method"] == "full")
@@ -93,28 +105,37 @@ def test_under_a_cap_each_method_runs_alone_at_its_largest_batch(monkeypatch):
 
 
 def test_the_cap_arithmetic_on_hand_made_sizes():
-    row = RowBytes(kv=300 * MB, decode=20 * MB, prefill=500 * MB)
-    assert row.resident == 320 * MB
-    assert largest_batch(6 * GB, 512 * MB, row) == (6 * 1024 - 512) // 320 == 17
-    assert largest_batch(800 * MB, 512 * MB, row) == 0
-    int4 = RowBytes(kv=60 * MB, decode=32 * MB, prefill=500 * MB)
-    assert capped_batches(6 * GB, 512 * MB, {"full": row, "refreshkv@int4": int4}, 8192) == {
+    row = RowBytes(kv=300 * MB, kv_layer=30 * MB, decode=20 * MB, prefill=1000 * MB)
+    room = 6 * GB - 512 * MB  # 5632 MB beside the weights
+    # the rows' KV and the largest transient: one row's prefill outweighs 16 rows' decode and their join
+    assert working_set(16, 1, [row]) == (16 * 300 + 1000) * MB
+    assert working_set(2, 2, [row]) == (2 * 300 + 2 * 1000) * MB  # one forward for the batch: nothing to join
+    assert largest_batch(room, [row]) == 15  # 15 x 300 + 1000 <= 5632 < 16 x 300 + 1000 (decode alone: 17)
+    assert most_prefill_rows(15, room, [row]) == 1
+    cheap = RowBytes(kv=300 * MB, kv_layer=30 * MB, decode=20 * MB, prefill=200 * MB)
+    assert largest_batch(room, [cheap]) == 17  # the join bounds it: 17 x (300 + 30) <= 5632 < 18 x 330
+    assert most_prefill_rows(17, room, [cheap]) == 2  # 17 x 300 + 2 x 200 <= 5632 < 17 x 300 + 3 x 200
+    int4 = RowBytes(kv=60 * MB, kv_layer=6 * MB, decode=32 * MB, prefill=200 * MB)
+    assert capped_batches(6 * GB, 512 * MB, {"full": cheap, "refreshkv@int4": int4}, 8192) == {
         "full": 17,
-        "refreshkv@int4": (6 * 1024 - 512) // 92,
+        "refreshkv@int4": 5632 // 92,  # the decode step's transient bounds it
     }
-    with pytest.raises(ValueError, match=r"holds no row of full at 8192 tokens .* give at least 0.81 GB"):
-        capped_batches(800 * MB, 512 * MB, {"full": row, "refreshkv@int4": int4}, 8192)
+    with pytest.raises(ValueError, match=r"holds no row of full at 8192 tokens .* give at least 1.77 GB"):
+        capped_batches(1.5 * GB, 512 * MB, {"full": row, "refreshkv@int4": int4}, 8192)
     with pytest.raises(ValueError, match=r"--memory-cap 0.50 GB does not hold the model's weights \(0.50 GB\)"):
         check_cap(512 * MB, 512 * MB)
 
 
-def test_a_shared_prefill_counts_every_methods_rows_and_one_prefill():
-    full, small = RowBytes(300 * MB, 20 * MB, 500 * MB), RowBytes(40 * MB, 20 * MB, 500 * MB)
-    check_fits(4, [full, small], True, 4 * 880 * MB, "x")
+def test_a_run_that_fits_only_in_groups_prefills_as_many_rows_per_forward_as_fit():
+    full, small = RowBytes(300 * MB, 30 * MB, 20 * MB, 500 * MB), RowBytes(40 * MB, 4 * MB, 20 * MB, 500 * MB)
+    kv = 4 * 340 * MB  # 4 rows of both methods at once (a shared prefill)
+    assert check_fits(4, [full, small], True, kv + 4 * 500 * MB, "x") == 4  # all at once
+    assert check_fits(4, [full, small], True, kv + 4 * 500 * MB - 1, "x") == 3
+    assert check_fits(4, [full, small], True, kv + 500 * MB, "x") == 1
     with pytest.raises(ValueError, match=r"at most 3 rows"):
-        check_fits(4, [full, small], True, 4 * 880 * MB - 1, "x")
-    check_fits(4, [full, small], False, 4 * 820 * MB, "x")  # one method at a time: the largest
-    check_fits(10**6, [full], True, None, "x")  # free memory unknown: not checked
+        check_fits(4, [full, small], True, kv + 500 * MB - 1, "x")
+    assert check_fits(4, [full, small], False, 4 * 300 * MB + 4 * 500 * MB, "x") == 4  # one method at a time
+    assert check_fits(10**6, [full], True, None, "x") == 10**6  # free memory unknown: not checked
 
 
 @pytest.mark.parametrize(
@@ -192,3 +213,25 @@ def test_the_cli_writes_each_batchs_rows(tiny_loader, tmp_path, monkeypatch, cap
         ("streamingllm", 2),
     ]
     assert result["batches"] == [1, 2] and set(result["row_bytes"]["40"]) == {"full", "streamingllm"}
+
+
+def test_a_batch_that_fits_only_a_row_per_prefill_forward_is_prefilled_so(monkeypatch):
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda device: 1e10)
+    methods = {"transformers": {}, "full": {}, "streamingllm": {"budget": 8}}
+    model = tiny_model("llama", layers=1)
+    at_once = bench.run_bench(model, WordTokenizer(), methods, [40], new_tokens=4, rounds=1, batches=[3])
+    monkeypatch.setattr(bench, "check_fits", lambda *args: 1)  # what fits here: one row per prefill forward
+    prompts = []
+
+    def record(_, args, kwargs):
+        ids = args[0] if args else kwargs["input_ids"]
+        if ids.shape[1] > 1:
+            prompts.append(tuple(ids.shape))
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    grouped = bench.run_bench(model, WordTokenizer(), methods, [40], new_tokens=4, rounds=1, batches=[3])
+    # one row sized (batch_memory.row_bytes), then the reference's prefill and the methods' shared one, a row per forward
+    assert prompts == [(1, 36)] * 7
+    assert [row["prefill_rows"] for row in grouped["rows"]] == [1, 1, 1]
+    assert [row["prefill_rows"] for row in at_once["rows"]] == [3, 3, 3]
+    assert [row["tokens"] for row in grouped["rows"]] == [row["tokens"] for row in at_once["rows"]]

@@ -5,6 +5,7 @@ A row's bytes under a method (`RowBytes`):
   still to be decoded (stores are allocated for them at prefill): `full` the whole sequence, refreshkv and recycled
   C_f (in their `full_cache` format: int4 is 4-bit codes plus scales) and C_p, an eviction method its K tokens and
   the decoded ones. Measured rather than modelled, so it holds for every method, layer-adaptive ones included.
+  `kv_layer`, measured alike: the largest layer's share.
 - `decode`, estimated: one decode step's transient per row, at most one layer's at a time: the logits over the
   vocabulary (and a float32 copy), float32 logits, probabilities and selection scores per query head over the whole
   context (a full step or a refresh), and, for a C_f not held densely (quantized, offloaded), that layer's keys and
@@ -13,14 +14,19 @@ A row's bytes under a method (`RowBytes`):
   attention output), queries, keys and values, the MLP's gate, up and product, and attention scores of up to 256
   prompt queries per query head (H2O scores the prompt in blocks of 256).
 
-`--memory-cap` bounds the decode working set: weights + B x (kv + decode); the process's own memory (the interpreter,
-PyTorch's libraries) is not counted. The batch's one prefill is not under the cap (its transient grows with
-B x length; the run's peak RSS shows it), but it is counted when checking that a run fits in the memory this machine
-has free. GB here are 2^30 bytes, as the tables' MB are 2^20.
+A run of B rows holds B x kv throughout, and at its peak the largest of three transients that never overlap
+(`working_set`): the decode step's, B x decode; the prefill's, G x prefill for G rows per prefill forward (the batch
+is prefilled a few rows at a time when all at once would not fit, runtime/generate.py `prefill_in_groups`); and,
+when G < B, the join of the groups' caches, B x kv_layer (engine/join_rows.py moves one layer at a time).
+`--memory-cap` bounds the whole run: weights + that working set (the process's own memory, the interpreter and
+PyTorch's libraries, is not counted); each method's batch is the largest that fits with one row per prefill forward,
+and its prefill then takes as many rows per forward as still fit. A run without a cap is checked against the memory
+free here the same way. GB here are 2^30 bytes, as the tables' MB are 2^20.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from pathlib import Path
 
@@ -38,13 +44,9 @@ PREFILL_SCORED_QUERIES = 256  # H2O's block of prompt queries (methods/h2o.py), 
 @dataclasses.dataclass(frozen=True)
 class RowBytes:
     kv: int  # measured
+    kv_layer: int  # measured: the largest layer's
     decode: int  # estimated
     prefill: int  # estimated
-
-    @property
-    def resident(self) -> int:
-        """What a row holds while the batch decodes: what `--memory-cap` counts."""
-        return self.kv + self.decode
 
 
 def gb(size: float) -> str:
@@ -96,6 +98,7 @@ def row_bytes(model, prompt: torch.Tensor, policies: dict[str, Policy], new_toke
     return {
         name: RowBytes(
             sum(cache.nbytes_per_layer()),
+            max(cache.nbytes_per_layer()),
             decode_bytes(model.config, element, context, getattr(cache.policy, "full_cache", "dense") == "dense"),
             prefill_bytes(model.config, element, prompt.shape[1]),
         )
@@ -109,40 +112,60 @@ def check_cap(cap: float, weights: int) -> None:
         raise ValueError(f"--memory-cap {gb(cap)} does not hold the model's weights ({gb(weights)}); give more")
 
 
-def largest_batch(cap: float, weights: int, row: RowBytes) -> int:
-    """Rows whose resident bytes fit in `cap` beside the weights (0: not one)."""
-    return max(int((cap - weights) // row.resident), 0)
+def working_set(batch: int, prefill_rows: int, rows: list[RowBytes]) -> int:
+    """Bytes beside the weights at the peak of a run of `batch` rows of each of `rows` (methods whose caches exist at
+    once: a shared prefill), prefilled `prefill_rows` rows per forward: their KV, and the largest transient (module
+    doc), one method's at a time."""
+    join = batch * max(row.kv_layer for row in rows) if prefill_rows < batch else 0
+    transients = (batch * max(row.decode for row in rows), prefill_rows * max(row.prefill for row in rows), join)
+    return batch * sum(row.kv for row in rows) + max(transients)
+
+
+def _most(fits, limit: int) -> int:
+    """The largest n in 1..limit with fits(n), for a `fits` true up to some n and false beyond (0: none)."""
+    return bisect.bisect_left(range(1, limit + 1), True, key=lambda n: not fits(n))
+
+
+def largest_batch(room: float, rows: list[RowBytes]) -> int:
+    """The most rows of each of `rows` whose run fits in `room` bytes, prefilled one row at a time (0: not one)."""
+    return _most(lambda batch: working_set(batch, 1, rows) <= room, int(room // sum(row.kv for row in rows)) + 1)
+
+
+def most_prefill_rows(batch: int, room: float, rows: list[RowBytes]) -> int:
+    """Rows per prefill forward for a run of `batch` rows that fits in `room` (0: not even one at a time)."""
+    return _most(lambda group: working_set(batch, group, rows) <= room, batch)
 
 
 def capped_batches(cap: float, weights: int, rows: dict[str, RowBytes], length: int) -> dict[str, int]:
-    """Each method's largest batch under `cap`; refused if a method fits no row."""
-    batches = {name: largest_batch(cap, weights, row) for name, row in rows.items()}
+    """Each method's largest batch under `cap` beside the weights; refused if a method fits no row."""
+    batches = {name: largest_batch(cap - weights, [row]) for name, row in rows.items()}
     for name, batch in batches.items():
         if batch == 0:
-            need = weights + rows[name].resident
+            need = working_set(1, 1, [rows[name]])
             raise ValueError(
                 f"--memory-cap {gb(cap)} holds no row of {name} at {length} tokens (weights {gb(weights)} + "
-                f"{rows[name].resident / 2**20:.0f} MB per row): give at least {gb(need)}"
+                f"{need / 2**20:.0f} MB for one row, its prefill included): give at least {gb(weights + need)}"
             )
     return batches
 
 
-def check_fits(batch: int, rows: list[RowBytes], together: bool, available: int | None, what: str) -> None:
-    """Refuse a run of `batch` rows of each method in `rows` that would not fit in `available` bytes (None: unknown,
-    not checked). `together`: one prefill for all, whose caches then exist at once; else one method at a time."""
+def check_fits(batch: int, rows: list[RowBytes], together: bool, available: int | None, what: str) -> int:
+    """Rows per prefill forward for `batch` rows of each method in `rows` in `available` bytes (None: unknown, all
+    at once), refused where not even one at a time fits. `together`: one prefill for all, whose caches then exist
+    at once; else one method at a time."""
     if available is None:
-        return
-    if together:
-        need_per_row = sum(row.resident for row in rows) + max(row.prefill for row in rows)
-    else:
-        need_per_row = max(row.resident + row.prefill for row in rows)
-    if batch * need_per_row > available:
-        most = int(available // need_per_row)
+        return batch
+    runs = [rows] if together else [[row] for row in rows]
+    prefill_rows = min(most_prefill_rows(batch, available, run) for run in runs)
+    if prefill_rows == 0:
+        most = min(largest_batch(available, run) for run in runs)
+        need = max(working_set(batch, 1, run) for run in runs)
         shared = " (the methods' caches at once: fewer methods or --no-share-prefill need less)" if together else ""
         raise ValueError(
-            f"{what} needs about {gb(batch * need_per_row)} for KV, decode and prefill{shared}; {gb(available)} "
-            f"are free here: at most {most} rows"
+            f"{what} needs about {gb(need)} for KV, decode and a one-row prefill{shared}; {gb(available)} are free "
+            f"here: at most {most} rows"
         )
+    return prefill_rows
 
 
 def proc_bytes(path: str, field: str) -> int | None:

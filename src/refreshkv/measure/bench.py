@@ -11,9 +11,10 @@ measured once by copying a large tensor: a step cannot be faster than reading wh
 
 Batches (issue 48): with `batches`, B rows (distinct windows of the book text, `bench_prompt`) decode together after
 one prefill, every batch size in every round; tokens/s is B x steps / decode time and the floor per step reads the
-weights once and every row's KV. With `memory_cap`, each method runs alone at the largest batch whose rows fit under
-the cap beside the weights (batch_memory.py). Either way each row's bytes are worked out first, and a run that would
-not fit in the memory free here is refused before anything is timed.
+weights once and every row's KV. With `memory_cap`, each method runs alone at the largest batch whose run fits under
+the cap beside the weights (batch_memory.py). Either way each row's bytes are worked out first, a batch whose one
+prefill forward would not fit (under the cap, or in the memory free here) is prefilled a few rows per forward
+(`prefill_rows` in the results), and a run that would not fit even so is refused before anything is timed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache
@@ -31,7 +33,16 @@ from ..core.policy import label_notes, make_policy
 from ..engine.cache_argument import with_cache
 from ..runtime.generate import check_length, generate, generate_many, synchronize
 from ..texts import book_text
-from .batch_memory import GB, available_memory, capped_batches, check_cap, check_fits, proc_bytes, row_bytes
+from .batch_memory import (
+    GB,
+    available_memory,
+    capped_batches,
+    check_cap,
+    check_fits,
+    most_prefill_rows,
+    proc_bytes,
+    row_bytes,
+)
 
 REFERENCE = "transformers"  # not a method: stock transformers decoding, benchmarked for reference
 
@@ -157,6 +168,7 @@ class Run:
     partial_steps_s: list[float] = dataclasses.field(default_factory=list)  # steps where no layer did
     tokens: list[int] = dataclasses.field(default_factory=list)  # greedy tokens (compare eager with --compile runs)
     batch: int = 1  # rows decoded together
+    prefill_rows: int = 1  # rows per prefill forward
 
 
 def split_steps(step_s: list[float], full_layers: list[float], num_layers: int) -> tuple[list[float], list[float]]:
@@ -179,23 +191,26 @@ def run_round(
     peak: PeakMemory,
     share_prefill: bool,
     compile: bool = False,
+    prefill_rows: int | None = None,
 ) -> list[Run]:
-    """One run of each of `names`, in that order. Shared: one prefill for all (its time in every Run, peak memory
-    unattributable); otherwise each method prefills alone and its peak memory is its own."""
+    """One run of each of `names`, in that order, prefilled `prefill_rows` rows per forward (None: all at once).
+    Shared: one prefill for all (its time in every Run, peak memory unattributable); otherwise each method prefills
+    alone and its peak memory is its own."""
     runs = {}
     if REFERENCE in names:
-        runs[REFERENCE] = run_transformers_once(model, ids, new_tokens, peak)
+        runs[REFERENCE] = run_transformers_once(model, ids, new_tokens, peak, prefill_rows)
     policies = {name: make_policy(method_of(name), **methods[name]) for name in names if name != REFERENCE}
+    decoding = dict(max_new_tokens=new_tokens, eos_token_id=[], compile=compile, prefill_rows=prefill_rows)
     if share_prefill and policies:
-        outs = generate_many(
-            model, ids, methods=list(policies.values()), max_new_tokens=new_tokens, eos_token_id=[], compile=compile
-        )
+        outs = generate_many(model, ids, methods=list(policies.values()), **decoding)
         runs.update((name, run_from(name, ids, new_tokens, out, None)) for name, out in zip(policies, outs))
     else:
         for name, policy in policies.items():
             peak.reset()
-            out = generate(model, ids, method=policy, max_new_tokens=new_tokens, eos_token_id=[], compile=compile)
+            out = generate(model, ids, method=policy, **decoding)
             runs[name] = run_from(name, ids, new_tokens, out, peak.peak_bytes())
+    for run in runs.values():
+        run.prefill_rows = prefill_rows or run.batch
     return [runs[name] for name in names]
 
 
@@ -224,14 +239,32 @@ def run_from(method: str, ids, new_tokens: int, result, peak_bytes: int | None) 
     )
 
 
-def run_transformers_once(model, ids, new_tokens, peak: PeakMemory) -> Run:
+def transformers_prefill(model, ids, rows: int | None) -> tuple[DynamicCache, torch.Tensor]:
+    """Stock transformers' prefill of `ids`, `rows` rows per forward (None: all at once): each group into a
+    DynamicCache of its own, joined into the first one layer at a time (keys and values concatenated along the batch,
+    each group's layer dropped once moved), as `prefill_in_groups` does for the methods. Returns it and the logits."""
+    rows = rows or ids.shape[0]
+    caches, logits = [], []
+    for start in range(0, ids.shape[0], rows):
+        caches.append(DynamicCache(config=model.config))
+        chosen = ids[start : start + rows]
+        logits.append(model(chosen, **with_cache(model, caches[-1]), use_cache=True, logits_to_keep=1).logits[:, -1])
+    if len(caches) > 1:
+        for layers in zip(*(cache.layers for cache in caches)):
+            layers[0].keys = torch.cat([layer.keys for layer in layers])
+            layers[0].values = torch.cat([layer.values for layer in layers])
+            for layer in layers[1:]:
+                layer.keys = layer.values = None
+    return caches[0], torch.cat(logits)
+
+
+def run_transformers_once(model, ids, new_tokens, peak: PeakMemory, prefill_rows: int | None) -> Run:
     """Stock transformers decoding (DynamicCache + SDPA): the reference the project's speed targets quote."""
     peak.reset()
-    cache = DynamicCache(config=model.config)
     device = ids.device
     with torch.inference_mode():
         start = time.perf_counter()
-        logits = model(ids, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1]
+        cache, logits = transformers_prefill(model, ids, prefill_rows)
         synchronize(device)
         prefill_s = time.perf_counter() - start
         step_s = []
@@ -273,6 +306,7 @@ def summarize(runs: list[Run], weights: int, bandwidth: float) -> dict:
         "label": runs[0].method + label_notes(method_of(runs[0].method)),
         "length": runs[0].length,
         "batch": batch,
+        "prefill_rows": runs[0].prefill_rows,
         "rounds": len(runs),
         "prefill_s": prefill,
         "prefill_tokens_per_s": batch * (runs[0].length - runs[0].new_tokens) / prefill,
@@ -314,7 +348,12 @@ def check_methods(methods: dict[str, dict]) -> None:
             make_policy(method_of(name), **params)
 
 
-Unit = tuple[int, list[str]]  # a batch size and the methods that decode it, in one round, after one prefill
+class Unit(NamedTuple):
+    """What one round runs after one prefill (or, without a shared prefill, one per method)."""
+
+    batch: int
+    names: list[str]  # the methods that decode it
+    prefill_rows: int  # rows per prefill forward
 
 
 def rotated(items: list, by: int) -> list:
@@ -334,11 +373,12 @@ def plan_units(
 ) -> tuple[dict[int, list[Unit]], dict[int, dict]]:
     """What each length runs, and each method's bytes per row there (batch_memory.py; not worked out for a run of
     one row, which stays as before issue 48). Under `memory_cap` each method is a unit of its own at its largest
-    batch. A cap below the weights, a method without one row under the cap, and a unit that would not fit in the
-    memory free here are refused, before anything is timed."""
+    batch. A unit's prefill takes as many rows per forward as fit (under the cap, and in the memory free here). A
+    cap below the weights, a method without one row under the cap, and a unit that would not fit in the memory free
+    here even one prefill row at a time are refused, before anything is timed."""
     names = list(methods)
     if memory_cap is None and batches == [1]:
-        return {length: [(1, names)] for length in lengths}, {}
+        return {length: [Unit(1, names, 1)] for length in lengths}, {}
     weights = weight_bytes(model)
     if memory_cap is not None:
         check_cap(memory_cap, weights)
@@ -354,16 +394,20 @@ def plan_units(
         prompt = bench_prompt(tokenizer, length - new_tokens).to(model.device)
         rows = sizes[length] = row_bytes(model, prompt, policies, new_tokens)
         if memory_cap is None:
-            units[length] = [(batch, names) for batch in batches]
+            planned = [(batch, names) for batch in batches]
         else:
             capped = capped_batches(memory_cap, weights, rows, length)
-            units[length] = [(capped[name], [name]) for name in names]
-        for batch, unit in units[length]:
+            planned = [(capped[name], [name]) for name in names]
+        units[length] = []
+        for batch, unit in planned:
+            # rows per prefill forward: as many as fit under the cap (a method alone there) and in the memory free here
+            most = batch if memory_cap is None else most_prefill_rows(batch, memory_cap - weights, [rows[unit[0]]])
             decoded = [name for name in unit if name != REFERENCE]  # the reference runs first, its cache then freed
             for group, at_once in ((decoded, together), ([REFERENCE] if REFERENCE in unit else [], False)):
                 if group:
                     what = f"{', '.join(group)} at batch {batch} and {length} tokens"
-                    check_fits(batch, [rows[name] for name in group], at_once, available, what)
+                    most = min(most, check_fits(batch, [rows[name] for name in group], at_once, available, what))
+            units[length].append(Unit(batch, unit, most))
     return units, sizes
 
 
@@ -424,22 +468,24 @@ def run_bench(
     prompts = {  # each ends at `length`
         (length, batch): bench_prompt(tokenizer, length - new_tokens, batch).to(device)
         for length in lengths
-        for batch, _ in units[length]
+        for batch, *_ in units[length]
     }
     if compile:
         for length in lengths:
-            for batch, unit in units[length]:
-                run_round(model, prompts[length, batch], methods, unit, new_tokens, peak, share_prefill, compile)
+            for batch, unit, prefill_rows in units[length]:
+                run_round(
+                    model, prompts[length, batch], methods, unit, new_tokens, peak, share_prefill, compile, prefill_rows
+                )
     runs: dict[tuple[int, int, str], list[Run]] = {
-        (length, batch, name): [] for length in lengths for batch, unit in units[length] for name in unit
+        (length, batch, name): [] for length in lengths for batch, unit, _ in units[length] for name in unit
     }
     for round_index in range(rounds):
         for length in lengths if round_index % 2 == 0 else lengths[::-1]:
-            for batch, unit in rotated(units[length], round_index):
+            for batch, unit, prefill_rows in rotated(units[length], round_index):
                 order = rotated(unit, round_index)
-                for run in run_round(
-                    model, prompts[length, batch], methods, order, new_tokens, peak, share_prefill, compile
-                ):
+                ids = prompts[length, batch]
+                done = run_round(model, ids, methods, order, new_tokens, peak, share_prefill, compile, prefill_rows)
+                for run in done:
                     runs[length, batch, run.method].append(run)
                 if progress is not None:
                     progress(len(order))
@@ -449,7 +495,7 @@ def run_bench(
         groups = [units[length]] if memory_cap is not None else [[unit] for unit in units[length]]
         for group in groups:
             summaries = [
-                summarize(runs[length, batch, name], weights, bandwidth) for batch, unit in group for name in unit
+                summarize(runs[length, batch, name], weights, bandwidth) for batch, unit, _ in group for name in unit
             ]
             compare_with_full(summaries)
             rows.extend(summaries)

@@ -42,6 +42,7 @@ MEMORY = (
 BATCH = (  # issue 48: rows decoded together; the floor reads the weights once and every row's KV
     ("method", "label", "{}"),
     ("batch", "batch", "{}"),
+    ("prefill rows", "prefill_rows", "{}"),  # per prefill forward (fewer than the batch where all would not fit)
     ("tok/s", "tokens_per_s", "{:.1f}"),
     ("vs full", "speedup_vs_full", "{:.2f}x"),
     ("ms/step", "decode_ms_per_step", "{:.1f}"),
