@@ -35,12 +35,12 @@ def test_a_sweep_file_cannot_send_its_rows_outside_its_folder_and_the_working_di
 
 
 def test_the_repository_sweeps_write_into_the_working_directory(monkeypatch):
-    """benchmarks/*.yaml write `../docs/results/...`, run from the repository root."""
+    """benchmarks/sweeps/*.yaml write `../../docs/results/...`, run from the repository root."""
     root = Path(__file__).parent.parent
     monkeypatch.chdir(root)
-    spec = root / "benchmarks" / "frontier.yaml"
+    spec = root / "benchmarks" / "sweeps" / "frontier.yaml"
     assert load_sweep(spec.relative_to(root)).out.resolve().is_relative_to(root / "docs" / "results")
-    monkeypatch.chdir(root / "benchmarks")  # from elsewhere it leads out of both: refused
+    monkeypatch.chdir(root / "benchmarks" / "sweeps")  # from elsewhere it leads out of both: refused
     with pytest.raises(SweepError, match="lies outside"):
         load_sweep(spec)
 

@@ -1,4 +1,5 @@
-"""Issue 12's quality table from `refreshkv sweep benchmarks/full-cache.yaml`: each quantized C_f against the dense one.
+"""Issue 12's quality table from `refreshkv sweep benchmarks/sweeps/full-cache.yaml`: each quantized C_f against the
+dense one.
 
     python benchmarks/analysis/full_cache.py docs/results/full-cache/full-cache.jsonl
 

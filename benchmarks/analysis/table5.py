@@ -1,4 +1,5 @@
-"""refreshkv.txt Table 5 from two `refreshkv sweep benchmarks/table5.yaml` results files: before -> after training.
+"""refreshkv.txt Table 5 from two `refreshkv sweep benchmarks/sweeps/table5.yaml` results files: before -> after
+training.
 
     python benchmarks/analysis/table5.py docs/results/table5/table5-before.jsonl docs/results/table5/table5-after.jsonl
     python benchmarks/analysis/table5.py docs/results/table5/table5-before.jsonl      (the before column alone)

@@ -52,8 +52,8 @@ def make_full_store(like: torch.Tensor, capacity: int, full_cache: str, group_si
 class OffloadedFullStore(FullStore):
     """C_f in pinned host memory. Each decoded token is copied out as it comes (a small copy); a full step copies the
     cache in from pinned memory without blocking the host, which goes on queueing the step's kernels behind it. C_p,
-    on the GPU, serves the partial steps. Run once on an H200 (benchmarks/cuda_check.py): the same logits as the dense
-    store; its speed was not timed."""
+    on the GPU, serves the partial steps. Run once on an H200 (benchmarks/experiments/cuda_check.py): the same logits
+    as the dense store; its speed was not timed."""
 
     def __init__(self, like: torch.Tensor, capacity: int):
         self.device = like.device

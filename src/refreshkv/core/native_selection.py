@@ -348,9 +348,9 @@ def _refresh(per_head, first_only, before, after, words, valid, k, keys, values,
         raise MemoryError(f"refresh: no scratch space for {n} tokens")
 
 
-# Defined on a plain torch.library.Library, not with torch.library.custom_op: a compiled step calls the operator
-# once per layer, and a call through custom_op's wrappers cost 62 us more than the eager step's call of the same C,
-# this way 5 us (benchmarks/operator_overhead.py: 8K tokens, 2 threads, AVX2 kernels; 1.7 ms of a compiled refresh
+# Defined on a plain torch.library.Library, not with torch.library.custom_op: a compiled step calls the operator once
+# per layer, and a call through custom_op's wrappers cost 62 us more than the eager step's call of the same C, this way
+# 5 us (benchmarks/experiments/operator_overhead.py: 8K tokens, 2 threads, AVX2 kernels; 1.7 ms of a compiled refresh
 # step at 8K). The alias annotations (a!) in a schema name what an operator writes. Kept alive with the module: the
 # operators live as long as this object.
 _OPERATORS = torch.library.Library("refreshkv", "DEF")
