@@ -28,11 +28,11 @@ _MASKED = torch.finfo(torch.float32).min
 # One query token over at least this many keys on the CPU: two matrix products and a float32 softmax take 0.5-0.9x
 # the time of SDPA's flash kernel (2 threads, 1K-8K keys, bfloat16 and float32; SDPA is faster below 1K).
 EXPLICIT_DECODE_FROM = 1024
-# One query over at least this many keys on a GPU: SDPA over the query heads as they are (`enable_gqa`, a mask
-# repeated per query head), not packed into rows of their KV head. Per call on an H200 (benchmarks/cuda_check.py,
-# docs/benchmark.md "On a GPU"), both models' head layouts, float32 and bfloat16: at 4K keys and more the unpacked
-# heads took 0.1-0.9x the packed rows' time with and without a mask, at 2K 0.5-1.1x, at 1K 0.9-2.1x; over
-# `refreshkv`'s 1K-slot partial cache they made its float32 step 1.1-1.7x slower.
+# One query over at least this many keys on a GPU: SDPA over the query heads as they are (`enable_gqa`, a mask repeated
+# per query head), not packed into rows of their KV head. Per call on an H200 (benchmarks/experiments/cuda_check.py,
+# docs/benchmark.md "On a GPU"), both models' head layouts, float32 and bfloat16: at 4K keys and more the unpacked heads
+# took 0.1-0.9x the packed rows' time with and without a mask, at 2K 0.5-1.1x, at 1K 0.9-2.1x; over `refreshkv`'s
+# 1K-slot partial cache they made its float32 step 1.1-1.7x slower.
 GROUPED_DECODE_FROM = 4096
 
 
