@@ -44,6 +44,9 @@ class SoftCapped:
     cap: float
 
 
+Scaling = float | SoftCapped  # a layer's logit scale, as attention functions receive it
+
+
 def logits_of(packed_query: torch.Tensor, keys: torch.Tensor, scaling) -> torch.Tensor:
     """float32 logits (B, Hkv, rows, n) of packed queries against keys.
 
@@ -233,7 +236,11 @@ def selection_scores(
         scores = pool(aggregate_group(per_head, how), kernel, pooling)
     else:
         scores = aggregate_group(pool(per_head, kernel, pooling), how)
-    return spread_over_spans(scores, spans) if pooling == "span" else scores
+    if pooling != "span":
+        return scores
+    if spans is None:
+        raise ValueError("span pooling needs the prompt's word spans (MethodLayer.prompt_spans)")
+    return spread_over_spans(scores, spans)
 
 
 # Below the ordering key of every float32 value, -inf included (only a NaN's bits would map to it): where `valid`

@@ -11,20 +11,25 @@ at `pads[b]`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import torch
 
-if TYPE_CHECKING:
-    from .kvstore import LayerState
+from .attention_math import Scaling
+from .kvstore import LayerState
+
+State = TypeVar("State", bound=LayerState)
+"""What a method keeps for a layer: `Policy[State]` hooks receive `MethodLayer[State]` (e.g. a `SelectionState`)."""
 
 
-class MethodLayer(Protocol):
+class MethodLayer(Protocol[State]):
     layer_idx: int
     """The model layer (0 = the bottom one)."""
 
-    state: LayerState | None
-    """What the method keeps for this layer: set by `store_prompt`, read and replaced by the method freely."""
+    state: State
+    """What the method keeps for this layer: set by `store_prompt` (before it, None), read and replaced by the method
+    freely in every later hook."""
 
     prompt_scores: dict | None
     """While a shared prefill stores the prompt: prompt scores already computed at this layer by its other methods,
@@ -64,11 +69,11 @@ class MethodLayer(Protocol):
     def rope_inv_freq(self) -> torch.Tensor | None:
         """This layer's RoPE inverse frequencies, None where the package cannot undo the model's RoPE."""
 
-    def valid_positions(self, length: int, device) -> torch.Tensor | None:
+    def valid_positions(self, length: int, device: torch.device) -> torch.Tensor | None:
         """(B, 1, 1, length) bool: True at the real tokens among the first `length` positions; None without
         padding (every position is real)."""
 
-    def positions(self, device) -> torch.Tensor:
+    def positions(self, device: torch.device) -> torch.Tensor:
         """(B or 1,) RoPE position of the newest token in each row (0 at a row's first real token)."""
 
     def capacity(self) -> int:
@@ -77,11 +82,18 @@ class MethodLayer(Protocol):
     def expected_new_tokens(self) -> int:
         """Decoded tokens announced for this generation (`max_new_tokens`, or a guess when none was given)."""
 
-    def method_layers(self) -> list[MethodLayer]:
+    def method_layers(self) -> list[MethodLayer[State]]:
         """The layers that run the method, bottom first (sliding-window layers whose window bites do not): a
         method that shares a budget across layers (PyramidKV, DynamicKV) spans these."""
 
-    def decode_each(self, decode, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> torch.Tensor:
+    def decode_each(
+        self,
+        decode: Callable[[MethodLayer[State], torch.Tensor, torch.Tensor, torch.Tensor, Scaling], torch.Tensor],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: Scaling,
+    ) -> torch.Tensor:
         """`decode(layer, query, key, value, scaling)` for each of several new tokens in turn, as if they came one per
         step (`Policy.extend`'s default); the step's statistics are the mean over the tokens. Returns (B, q, Hq, D)."""
 

@@ -41,7 +41,10 @@ def check_group_size(full_cache: str, group_size: int, head_dim: int) -> None:
         )
 
 
-def make_full_store(like: torch.Tensor, capacity: int, full_cache: str, group_size: int):
+FullCacheStore = FullStore | QuantizedFullStore  # what `make_full_store` gives: the FullStore interface
+
+
+def make_full_store(like: torch.Tensor, capacity: int, full_cache: str, group_size: int) -> FullCacheStore:
     if full_cache in QUANTIZED_BITS:
         return QuantizedFullStore(like, capacity, QUANTIZED_BITS[full_cache], group_size)
     if full_cache == "offload":

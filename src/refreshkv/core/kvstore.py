@@ -14,6 +14,8 @@ cache never has to look inside it.
 
 from __future__ import annotations
 
+from typing import Self
+
 import torch
 
 from . import native_selection
@@ -90,7 +92,7 @@ class LayerState:
         return {str(self.kept(None).device): self.nbytes()}
 
     @classmethod
-    def align_groups(cls, states: list[LayerState]) -> None:
+    def align_groups(cls, states: list[Self]) -> None:
         """Make one layer's states of a batch prefilled in row groups (engine/join_rows.py) agree on the shared
         attributes a state reads from its rows (a count over them, the widest row) as the batch prefilled at once
         would hold them; by default a state has none."""

@@ -125,7 +125,8 @@ def _library() -> ctypes.CDLL | None:
     build fails, without: one thread); None where they cannot be built at all (said once)."""
     compiler = _compiler()
     if compiler is None:
-        return _without_c("no C compiler (set $CC or install cc)")
+        _without_c("no C compiler (set $CC or install cc)")
+        return None
     source = SOURCE.read_bytes()
     identity = hashlib.sha256(source + compiler.encode() + os.uname().machine.encode()).hexdigest()[:16]
     folder = cache_dir() / "native"
@@ -139,7 +140,10 @@ def _library() -> ctypes.CDLL | None:
             return _declared(library)
         warnings.warn(f"refreshkv: {library}: the selection's C runs on one thread", stacklevel=3)
     library = _build(compiler, SOURCE, [], folder / f"selection-{identity}.so")
-    return _without_c(library) if isinstance(library, str) else _declared(library)
+    if isinstance(library, str):
+        _without_c(library)
+        return None
+    return _declared(library)
 
 
 def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
@@ -265,12 +269,19 @@ def refresh_partial(
 # compiled step calls the same C as an eager one.
 
 
+def _kernels() -> ctypes.CDLL:
+    """The built library: the C calls run only where `_available()` found it."""
+    library = _library()
+    assert library is not None
+    return library
+
+
 def _top_k(scores: torch.Tensor, k: int, valid: torch.Tensor | None) -> torch.Tensor:
     values = scores.float().contiguous()
     n, rows = values.shape[-1], values.numel() // values.shape[-1]
     mask = None if valid is None else valid.expand_as(values).contiguous()
     out = torch.empty(*values.shape[:-1], k, dtype=torch.long)
-    if _library().top_k_in_order(
+    if _kernels().top_k_in_order(
         values.data_ptr(),
         None if mask is None else mask.data_ptr(),
         rows,
@@ -287,7 +298,7 @@ def _spread(scores: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     values, words = scores.contiguous(), words.to(torch.long).contiguous()
     batch, heads, n = values.shape
     out = torch.empty_like(values)
-    _library().spread_over_words(
+    _kernels().spread_over_words(
         values.data_ptr(), words.data_ptr(), batch, heads, n, words.shape[-1], out.data_ptr(), torch.get_num_threads()
     )
     return out
@@ -296,7 +307,7 @@ def _spread(scores: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
 def _gather(index, keys, values, key_out, value_out) -> None:
     index = index.contiguous()
     batch, heads, k = index.shape
-    failed = _library().gather_rows(
+    failed = _kernels().gather_rows(
         keys.data_ptr(),
         values.data_ptr(),
         BlockStrides.of(keys, values),
@@ -320,7 +331,7 @@ def _refresh(per_head, first_only, before, after, words, valid, k, keys, values,
     batch, heads, group, n = per_head.shape
     words = None if words is None else words.to(torch.long).contiguous()
     valid = None if valid is None else valid.reshape(batch, n).contiguous()
-    failed = _library().refresh_partial(
+    failed = _kernels().refresh_partial(
         per_head.data_ptr(),
         batch,
         heads,

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar
+from typing import ClassVar, Generic
 
 import torch
 
-from .attention_math import prompt_attention
-from .contract import MethodLayer
+from .attention_math import Scaling, prompt_attention
+from .contract import MethodLayer, State
 
 DEFAULT_BUDGET_RATIO = 1 / 8  # the seeds' setting: K = L / 8
 
@@ -30,7 +30,14 @@ class PolicyError(ValueError):
 
 
 @dataclasses.dataclass
-class Policy:
+class Policy(Generic[State]):
+    """A KV method: its parameters are the dataclass's fields, its hooks receive each layer as a `MethodLayer[State]`
+    whose `state` (what the method keeps: a `LayerState`, `State`) the method sets at the prompt and reads after.
+
+    Shapes: `query` (B, Hq, q, D), `key`/`value` (B, Hkv, q, D), `mask` transformers' boolean (B, 1, L, L) padding
+    mask or None; `scaling` the layer's logit scale (`Scaling`). Outputs are (B, q, Hq, D).
+    """
+
     name: ClassVar[str]
     summary: ClassVar[str]
     shares_prefill: ClassVar[bool] = True  # the prompt's output is plain causal attention (see the module doc)
@@ -44,19 +51,33 @@ class Policy:
     # The parameters that set how much the method keeps: a budget frontier varies them and nothing else.
     budget_parameters: ClassVar[tuple[str, ...]] = ()
 
-    def store_prompt(self, layer: MethodLayer, query, key, value, scaling: float) -> None:
+    def store_prompt(
+        self, layer: MethodLayer[State], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Scaling
+    ) -> None:
         """Keep what the method needs of the prompt in `layer.state` (key/value: (B, Hkv, L, D), left-padded)."""
         raise NotImplementedError
 
-    def prefill(self, layer: MethodLayer, query, key, value, mask, scaling: float) -> torch.Tensor:
+    def prefill(
+        self,
+        layer: MethodLayer[State],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: Scaling,
+    ) -> torch.Tensor:
         """The prompt's attention output; store the prompt. Override only together with `shares_prefill = False`."""
         self.store_prompt(layer, query, key, value, scaling)
         return prompt_attention(query, key, value, mask, scaling)
 
-    def decode(self, layer: MethodLayer, query, key, value, scaling: float) -> torch.Tensor:
+    def decode(
+        self, layer: MethodLayer[State], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Scaling
+    ) -> torch.Tensor:
         raise NotImplementedError
 
-    def extend(self, layer: MethodLayer, query, key, value, scaling: float) -> torch.Tensor:
+    def extend(
+        self, layer: MethodLayer[State], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Scaling
+    ) -> torch.Tensor:
         """Several new tokens after the prompt in one forward (a conversation's next question, drafted tokens):
         their attention outputs (B, q, Hq, D). By default they go through `decode` one at a time, each seeing the
         ones before it, exactly as if they had been decoded one per step (the method's own rule applies to each:
@@ -64,7 +85,7 @@ class Policy:
         overrides this and says so in its docstring (refreshkv: one full step that rebuilds C_p)."""
         return layer.decode_each(self.decode, query, key, value, scaling)
 
-    def selection(self, layer: MethodLayer, query: torch.Tensor, scaling) -> torch.Tensor | None:
+    def selection(self, layer: MethodLayer[State], query: torch.Tensor, scaling: Scaling) -> torch.Tensor | None:
         """(B, Hkv, m) positions of the tokens a step that does not attend to everything attends to (-1: none), for
         analysis (`refreshkv trace`), read after a decode step with its query: the tokens held, by default (what an
         eviction method attends to); a method with a partial cache gives it, one that chooses per step recomputes
@@ -89,7 +110,7 @@ class Policy:
         """Refuse (PolicyError) a batch whose shortest real prompt has `shortest` tokens if the method cannot work
         on it (e.g. a window longer than the prompt); called once per generation, before any layer's prefill."""
 
-    def crop(self, layer: MethodLayer, tokens: int) -> None:
+    def crop(self, layer: MethodLayer[State], tokens: int) -> None:
         """Forget the last `tokens` tokens (assisted decoding, a conversation that drops its answers); only a method
         that keeps every token can."""
         raise PolicyError(
@@ -109,7 +130,7 @@ class Policy:
 
 
 @dataclasses.dataclass
-class BudgetPolicy(Policy):
+class BudgetPolicy(Policy[State]):
     """A method that keeps (or attends to) K tokens: `budget` tokens, or `budget_ratio` of the prompt length.
 
     With both unset the ratio is 1/8, the seeds' setting. For a batch the ratio applies to the longest prompt.

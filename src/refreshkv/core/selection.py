@@ -18,17 +18,21 @@ slots and masked (padding only up to the largest head of the layer).
 from __future__ import annotations
 
 import dataclasses
+from typing import Self
 
 import torch
 
-from .attention_math import attend_with_probs, decode_attention, top_k
+from .attention_math import Scaling, attend_with_probs, decode_attention, top_k
+from .contract import MethodLayer
 from .kvstore import LayerState, SlotStore
 from .policy import BudgetPolicy, PolicyError
 
 APPENDED = 2.0  # above any attention probability: decoded tokens outrank prompt tokens unless a method says otherwise
 
 
-def keep_top(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None, keep_last: int = 0):
+def keep_top(
+    scores: torch.Tensor, k: int, valid: torch.Tensor | None = None, keep_last: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The shared tail of a selection: per row and KV head, the k highest of `scores` (B, Hkv, n) in position order,
     and their scores.
 
@@ -51,7 +55,7 @@ def keep_top(scores: torch.Tensor, k: int, valid: torch.Tensor | None = None, ke
     return index.masked_fill(~real, -1), kept.masked_fill(~real, float("-inf"))
 
 
-def checked_scores(method: str, scores, like: torch.Tensor) -> torch.Tensor:
+def checked_scores(method: str, scores: object, like: torch.Tensor) -> torch.Tensor:
     """A `score()` result, refused in one line if it is not (B, Hkv, L) real numbers for the prompt `like` keys."""
     expected = tuple(like.shape[:3])
     if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != expected:
@@ -89,7 +93,7 @@ class SelectionState(LayerState):
         return self.store.kept(pads)
 
     @classmethod
-    def align_groups(cls, states: list[SelectionState]) -> None:
+    def align_groups(cls, states: list[Self]) -> None:
         """Row groups prefilled apart (engine/join_rows.py): a ragged selection is as wide as its group's largest head,
         so each is widened to the widest (`widen`), as the batch prefilled at once holds it; `filled` (slots filled
         in every row) is the fewest of the groups'."""
@@ -109,18 +113,29 @@ class SelectionState(LayerState):
             self.empty -= extra
             self.filled = 0
 
-    def load(self, keys, values, index: torch.Tensor, scores: torch.Tensor, ragged: bool = True) -> None:
+    def load(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        index: torch.Tensor,
+        scores: torch.Tensor,
+        ragged: bool = True,
+        positions: torch.Tensor | None = None,
+    ) -> None:
         """Hold the tokens at `index` (B, Hkv, k; -1 = none) of keys/values with their scores; empty the rest.
-        `ragged=False`: the caller knows no index is -1 (a top-k), so the host need not read the index."""
+        `positions`: the tokens' positions, where `index` counts rows of another store (-1 = none: that entry is
+        held empty); by default `index` itself (keys/values are the prompt's).
+        `ragged=False`: the caller knows no entry is -1 (a top-k), so the host need not read the index."""
         kept = index.shape[-1]
+        positions = index if positions is None else positions
         scores = scores.float()
         if ragged:
-            scores = scores.masked_fill(index < 0, float("-inf"))
-        self.store.load(keys, values, index.clamp(min=0) if ragged else index, index)
+            scores = scores.masked_fill(positions < 0, float("-inf"))
+        self.store.load(keys, values, index.clamp(min=0) if ragged else index, positions)
         self.scores[..., :kept] = scores
         self.scores[..., kept:] = float("-inf")
-        # With ragged heads (some index -1), mask until every slot has been written once.
-        self.loaded(kept, kept if not ragged or bool((index >= 0).all()) else 0)
+        # With ragged heads (some entry -1), mask until every slot has been written once.
+        self.loaded(kept, kept if not ragged or bool((positions >= 0).all()) else 0)
 
     def loaded(self, kept: int, filled: int | None = None) -> None:
         """The first `kept` slots were just loaded and the rest emptied; `filled`: of them, the slots filled in every
@@ -138,14 +153,16 @@ class SelectionState(LayerState):
         """The held tokens fill slots 0 .. used - 1 in every row and head (no hole left by a ragged selection)."""
         return self.filled == self.used
 
-    def put(self, eviction_scores: torch.Tensor, key, value, position: int, score: float) -> None:
+    def put(
+        self, eviction_scores: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position: int, score: float
+    ) -> None:
         """Write one token into each head's lowest-scored slot (an empty one while there is room)."""
         # While slots are free and none is a hole, the lowest is the first free slot everywhere: a plain write (not
         # under torch.compile, where a slot that moves every step would recompile the step)
         if self.empty and self.contiguous and not torch.compiler.is_compiling():
-            slot = self.used
-            self.store.put_at(slot, key, value, position)
-            self.scores[:, :, slot : slot + 1] = torch.full_like(self.scores[:, :, :1], score)
+            free = self.used
+            self.store.put_at(free, key, value, position)
+            self.scores[:, :, free : free + 1] = torch.full_like(self.scores[:, :, :1], score)
             self.filled, self.empty = self.filled + 1, self.empty - 1
             return
         slot = eviction_scores.argmin(dim=-1)
@@ -171,8 +188,15 @@ class SelectionState(LayerState):
 
 
 @dataclasses.dataclass
-class SelectionPolicy(BudgetPolicy):
-    def score(self, layer, query, key, scaling, valid) -> torch.Tensor:
+class SelectionPolicy(BudgetPolicy[SelectionState]):
+    def score(
+        self,
+        layer: MethodLayer[SelectionState],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        scaling: Scaling,
+        valid: torch.Tensor | None,
+    ) -> torch.Tensor:
         """(B, Hkv, L): how much each prompt token is worth keeping, per KV head. Any real values; higher is kept
         first; +inf keeps a token whenever it fits. Pads need no masking (`select` never keeps them), but a score
         computed from attention must mask them among the keys (`valid`, as in `select`)."""
@@ -184,16 +208,23 @@ class SelectionPolicy(BudgetPolicy):
         scores do not depend on K, which says so by leaving the budget out). By default every parameter."""
         return repr(self)
 
-    def kept_tokens(self, layer) -> int:
+    def kept_tokens(self, layer: MethodLayer[SelectionState]) -> int:
         """Prompt tokens to keep per KV head (fewer when the prompt is shorter): K, the cache's budget."""
         return layer.budget
 
-    def recent_kept(self, layer) -> int:
+    def recent_kept(self, layer: MethodLayer[SelectionState]) -> int:
         """The last prompt tokens kept whatever their score (an observation or recent window), counted in
         `kept_tokens`."""
         return 0
 
-    def select(self, layer, query, key, scaling, valid) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(
+        self,
+        layer: MethodLayer[SelectionState],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        scaling: Scaling,
+        valid: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per KV head: (index (B, Hkv, k) of prompt tokens to keep, -1 = none; their eviction scores (B, Hkv, k)).
 
         `query` (B, Hq, L, D), `key` (B, Hkv, L, D): the whole prompt; `valid` (B, 1, 1, L) bool marks its real
@@ -209,56 +240,77 @@ class SelectionPolicy(BudgetPolicy):
         mask = None if valid is None else valid.view(valid.shape[0], 1, -1)
         return keep_top(scores, self.kept_tokens(layer), mask, self.recent_kept(layer))
 
-    def max_slots(self, layer) -> int | None:
+    def max_slots(self, layer: MethodLayer[SelectionState]) -> int | None:
         """Fixed store size of a method that evicts while decoding; None: room for every decoded token."""
         return None
 
-    def slots(self, layer, kept: int) -> int:
+    def slots(self, layer: MethodLayer[SelectionState], kept: int) -> int:
         """Initial store size: the kept tokens plus the decoded tokens to come, within `max_slots`."""
         wanted = kept + layer.expected_new_tokens()
         limit = self.max_slots(layer)
         return wanted if limit is None else min(wanted, limit)
 
-    def appended_score(self, layer) -> float:
+    def appended_score(self, layer: MethodLayer[SelectionState]) -> float:
         return APPENDED + layer.step
 
-    def eviction_scores(self, layer) -> torch.Tensor:
+    def eviction_scores(self, layer: MethodLayer[SelectionState]) -> torch.Tensor:
         """(B, Hkv, slots): the decoded token replaces the minimum (empty slots are -inf, so they go first)."""
         return layer.state.scores
 
-    def observe(self, layer, probs: torch.Tensor) -> None:
+    def observe(self, layer: MethodLayer[SelectionState], probs: torch.Tensor) -> None:
         """Called after each decode step with the step's attention probabilities (B, Hkv, G, slots), float32.
 
         Only methods that override it pay for the probabilities; the others attend with one fused SDPA call.
         """
 
-    def store_selection(self, layer, key, value, index, scores) -> SelectionState:
+    def store_selection(
+        self,
+        layer: MethodLayer[SelectionState],
+        key: torch.Tensor,
+        value: torch.Tensor,
+        index: torch.Tensor,
+        scores: torch.Tensor,
+    ) -> SelectionState:
         """A state holding the selected prompt tokens, sized for the decoded tokens to come."""
         state = SelectionState.empty_like(key, self.slots(layer, index.shape[-1]))
         state.load(key, value, index, scores)
         return state
 
-    def store_prompt(self, layer, query, key, value, scaling):
+    def store_prompt(
+        self,
+        layer: MethodLayer[SelectionState],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: Scaling,
+    ) -> None:
         valid = layer.valid_positions(key.shape[2], key.device)
         index, scores = self.select(layer, query, key, scaling, valid)
         layer.state = self.store_selection(layer, key, value, index, scores)
 
-    def append(self, layer, key, value) -> None:
+    def append(self, layer: MethodLayer[SelectionState], key: torch.Tensor, value: torch.Tensor) -> None:
         """Store the decoded token in the lowest-scored slot (an empty one while there is room).
 
         A store that runs out of empty slots below its method's `max_slots` doubles (up to that size) instead of
         evicting, so a method that keeps every decoded token never loses one when more come than were announced.
         """
-        state: SelectionState = layer.state
+        state = layer.state
         limit = self.max_slots(layer)
         if state.empty == 0 and (limit is None or state.store.slots < limit):
             slots = state.store.slots
             state.grow((2 * slots if limit is None else min(2 * slots, limit)) - slots)
         state.put(self.eviction_scores(layer), key, value, layer.seen - 1, self.appended_score(layer))
 
-    def decode(self, layer, query, key, value, scaling):
+    def decode(
+        self,
+        layer: MethodLayer[SelectionState],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: Scaling,
+    ) -> torch.Tensor:
         self.append(layer, key, value)
-        state: SelectionState = layer.state
+        state = layer.state
         observes = type(self).observe is not SelectionPolicy.observe
         plain = layer.pads is None and state.contiguous and not observes and not torch.compiler.is_compiling()
         if plain:  # the tokens held, as a plain cache holds them (a length that grows: not in a compiled step)

@@ -34,7 +34,7 @@ def load_methods() -> None:
         try:
             loaded = entry.load()
             if inspect.isclass(loaded) and issubclass(loaded, Policy):
-                replaced = METHODS.get(getattr(loaded, "name", None))
+                replaced = METHODS.get(getattr(loaded, "name", ""))
                 register(loaded, provider=package)
                 if replaced not in (None, loaded):  # said once, when loaded; tables add "(from PACKAGE)"
                     LOG.warning(

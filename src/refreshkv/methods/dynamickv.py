@@ -46,11 +46,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Self, cast
 
 import torch
 
-from ..core.attention_math import ranked
-from ..core.kvstore import SlotStore
+from ..core.attention_math import Scaling, ranked
+from ..core.contract import MethodLayer
 from ..core.policy import PolicyError, check_positive, register
 from ..core.selection import SelectionState, checked_scores, keep_top
 from .snapkv import SnapKV
@@ -60,13 +61,25 @@ WINDOW_SCORE = 1.0  # the observation window is always kept: score above any poo
 
 @dataclasses.dataclass
 class DynamicState(SelectionState):
+    budget: torch.Tensor  # (B,) selected tokens per KV head in each row
+    attention: torch.Tensor | None  # (B, Hkv, prefix) A^l, kept until the final update
     selected: int = 0  # slots [0, selected) hold the selected prompt tokens, then the window
     window: int = 0
-    budget: torch.Tensor | None = None  # (B,) selected tokens per KV head in each row
-    attention: torch.Tensor | None = None  # (B, Hkv, prefix) A^l, kept until the final update
 
     @classmethod
-    def align_groups(cls, states: list[DynamicState]) -> None:
+    def of(
+        cls, held: SelectionState, selected: int, window: int, budget: torch.Tensor, attention: torch.Tensor | None
+    ) -> DynamicState:
+        """The tokens `held` (selected ones, then the window) as a layer's DynamicState."""
+        return cls(held.store, held.scores, held.filled, held.empty, budget, attention, selected, window)
+
+    def prefix_attention(self) -> torch.Tensor:
+        """A^l, which every update reads until the final one drops it."""
+        assert self.attention is not None, "DynamicKV's final update has dropped A^l"
+        return self.attention
+
+    @classmethod
+    def align_groups(cls, states: list[Self]) -> None:
         """Row groups prefilled apart (engine/join_rows.py) size their stores for their own largest row: each is
         widened to the widest, with empty slots before the window, as the batch prefilled at once holds them."""
         width = max(state.selected for state in states)
@@ -146,10 +159,9 @@ def allocate(counts: torch.Tensor, layer_max: int, total: int, caps: torch.Tenso
     return apportion(provisional, torch.full_like(counts[:, 0], total), caps)
 
 
-def _sorted_by_position(index: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor):
-    """Order the kept entries by position, unused ones (-1) last."""
-    order = torch.where(keep, positions, torch.iinfo(torch.long).max).argsort(dim=-1)
-    return index.gather(-1, order), keep.gather(-1, order)
+def _position_order(positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The order (B, Hkv, k) that sorts the kept entries by position, unused ones last."""
+    return torch.where(keep, positions, torch.iinfo(torch.long).max).argsort(dim=-1)
 
 
 @register
@@ -183,71 +195,92 @@ class DynamicKV(SnapKV):
         ):
             raise PolicyError(f"r_max must be a number > 0, got {self.r_max!r}")
 
-    def layer_budget(self, layer) -> int:
+    def layer_budget(self, layer: MethodLayer[SelectionState]) -> int:
         """B^l = (wt - ws) * r_max with wt - ws = K: what a layer keeps before the first update."""
         return int(self.selected_budget(layer) * self.r_max)
 
-    def prefix_scores(self, layer, query, key, scaling, valid) -> torch.Tensor:
+    def prefix_scores(
+        self,
+        layer: MethodLayer[SelectionState],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        scaling: Scaling,
+        valid: torch.Tensor | None,
+    ) -> torch.Tensor:
         """A^l: SnapKV's scores of the tokens before the window (-inf at pads, which never count in Eq. 4)."""
         scores = checked_scores(self.name, self.score(layer, query, key, scaling, valid), key)
         if valid is not None:
             scores = scores.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
         return scores[..., : key.shape[2] - self.window]
 
-    def select(self, layer, query, key, scaling, valid):
+    def select(
+        self,
+        layer: MethodLayer[SelectionState],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        scaling: Scaling,
+        valid: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.select_from(self.prefix_scores(layer, query, key, scaling, valid), layer, valid, key.shape[2])
 
-    def select_from(self, attention, layer, valid, length: int):
-        """SnapKV's selection from A^l with the layer's maximum budget B^l: selected tokens in position order (-1,
-        for pads, last), then the window."""
+    def select_from(
+        self, attention: torch.Tensor, layer: MethodLayer[SelectionState], valid: torch.Tensor | None, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """SnapKV's selection from A^l with the layer's maximum budget B^l (`keep_top`): selected tokens in position
+        order (-1, for pads, last), then the window."""
         prefix = None if valid is None else valid.view(valid.shape[0], 1, -1)[..., : length - self.window]
-        index, _ = keep_top(attention, self.layer_budget(layer), prefix)
-        index, _ = _sorted_by_position(index, index, index >= 0)
+        index, kept = keep_top(attention, self.layer_budget(layer), prefix)
+        order = _position_order(index, index >= 0)
+        index, kept = index.gather(-1, order), kept.gather(-1, order)
         window = torch.arange(length - self.window, length, device=index.device).expand(*index.shape[:2], -1)
-        scores = torch.cat(
-            [attention.gather(-1, index.clamp(min=0)), torch.full_like(window, WINDOW_SCORE, dtype=attention.dtype)], -1
-        )
+        scores = torch.cat([kept, torch.full_like(window, WINDOW_SCORE, dtype=attention.dtype)], -1)
         return torch.cat([index, window], dim=-1), scores
 
-    def store_prompt(self, layer, query, key, value, scaling):
+    def store_prompt(
+        self,
+        layer: MethodLayer[SelectionState],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: Scaling,
+    ) -> None:
         valid = layer.valid_positions(key.shape[2], key.device)
         attention = self.prefix_scores(layer, query, key, scaling, valid)
         index, scores = self.select_from(attention, layer, valid, key.shape[2])
-        state = self.store_selection(layer, key, value, index, scores)
         selected = index.shape[-1] - self.window
-        layer.state = DynamicState(
-            state.store,
-            state.scores,
-            state.filled,
-            state.empty,
-            selected=selected,
-            window=self.window,
-            budget=(index[..., :selected] >= 0).sum(-1)[:, 0],  # the same in every head of a row
-            attention=attention,
-        )
+        budget = (index[..., :selected] >= 0).sum(-1)[:, 0]  # the same in every head of a row
+        held = self.store_selection(layer, key, value, index, scores)
+        layer.state = DynamicState.of(held, selected, self.window, budget, attention)
         layers = layer.method_layers()  # the layers that share the budget (not sliding windows)
         depth = layers.index(layer) + 1
         if depth % self.interval == 0 or depth == len(layers):
             self.update(layers[:depth], self.selected_budget(layer), len(layers), final=depth == len(layers))
 
-    def update(self, layers, per_layer: int, num_layers: int, final: bool) -> torch.Tensor:
+    def update(
+        self, layers: list[MethodLayer[SelectionState]], per_layer: int, num_layers: int, final: bool
+    ) -> torch.Tensor:
         """Update_Buffer_Length over `layers` (Alg. 1 lines 4-11) and shrink their stores (lines 27-30)."""
-        states: list[DynamicState] = [layer.state for layer in layers]
-        if states[0].attention.shape[-1] == 0:
+        states = [cast(DynamicState, layer.state) for layer in layers]  # what store_prompt keeps
+        attention = [state.prefix_attention() for state in states]
+        if attention[0].shape[-1] == 0:
             return torch.stack([s.budget for s in states], dim=-1)
-        counts = layer_counts([s.attention for s in states], per_layer)
+        counts = layer_counts(attention, per_layer)
         caps = torch.stack([s.budget for s in states], dim=-1)  # what each layer still holds
         layer_max = int(per_layer * self.r_max)
         budgets = allocate(counts, layer_max, per_layer * num_layers, caps)
         for layer, state, budget in zip(layers, states, budgets.unbind(-1)):
             if not torch.equal(budget, state.budget):
-                layer.state = self.shrink(layer, state, budget)
+                state = self.shrink(layer, state, budget)
+                layer.state = state
             if final:
-                layer.state.attention = None  # no longer needed
+                state.attention = None  # no longer needed
         return budgets
 
-    def shrink(self, layer, state: DynamicState, budget: torch.Tensor) -> DynamicState:
-        """A new, smaller store holding each head's top-`budget` selected tokens (by A^l) and the window."""
+    def shrink(self, layer: MethodLayer[SelectionState], state: DynamicState, budget: torch.Tensor) -> DynamicState:
+        """A new, smaller store holding each head's top-`budget` selected tokens (by A^l) and the window.
+
+        Ranked by `ranked`, not `keep_top`: each row keeps its own number of tokens (`budget`, (B,)), the first of
+        one ranking; the tokens are then loaded from the old store as a selection is (`SelectionState.load`)."""
         old = state.store
         selected = state.scores[..., : state.selected]
         width = int(budget.max())
@@ -256,8 +289,8 @@ class DynamicKV(SnapKV):
         keep = (torch.arange(width, device=selected.device) < budget.view(-1, 1, 1)) & torch.isfinite(
             selected.gather(-1, chosen)
         )
-        positions = old.positions.gather(-1, chosen)
-        slot_index, keep = _sorted_by_position(chosen, positions, keep)
+        order = _position_order(old.positions.gather(-1, chosen), keep)
+        slot_index, keep = chosen.gather(-1, order), keep.gather(-1, order)
         window = torch.arange(state.selected, state.selected + state.window, device=selected.device)
         slot_index = torch.cat([slot_index, window.expand(*slot_index.shape[:2], -1)], dim=-1)
         keep = torch.cat(
@@ -267,20 +300,7 @@ class DynamicKV(SnapKV):
             ],
             -1,
         )
-        kept = slot_index.shape[-1]
-        store = SlotStore(old.keys, self.slots(layer, kept))
+        held = SelectionState.empty_like(old.keys, self.slots(layer, slot_index.shape[-1]))
         positions = old.positions.gather(-1, slot_index).masked_fill(~keep, -1)
-        store.load(old.keys, old.values, slot_index, positions)
-        scores = torch.full(store.positions.shape, float("-inf"), device=selected.device)
-        scores[..., :kept] = state.scores.gather(-1, slot_index).masked_fill(~keep, float("-inf"))
-        filled = kept if bool(keep.all()) else 0
-        return DynamicState(
-            store,
-            scores,
-            filled,
-            store.slots - kept,
-            selected=width,
-            window=state.window,
-            budget=budget,
-            attention=state.attention,
-        )
+        held.load(old.keys, old.values, slot_index, state.scores.gather(-1, slot_index), positions=positions)
+        return DynamicState.of(held, width, state.window, budget, state.attention)

@@ -8,35 +8,59 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..core.attention_math import decode_attention
+import torch
+
+from ..core.attention_math import Scaling, decode_attention
+from ..core.contract import MethodLayer
 from ..core.kvstore import FullStore
 from ..core.policy import Policy, register
 
 
 @register
 @dataclasses.dataclass
-class Full(Policy):
+class Full(Policy[FullStore]):
     """Vanilla attention over every token; no parameters. The reference every method is compared with."""
 
     name = "full"
     summary = "vanilla attention over every token"
 
-    def store_prompt(self, layer, query, key, value, scaling):
+    def store_prompt(
+        self,
+        layer: MethodLayer[FullStore],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: Scaling,
+    ) -> None:
         layer.state = FullStore(key, layer.capacity())
         layer.state.append(key, value)
 
-    def decode(self, layer, query, key, value, scaling):
-        store: FullStore = layer.state
+    def decode(
+        self,
+        layer: MethodLayer[FullStore],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: Scaling,
+    ) -> torch.Tensor:
+        store = layer.state
         store.append(key, value)
         keys, values = store.view()
         layer.record(1.0, store.attended_bytes())
         return decode_attention(query, keys, values, scaling, layer.valid_positions(store.length, key.device))
 
-    def selection(self, layer, query, scaling):
+    def selection(self, layer: MethodLayer[FullStore], query: torch.Tensor, scaling: Scaling) -> torch.Tensor | None:
         return None  # every step attends to every token
 
-    def extend(self, layer, query, key, value, scaling):
+    def extend(
+        self,
+        layer: MethodLayer[FullStore],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: Scaling,
+    ) -> torch.Tensor:
         return self.decode(layer, query, key, value, scaling)  # several tokens attend causally, as in one decode
 
-    def crop(self, layer, tokens):
+    def crop(self, layer: MethodLayer[FullStore], tokens: int) -> None:
         layer.state.crop(tokens)

@@ -22,9 +22,10 @@ import dataclasses
 
 import torch
 
-from ..core.attention_math import AGGREGATIONS, aggregate_group, attention_probs
+from ..core.attention_math import AGGREGATIONS, Scaling, aggregate_group, attention_probs
+from ..core.contract import MethodLayer
 from ..core.policy import check_choice, register
-from ..core.selection import SelectionPolicy
+from ..core.selection import SelectionPolicy, SelectionState
 
 PREFILL_BLOCK = 256  # prompt queries scored at once: memory (B, Hq, 256, L) floats
 
@@ -35,10 +36,12 @@ def split_budget(budget: int) -> tuple[int, int]:
     return heavy, budget - heavy
 
 
-def cumulative_attention(query, key, scaling: float, valid, how: str) -> torch.Tensor:
+def cumulative_attention(
+    query: torch.Tensor, key: torch.Tensor, scaling: Scaling, valid: torch.Tensor | None, how: str
+) -> torch.Tensor:
     """(B, Hkv, L): attention received from every prompt query, summed per query head, aggregated over the group."""
     length = key.shape[2]
-    total = None
+    total: torch.Tensor | None = None
     for start in range(0, length, PREFILL_BLOCK):
         end = min(start + PREFILL_BLOCK, length)
         block_valid = None if valid is None else valid[..., :end]
@@ -47,6 +50,7 @@ def cumulative_attention(query, key, scaling: float, valid, how: str) -> torch.T
             probs = probs * valid[..., start:end].view(valid.shape[0], 1, 1, -1, 1)
         summed = torch.nn.functional.pad(probs.sum(dim=3), (0, length - end))  # (B, Hkv, G, L)
         total = summed if total is None else total + summed
+    assert total is not None, "an empty prompt"
     return aggregate_group(total, how)
 
 
@@ -68,26 +72,33 @@ class H2O(SelectionPolicy):
         super().__post_init__()
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
 
-    def max_slots(self, layer) -> int:
+    def max_slots(self, layer: MethodLayer[SelectionState]) -> int:
         return layer.budget + 1  # K kept + the newest token
 
-    def score(self, layer, query, key, scaling, valid):
+    def score(
+        self,
+        layer: MethodLayer[SelectionState],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        scaling: Scaling,
+        valid: torch.Tensor | None,
+    ) -> torch.Tensor:
         return cumulative_attention(query, key, scaling, valid, self.aggregation)
 
     def score_key(self) -> str:
         return repr(dataclasses.replace(self, budget=None, budget_ratio=None))  # cumulative attention ignores K
 
-    def recent_kept(self, layer) -> int:
+    def recent_kept(self, layer: MethodLayer[SelectionState]) -> int:
         return split_budget(layer.budget)[1]
 
-    def appended_score(self, layer) -> float:
+    def appended_score(self, layer: MethodLayer[SelectionState]) -> float:
         return 0.0  # a decoded token starts with no accumulated attention
 
-    def eviction_scores(self, layer) -> torch.Tensor:
+    def eviction_scores(self, layer: MethodLayer[SelectionState]) -> torch.Tensor:
         """Cumulative scores, with the recent window protected (empty slots, position -1, stay candidates)."""
         _, recent = split_budget(layer.budget)
         protected = layer.state.store.positions >= max(layer.seen - 1 - recent, 0)
         return layer.state.scores.masked_fill(protected, float("inf"))
 
-    def observe(self, layer, probs):
+    def observe(self, layer: MethodLayer[SelectionState], probs: torch.Tensor) -> None:
         layer.state.scores += aggregate_group(probs, self.aggregation)

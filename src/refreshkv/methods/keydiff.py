@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.nn.functional as F
 
+from ..core.attention_math import Scaling
+from ..core.contract import MethodLayer
 from ..core.policy import register
-from ..core.selection import SelectionPolicy
+from ..core.selection import SelectionPolicy, SelectionState
 
 
 @register
@@ -27,7 +30,14 @@ class KeyDiff(SelectionPolicy):
     name = "keydiff"
     summary = "keep the K prompt keys least similar (cosine) to the mean key, per KV head; no attention needed"
 
-    def score(self, layer, query, key, scaling, valid):
+    def score(
+        self,
+        layer: MethodLayer[SelectionState],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        scaling: Scaling,
+        valid: torch.Tensor | None,
+    ) -> torch.Tensor:
         unit = F.normalize(key.float(), dim=-1)  # (B, Hkv, L, D)
         if valid is not None:
             unit = unit * valid.view(valid.shape[0], 1, -1, 1)  # pads add nothing to the anchor

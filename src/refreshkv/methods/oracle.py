@@ -20,14 +20,23 @@ from typing import ClassVar
 
 import torch
 
-from ..core.attention_math import AGGREGATIONS, aggregate_group, logits_of, pack_queries, top_k, unpack_output
+from ..core.attention_math import (
+    AGGREGATIONS,
+    Scaling,
+    aggregate_group,
+    logits_of,
+    pack_queries,
+    top_k,
+    unpack_output,
+)
+from ..core.contract import MethodLayer
 from ..core.kvstore import FullStore
 from ..core.policy import BudgetPolicy, check_choice, register
 
 
 @register
 @dataclasses.dataclass
-class Oracle(BudgetPolicy):
+class Oracle(BudgetPolicy[FullStore]):
     """Oracle top-K: every step, per KV head, the K tokens with the highest attention of the current query (over
     the whole cache) plus the newest token. A quality ceiling: it reads the whole cache.
 
@@ -45,15 +54,29 @@ class Oracle(BudgetPolicy):
         super().__post_init__()
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
 
-    def store_prompt(self, layer, query, key, value, scaling):
+    def store_prompt(
+        self,
+        layer: MethodLayer[FullStore],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: Scaling,
+    ) -> None:
         layer.state = FullStore(key, layer.capacity())
         layer.state.append(key, value)
 
-    def crop(self, layer, tokens):
+    def crop(self, layer: MethodLayer[FullStore], tokens: int) -> None:
         layer.state.crop(tokens)
 
-    def decode(self, layer, query, key, value, scaling):
-        store: FullStore = layer.state
+    def decode(
+        self,
+        layer: MethodLayer[FullStore],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: Scaling,
+    ) -> torch.Tensor:
+        store = layer.state
         store.append(key, value)
         keys, values = store.view()
         layer.record(0.0, store.attended_bytes())
@@ -65,7 +88,9 @@ class Oracle(BudgetPolicy):
         output = torch.matmul(logits.softmax(dim=-1).to(values.dtype), values)  # (B, Hkv, G, D)
         return unpack_output(output, query.shape[1])
 
-    def _choose(self, layer, query, keys, scaling):
+    def _choose(
+        self, layer: MethodLayer[FullStore], query: torch.Tensor, keys: torch.Tensor, scaling: Scaling
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The current query's float32 logits (B, Hkv, G, n), pads masked, and the K positions (B, Hkv, K) it
         attends to most besides the newest token (None when every token fits)."""
         n = keys.shape[2]
@@ -80,7 +105,7 @@ class Oracle(BudgetPolicy):
             ranking, layer.budget, None if valid is None else valid.view(valid.shape[0], 1, -1)[..., :-1]
         )
 
-    def selection(self, layer, query, scaling):
+    def selection(self, layer: MethodLayer[FullStore], query: torch.Tensor, scaling: Scaling) -> torch.Tensor | None:
         """The step's K chosen tokens and the newest one; None when every token fits."""
         keys, _ = layer.state.view()
         _, chosen = self._choose(layer, query, keys, scaling)

@@ -21,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ..core.contract import MethodLayer
 from ..core.policy import PolicyError, register
+from ..core.selection import SelectionState
 from .snapkv import SnapKV
 
 DEFAULT_BETA = 20.0
@@ -58,7 +60,7 @@ def pyramid_budgets(total: int, num_layers: int, beta: float = DEFAULT_BETA, cap
                 high = shift
         line = [min(cap, x + high) for x in line]
     limit = math.inf if cap is None else cap
-    budgets = [min(int(math.floor(x + 1e-9)), limit) for x in line]
+    budgets = [int(min(math.floor(x + 1e-9), limit)) for x in line]
     remainder = total - sum(budgets)
     for i in range(num_layers):  # lowest layers first: keeps the sequence non-increasing
         if remainder <= 0:
@@ -97,7 +99,7 @@ class PyramidKV(SnapKV):
         super().__post_init__()
         check_beta(self.beta)
 
-    def layer_budget(self, layer) -> int:
+    def layer_budget(self, layer: MethodLayer[SelectionState]) -> int:
         outside_window = max(layer.seen - self.window, 0)  # prompt tokens SnapKV selects from (window kept anyway)
         layers = layer.method_layers()  # the pyramid spans the layers that run the method (not sliding windows)
         total = self.selected_budget(layer) * len(layers)

@@ -23,11 +23,13 @@ Choices where the paper is silent:
 from __future__ import annotations
 
 import dataclasses
+from typing import Self
 
 import torch
 import torch.nn.functional as F
 
-from ..core.attention_math import AGGREGATIONS, aggregate_group, decode_attention, pack_queries, top_k
+from ..core.attention_math import AGGREGATIONS, Scaling, aggregate_group, decode_attention, pack_queries, top_k
+from ..core.contract import MethodLayer
 from ..core.kvstore import FullStore, LayerState, every_position, gather_tokens
 from ..core.policy import BudgetPolicy, PolicyError, check_choice, check_positive, ratio_or_default, register
 
@@ -70,7 +72,7 @@ class PagedStore(LayerState):
         self.selected_values = key.new_empty(*key.shape[:2], 0, key.shape[3])
 
     @classmethod
-    def align_groups(cls, states: list[PagedStore]) -> None:
+    def align_groups(cls, states: list[Self]) -> None:
         """Row groups prefilled apart (engine/join_rows.py): the fewest pads and uniformity of the joined batch."""
         fewest = min(state.fewest_pads for state in states)
         uniform = all(state.uniform for state in states) and fewest == max(state.fewest_pads for state in states)
@@ -125,7 +127,7 @@ class PagedStore(LayerState):
 
 @register
 @dataclasses.dataclass
-class Quest(BudgetPolicy):
+class Quest(BudgetPolicy[PagedStore]):
     """Quest: per decode step, the top K / `page_size` pages of the full cache by an upper bound of the query-key
     product (from each page's channel-wise key minimum and maximum), plus the page being written.
 
@@ -159,13 +161,27 @@ class Quest(BudgetPolicy):
             )
         return budget
 
-    def store_prompt(self, layer, query, key, value, scaling):
+    def store_prompt(
+        self,
+        layer: MethodLayer[PagedStore],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: Scaling,
+    ) -> None:
         store = PagedStore(key, layer.capacity(), self.page_size, layer.pads)
         store.load_prompt(key, value)
         layer.state = store
 
-    def decode(self, layer, query, key, value, scaling):
-        store: PagedStore = layer.state
+    def decode(
+        self,
+        layer: MethodLayer[PagedStore],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: Scaling,
+    ) -> torch.Tensor:
+        store = layer.state
         store.append(key, value)
         full = store.full
         selected_pages = layer.budget // self.page_size
@@ -187,9 +203,9 @@ class Quest(BudgetPolicy):
         layer.record(0.0, token_bytes * index.shape[-1] + store.metadata_bytes())
         return decode_attention(query, keys, values, scaling, valid)
 
-    def selection(self, layer, query, scaling):
+    def selection(self, layer: MethodLayer[PagedStore], query: torch.Tensor, scaling: Scaling) -> torch.Tensor | None:
         """The step's pages (their tokens' positions); None where the step attends to the whole cache."""
-        store: PagedStore = layer.state
+        store = layer.state
         selected_pages = layer.budget // self.page_size
         if layer.layer_idx < self.dense_layers or store.pages <= selected_pages + 1:
             return None
@@ -197,7 +213,9 @@ class Quest(BudgetPolicy):
         held = index < store.full.length if chosen is None else chosen & (index < store.full.length)
         return index.masked_fill(~held, -1)
 
-    def selected_tokens(self, store: PagedStore, query, selected_pages: int):
+    def selected_tokens(
+        self, store: PagedStore, query: torch.Tensor, selected_pages: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, Hkv, (selected_pages + 1) * page_size) padded positions, each row's top pages by their bound (page
         order) then the page it is writing, and whether each belongs to a chosen page (None: all do; a padded row
         with fewer pages than selected_pages fills up with pages it does not have); positions past a row's last

@@ -35,9 +35,10 @@ import dataclasses
 
 import torch
 
-from ..core.attention_math import attention_probs
+from ..core.attention_math import Scaling, attention_probs
+from ..core.contract import MethodLayer
 from ..core.policy import PolicyError, check_choice, check_positive, check_window, register
-from ..core.selection import SelectionPolicy
+from ..core.selection import SelectionPolicy, SelectionState
 
 GROUP_REDUCTIONS = ("norm", "max")
 
@@ -124,7 +125,7 @@ class ReFreeKV(SelectionPolicy):
         params.pop("budget_ratio")
         return params
 
-    def check_prompt(self, shortest):
+    def check_prompt(self, shortest: int) -> None:
         check_window("sink", self.sink, shortest)
         check_window("rows", self.rows, shortest)
 
@@ -135,7 +136,14 @@ class ReFreeKV(SelectionPolicy):
     def budget_for(self, prompt_length: int) -> int:
         return 0  # no preset budget: the threshold decides
 
-    def select(self, layer, query, key, scaling, valid):
+    def select(
+        self,
+        layer: MethodLayer[SelectionState],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        scaling: Scaling,
+        valid: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         batch, kv_heads, length = key.shape[0], key.shape[1], key.shape[2]
         pads = layer.pads
         if layer.layer_idx < self.keep_layers:

@@ -40,16 +40,17 @@ from ..core import native_selection
 from ..core.attention_math import (
     AGGREGATIONS,
     POOLINGS,
+    Scaling,
     attend_with_probs,
     attention_probs,
     decode_attention,
     pool_window,
     selection_scores,
-    top_k,
     weighted_values,
     window_mean,
 )
-from ..core.full_cache import DEFAULT_GROUP_SIZE, check_full_cache, check_group_size, make_full_store
+from ..core.contract import MethodLayer
+from ..core.full_cache import DEFAULT_GROUP_SIZE, FullCacheStore, check_full_cache, check_group_size, make_full_store
 from ..core.kvstore import FullStore, LayerState
 from ..core.policy import (
     BudgetPolicy,
@@ -62,7 +63,7 @@ from ..core.policy import (
     register,
 )
 from ..core.rope import unrotate
-from ..core.selection import APPENDED, SelectionState  # decoded tokens score above any probability: recycled go first
+from ..core.selection import APPENDED, SelectionState, keep_top  # APPENDED: decoded tokens outrank recycled ones
 
 DEFAULT_QC_STRIDE = 10
 LLAMA_THRESHOLD = 0.85  # A.4: chosen for Llama-3.1-8B; used for every family the paper did not tune
@@ -81,7 +82,7 @@ def default_threshold(model_type: str) -> float:
 
 @dataclasses.dataclass
 class RefreshState(LayerState):
-    full: FullStore  # C_f (or a store with its interface: quantized, offloaded; core/full_cache.py)
+    full: FullCacheStore  # C_f: dense, quantized or offloaded (core/full_cache.py)
     partial: SelectionState | None  # C_p: K slots + the newest token; None while K holds every token (see decode)
     anchor: torch.Tensor | None  # (B, D) compared query of the last full step (dynamic schedule only)
     recent: torch.Tensor | None  # (B, Hq, <= window, D) the last queries, oldest first (None with `window` 1)
@@ -100,7 +101,7 @@ class RefreshState(LayerState):
 
 @register
 @dataclasses.dataclass
-class RefreshKV(BudgetPolicy):
+class RefreshKV(BudgetPolicy[RefreshState]):
     """RefreshKV: the full cache C_f plus a partial cache C_p of the top K tokens, refreshed by a full-attention step
     when a layer's query drifts (or every `stride` steps).
 
@@ -153,7 +154,7 @@ class RefreshKV(BudgetPolicy):
             params.update(qc_stride=DEFAULT_QC_STRIDE, threshold=f"{tuned}, {LLAMA_THRESHOLD} otherwise")
         return params
 
-    def compared_query(self, layer, query: torch.Tensor) -> torch.Tensor:
+    def compared_query(self, layer: MethodLayer[RefreshState], query: torch.Tensor) -> torch.Tensor:
         """(B, D) head-averaged query of the newest token, before RoPE with `query="pre_rope"`."""
         mean = head_mean(query)
         if self.query == "post_rope":
@@ -166,11 +167,18 @@ class RefreshKV(BudgetPolicy):
             )
         return unrotate(mean, layer.positions(query.device), inv_freq)
 
-    def check_prompt(self, shortest):
+    def check_prompt(self, shortest: int) -> None:
         check_window("window", self.window, shortest)
 
     # -- prefill ---------------------------------------------------------------------------------------------------
-    def store_prompt(self, layer, query, key, value, scaling):
+    def store_prompt(
+        self,
+        layer: MethodLayer[RefreshState],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: Scaling,
+    ) -> None:
         length = key.shape[2]
         check_group_size(self.full_cache, self.group_size, key.shape[-1])
         full = make_full_store(key, layer.capacity(), self.full_cache, self.group_size)
@@ -187,7 +195,14 @@ class RefreshKV(BudgetPolicy):
         self._refresh(layer, probs, valid, (key, value))
 
     # -- decode ----------------------------------------------------------------------------------------------------
-    def decode(self, layer, query, key, value, scaling):
+    def decode(
+        self,
+        layer: MethodLayer[RefreshState],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: Scaling,
+    ) -> torch.Tensor:
         state: RefreshState = layer.state
         state.full.append(key, value)
         self._observe(state, query)
@@ -215,7 +230,14 @@ class RefreshKV(BudgetPolicy):
         layer.record(need.float().mean(), state.partial.nbytes() + state.full.attended_bytes())
         return torch.where(need.view(-1, 1, 1, 1), full_out, partial_out)
 
-    def extend(self, layer, query, key, value, scaling):
+    def extend(
+        self,
+        layer: MethodLayer[RefreshState],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: Scaling,
+    ) -> torch.Tensor:
         """A block of new tokens (a conversation's next question) is one full step: appended to C_f, attended over
         all of C_f (each token causally), and C_p rebuilt from the last `window` of them as at prefill, so the next
         answer is read from a selection made for the new question."""
@@ -237,7 +259,7 @@ class RefreshKV(BudgetPolicy):
             state.anchor = self.compared_query(layer, query)
         return output
 
-    def crop(self, layer, tokens):
+    def crop(self, layer: MethodLayer[RefreshState], tokens: int) -> None:
         """Forget the last `tokens` tokens: from C_f (dense only) and from C_p, whose emptied slots decoded tokens
         fill first."""
         state: RefreshState = layer.state
@@ -255,7 +277,7 @@ class RefreshKV(BudgetPolicy):
         partial.filled = 0  # some slots are empty now: mask until refilled
         partial.empty = int((partial.store.positions < 0).sum(-1).min())
 
-    def selection(self, layer, query, scaling):
+    def selection(self, layer: MethodLayer[RefreshState], query: torch.Tensor, scaling: Scaling) -> torch.Tensor | None:
         """C_p (after a full step, the refreshed one); None while K holds every token."""
         partial = layer.state.partial
         return None if partial is None else partial.kept(layer.pads)
@@ -267,7 +289,7 @@ class RefreshKV(BudgetPolicy):
     def decides_on_host(self, step: int) -> bool:
         return self.stride is None and self._scheduled(step)
 
-    def _needs_full(self, layer, query: torch.Tensor):
+    def _needs_full(self, layer: MethodLayer[RefreshState], query: torch.Tensor) -> bool | torch.Tensor:
         """True / False for the whole batch, or a (B,) bool tensor when rows may disagree.
 
         The schedule's step test is a host integer test (never a device read; under torch.compile it selects one
@@ -281,6 +303,7 @@ class RefreshKV(BudgetPolicy):
             return False
         if self.stride is not None:
             return True
+        assert state.anchor is not None  # the dynamic schedule keeps one
         threshold = default_threshold(layer.model_type) if self.threshold is None else self.threshold
         need = F.cosine_similarity(self.compared_query(layer, query), state.anchor.float(), dim=-1) < threshold
         if torch.compiler.is_compiling():
@@ -288,8 +311,16 @@ class RefreshKV(BudgetPolicy):
         count = int(need.sum())
         return True if count == need.numel() else False if count == 0 else need
 
-    def _partial_step(self, layer, query, key, value, scaling):
-        partial: SelectionState = layer.state.partial
+    def _partial_step(
+        self,
+        layer: MethodLayer[RefreshState],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: Scaling,
+    ) -> torch.Tensor:
+        partial = layer.state.partial
+        assert partial is not None  # a partial step has C_p
         # The new token takes an empty slot first, then the lowest-scored recycled token's.
         partial.put(partial.scores, key, value, layer.state.full.length - 1, APPENDED + layer.step)
         store = partial.store
@@ -300,7 +331,9 @@ class RefreshKV(BudgetPolicy):
         if state.recent is not None:
             state.recent = torch.cat([state.recent, query], dim=2)[:, :, -self.window :]
 
-    def _full_step(self, layer, query, scaling, rows=None):
+    def _full_step(
+        self, layer: MethodLayer[RefreshState], query: torch.Tensor, scaling: Scaling, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         state: RefreshState = layer.state
         keys, values = state.full.view()
         valid = layer.valid_positions(state.full.length, keys.device)
@@ -313,10 +346,19 @@ class RefreshKV(BudgetPolicy):
         self._refresh(layer, probs, valid, (keys, values), rows)
         if self.stride is None:
             current = self.compared_query(layer, query)
-            state.anchor = current if rows is None else torch.where(rows[:, None], current, state.anchor)
+            if rows is not None and state.anchor is not None:  # the other rows keep theirs
+                current = torch.where(rows[:, None], current, state.anchor)
+            state.anchor = current
         return output
 
-    def _refresh(self, layer, probs: torch.Tensor, valid, full_kv, rows=None) -> None:
+    def _refresh(
+        self,
+        layer: MethodLayer[RefreshState],
+        probs: torch.Tensor,
+        valid: torch.Tensor | None,
+        full_kv: tuple[torch.Tensor, torch.Tensor],
+        rows: torch.Tensor | None = None,
+    ) -> None:
         """Rebuild C_p from window probabilities (B, Hkv, G, w, n) over C_f's keys and values `full_kv` (read once
         per full step: a quantized C_f is dequantized once); only `rows` (B,) bool if given.
 
@@ -325,25 +367,25 @@ class RefreshKV(BudgetPolicy):
         top K and the load of C_p (core/native_selection.py: a dozen PyTorch operators per layer fewer); elsewhere,
         for `mean` aggregation and for some rows only, PyTorch operators, with the same result."""
         partial = layer.state.partial
+        assert partial is not None  # a refresh rebuilds C_p
         k = min(partial.store.slots - 1, probs.shape[-1])
         words = layer.prompt_spans if self.pooling == "span" else None
+        keys, values = full_kv
         store = (partial.store.keys, partial.store.values, partial.store.positions, partial.scores)
         per_head = window_mean(probs)  # averaged once, whichever path scores it
         if rows is None and self.aggregation != "mean":
             window, first_only = pool_window(self.kernel, self.pooling), self.aggregation == "first"
-            if native_selection.refresh_partial(per_head, first_only, window, words, valid, k, *full_kv, store):
+            if native_selection.refresh_partial(per_head, first_only, window, words, valid, k, keys, values, store):
                 partial.loaded(k)
                 return
-        keys, values = full_kv
         scores = selection_scores(per_head.unsqueeze(3), self.kernel, self.aggregation, self.pooling, words)
         if valid is not None:
             scores = scores.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
-        index = top_k(scores, k)
+        index, kept = keep_top(scores, k)  # pads scored -inf: a top k, no entry -1
+        refreshed = partial if rows is None else SelectionState.empty_like(keys, partial.store.slots)
+        refreshed.load(keys, values, index, kept, ragged=False)
         if rows is None:
-            partial.load(keys, values, index, scores.gather(-1, index), ragged=False)
             return
-        refreshed = SelectionState.empty_like(keys, partial.store.slots)
-        refreshed.load(keys, values, index, scores.gather(-1, index), ragged=False)
         for target, source in (
             (partial.store.keys, refreshed.store.keys),
             (partial.store.values, refreshed.store.values),

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..core.attention_math import AGGREGATIONS, POOLINGS, attention_probs, selection_scores
+import torch
+
+from ..core.attention_math import AGGREGATIONS, POOLINGS, Scaling, attention_probs, selection_scores
+from ..core.contract import MethodLayer
 from ..core.policy import (
     PolicyError,
     check_choice,
@@ -27,7 +30,7 @@ from ..core.policy import (
     ratio_or_default,
     register,
 )
-from ..core.selection import SelectionPolicy
+from ..core.selection import SelectionPolicy, SelectionState
 
 
 @register
@@ -71,23 +74,30 @@ class SnapKV(SelectionPolicy):
         ratio = ratio_or_default(self.budget_ratio)
         return self._holding_the_window(budget, f" tokens: budget_ratio {ratio:g} of {prompt_length} prompt tokens")
 
-    def check_prompt(self, shortest):
+    def check_prompt(self, shortest: int) -> None:
         check_window("window", self.window, shortest)
 
-    def selected_budget(self, layer) -> int:
+    def selected_budget(self, layer: MethodLayer[SelectionState]) -> int:
         """Prompt tokens chosen per layer on average: the budget less the window, which is always kept."""
         return layer.budget - self.window
 
-    def layer_budget(self, layer) -> int:
+    def layer_budget(self, layer: MethodLayer[SelectionState]) -> int:
         return self.selected_budget(layer)
 
-    def score(self, layer, query, key, scaling, valid):
+    def score(
+        self,
+        layer: MethodLayer[SelectionState],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        scaling: Scaling,
+        valid: torch.Tensor | None,
+    ) -> torch.Tensor:
         """The observation window's attention averaged, max-pooled and aggregated over the group."""
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
         return selection_scores(probs, self.kernel, self.aggregation, self.pooling, layer.prompt_spans)
 
-    def kept_tokens(self, layer) -> int:
+    def kept_tokens(self, layer: MethodLayer[SelectionState]) -> int:
         return self.layer_budget(layer) + self.window
 
-    def recent_kept(self, layer) -> int:
+    def recent_kept(self, layer: MethodLayer[SelectionState]) -> int:
         return self.window  # the observation window is always kept

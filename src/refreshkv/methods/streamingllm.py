@@ -17,8 +17,10 @@ import dataclasses
 
 import torch
 
+from ..core.attention_math import Scaling
+from ..core.contract import MethodLayer
 from ..core.policy import PolicyError, register
-from ..core.selection import SelectionPolicy
+from ..core.selection import SelectionPolicy, SelectionState
 
 
 def check_sinks(value) -> None:
@@ -60,13 +62,20 @@ class StreamingLLM(SelectionPolicy):
         super().__post_init__()
         check_sinks(self.sinks)
 
-    def max_slots(self, layer) -> int:
+    def max_slots(self, layer: MethodLayer[SelectionState]) -> int:
         return layer.budget
 
-    def appended_score(self, layer) -> float:
+    def appended_score(self, layer: MethodLayer[SelectionState]) -> float:
         return float(layer.seen - 1)  # its position: the oldest non-sink token is evicted first
 
-    def score(self, layer, query, key, scaling, valid):
+    def score(
+        self,
+        layer: MethodLayer[SelectionState],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        scaling: Scaling,
+        valid: torch.Tensor | None,
+    ) -> torch.Tensor:
         batch, kv_heads, length, _ = key.shape
         scores = sink_recent_scores(length, effective_sinks(self.sinks, layer.budget), layer.pads, batch, key.device)
         return scores.unsqueeze(1).expand(-1, kv_heads, -1)

@@ -23,8 +23,15 @@ import dataclasses
 
 import torch
 
-from ..core.attention_math import decode_attention
-from ..core.full_cache import DEFAULT_GROUP_SIZE, check_full_cache, check_group_size, make_full_store
+from ..core.attention_math import Scaling, decode_attention
+from ..core.contract import MethodLayer
+from ..core.full_cache import (
+    DEFAULT_GROUP_SIZE,
+    FullCacheStore,
+    check_full_cache,
+    check_group_size,
+    make_full_store,
+)
 from ..core.kvstore import gather_tokens
 from ..core.policy import BudgetPolicy, check_positive, register
 from .streamingllm import check_sinks, effective_sinks
@@ -32,7 +39,7 @@ from .streamingllm import check_sinks, effective_sinks
 
 @register
 @dataclasses.dataclass
-class StreamingLLMPlusPlus(BudgetPolicy):
+class StreamingLLMPlusPlus(BudgetPolicy[FullCacheStore]):
     """StreamingLLM++: the full cache; StreamingLLM's window on most steps, full attention every `stride` steps.
 
     Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
@@ -54,13 +61,27 @@ class StreamingLLMPlusPlus(BudgetPolicy):
         check_positive("stride", self.stride)
         check_full_cache(self.full_cache, self.group_size)
 
-    def store_prompt(self, layer, query, key, value, scaling):
+    def store_prompt(
+        self,
+        layer: MethodLayer[FullCacheStore],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: Scaling,
+    ) -> None:
         check_group_size(self.full_cache, self.group_size, key.shape[-1])
         full = make_full_store(key, layer.capacity(), self.full_cache, self.group_size)
         full.append(key, value)
         layer.state = full
 
-    def decode(self, layer, query, key, value, scaling):
+    def decode(
+        self,
+        layer: MethodLayer[FullCacheStore],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: Scaling,
+    ) -> torch.Tensor:
         full = layer.state
         full.append(key, value)
         length = full.length
@@ -75,7 +96,9 @@ class StreamingLLMPlusPlus(BudgetPolicy):
         return decode_attention(query, keys, values, scaling, valid)
 
     @staticmethod
-    def _window(full, pads, max_pad: int, sinks: int, budget: int):
+    def _window(
+        full: FullCacheStore, pads: torch.Tensor | None, max_pad: int, sinks: int, budget: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Keys/values of the sinks followed by the recent window, and a (B, 1, 1, n) validity mask (or None)."""
         length = full.length
         start = max(0, length - (budget - sinks))

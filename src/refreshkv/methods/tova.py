@@ -17,9 +17,10 @@ import dataclasses
 
 import torch
 
-from ..core.attention_math import attention_probs
+from ..core.attention_math import Scaling, attention_probs
+from ..core.contract import MethodLayer
 from ..core.policy import register
-from ..core.selection import SelectionPolicy
+from ..core.selection import SelectionPolicy, SelectionState
 
 
 def layer_scores(probs: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -44,11 +45,18 @@ class TOVA(SelectionPolicy):
     name = "tova"
     summary = "keep the K tokens the current query attends to most (head-averaged); drop the least every step"
 
-    def max_slots(self, layer) -> int:
+    def max_slots(self, layer: MethodLayer[SelectionState]) -> int:
         return layer.budget + 1  # K kept + the newest token
 
-    def score(self, layer, query, key, scaling, valid):
+    def score(
+        self,
+        layer: MethodLayer[SelectionState],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        scaling: Scaling,
+        valid: torch.Tensor | None,
+    ) -> torch.Tensor:
         return layer_scores(attention_probs(query[:, :, -1:], key, scaling, valid)[:, :, :, 0], valid)
 
-    def observe(self, layer, probs):
+    def observe(self, layer: MethodLayer[SelectionState], probs: torch.Tensor) -> None:
         layer.state.scores = layer_scores(probs, layer.state.store.valid(layer.pads))
