@@ -252,6 +252,24 @@ def test_bad_parameters(params, message):
     assert "\n" not in str(error.value)
 
 
+def test_generation_settings_as_one_object_or_as_keywords():
+    """`generate` and `generate_many` take their settings as one `GenerationSettings` or as keywords (which override
+    it); `generate`'s other keywords are the method's parameters."""
+    from refreshkv import GenerationSettings, generate_many
+
+    model, ids = tiny_model(), random_prompt(40)
+    settings = GenerationSettings(max_new_tokens=5, eos_token_id=[], return_logits=True)
+    by_keywords = generate(model, ids, method="h2o", budget=8, max_new_tokens=5, eos_token_id=[], return_logits=True)
+    by_object = generate(model, ids, method="h2o", budget=8, settings=settings)
+    assert_same_generation(by_keywords, by_object, atol=0)
+    overridden = generate_many(model, ids, methods=["full"], settings=settings, max_new_tokens=3)[0]
+    assert len(overridden.tokens[0]) == 3 and settings.max_new_tokens == 5  # the object is not changed
+    with pytest.raises(ValueError, match="temperature apply only when sampling"):
+        GenerationSettings(temperature=0.5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'budget'"):
+        generate_many(model, ids, methods=["h2o"], budget=8)  # a method's parameter belongs to its method
+
+
 def test_one_budget_rule_for_methods_training_and_the_recovery_task():
     """K from budget or budget_ratio is resolved by one function (core/policy.py `resolve_budget`), whose ratio is in
     (0, 1] for methods, `refreshkv train` and the recovery task alike."""

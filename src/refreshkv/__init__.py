@@ -5,7 +5,7 @@ from .engine import attention  # noqa: F401  (registers the "refreshkv" attentio
 from .engine.cache import PolicyCache
 from .engine.cache_argument import with_cache
 from .methods import load_methods
-from .runtime.generate import GenerationOutput, generate, generate_many
+from .runtime.generate import GenerationOutput, GenerationSettings, generate, generate_many
 from .runtime.loading import load_model
 from .runtime.weight_layout import fastest_layout
 
@@ -13,6 +13,7 @@ load_methods()
 
 __all__ = [
     "GenerationOutput",
+    "GenerationSettings",
     "METHODS",
     "Policy",
     "PolicyCache",

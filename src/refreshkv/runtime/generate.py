@@ -147,6 +147,49 @@ class DecodeSettings(SamplingSettings):
             raise ValueError(f"compile must be True or False, got {self.compile!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationSettings(SamplingSettings):
+    """What `generate` and `generate_many` take besides the model, the prompt and the methods, checked when made:
+    `settings=GenerationSettings(max_new_tokens=32, do_sample=True, seed=0)`, or the same names as keywords, which
+    override the settings' (`generate(model, ids, max_new_tokens=32)`).
+
+    `max_new_tokens`; sampling (`do_sample`, `temperature`, `top_k`, `top_p`, `seed`: `SamplingSettings`);
+    `eos_token_id` (None: the model's generation config); `return_logits` (each step's (B, vocab) logits);
+    `progress` (a progress bar per decode).
+    `forced_tokens` (B, N): the loop feeds those tokens instead of its own choices (teacher forcing, for perplexity):
+    N steps, no end-of-sequence stop; the method manages its caches exactly as in generation.
+    `eos_check_every` N: stop when every row has ended, checked every N steps (reading the check makes the host wait
+    for the device; None: `default_eos_check_every`). The tokens returned do not depend on N: a row's tokens after its
+    end-of-sequence token are dropped; only the steps decoded (and their statistics) do.
+    `compile=True`: decode steps run the model's forward under torch.compile (compiled.py); greedy tokens equal the
+    eager ones, the first steps (and a schedule's first full step) pay for compilation.
+    `prefill_rows` N: prefill at most N rows per forward (`prefill_in_groups`), for a batch whose one prefill would
+    not fit in memory; decoding is the same one batched step, and the methods still share each group's forward.
+    """
+
+    max_new_tokens: int = 64
+    eos_token_id: int | list[int] | None = None
+    return_logits: bool = False
+    progress: bool = False
+    forced_tokens: torch.Tensor | None = None
+    eos_check_every: int | None = None
+    compile: bool = False
+    prefill_rows: int | None = None
+
+    @classmethod
+    def of(cls, settings: GenerationSettings | None = None, **keywords) -> GenerationSettings:
+        """`settings` (None: the defaults) with `keywords` in place of its fields; an unknown name is a TypeError."""
+        return dataclasses.replace(settings if settings is not None else cls(), **keywords)
+
+    def decoding(self, device: torch.device) -> DecodeSettings:
+        """What the decode loop reads: the sampling, the end-of-sequence check (per device by default), compile."""
+        every = default_eos_check_every(device) if self.eos_check_every is None else self.eos_check_every
+        return DecodeSettings(self.do_sample, self.temperature, self.top_k, self.top_p, self.seed, every, self.compile)
+
+
+SETTINGS = frozenset(field.name for field in dataclasses.fields(GenerationSettings))
+
+
 @torch.inference_mode()
 def generate(
     model,
@@ -154,53 +197,17 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     *,
     method: str | Policy = "full",
-    max_new_tokens: int = 64,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    eos_token_id: int | list[int] | None = None,
-    return_logits: bool = False,
-    progress: bool = False,
-    forced_tokens: torch.Tensor | None = None,
-    eos_check_every: int | None = None,
-    compile: bool = False,
-    prefill_rows: int | None = None,
-    **method_params,
+    settings: GenerationSettings | None = None,
+    **keywords,
 ) -> GenerationOutput:
-    """Generate with a KV method, e.g. `generate(model, ids, method="refreshkv", budget=1024)`, or a method object
-    (`method=make_policy("refreshkv", budget=1024)`), which takes no parameters beside it (PolicyError).
+    """Generate with a KV method, e.g. `generate(model, ids, method="refreshkv", budget=1024, max_new_tokens=32)`, or a
+    method object (`method=make_policy("refreshkv", budget=1024)`), which takes no parameters beside it (PolicyError).
 
-    With `forced_tokens` (B, N) the loop feeds those tokens instead of its own choices (teacher forcing, for
-    perplexity): N steps, no end-of-sequence stop; the method manages its caches exactly as in generation.
-    `eos_check_every` N: stop when every row has ended, checked every N steps (reading the check makes the host
-    wait for the device; default `default_eos_check_every`). The tokens returned do not depend on N: a row's
-    tokens after its end-of-sequence token are dropped; only the steps decoded (and their statistics) do.
-    `compile=True`: decode steps run the model's forward under torch.compile (compiled.py); greedy tokens equal the
-    eager ones, the first steps (and a schedule's first full step) pay for compilation.
-    `prefill_rows` N: prefill at most N rows per forward (`generate_many`).
+    `keywords`: the fields of `GenerationSettings` (overriding `settings`'s) and the method's parameters.
     """
-    policy = policy_of(method, **method_params)
-    return generate_many(
-        model,
-        input_ids,
-        attention_mask,
-        methods=[policy],
-        max_new_tokens=max_new_tokens,
-        do_sample=do_sample,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        eos_token_id=eos_token_id,
-        return_logits=return_logits,
-        progress=progress,
-        forced_tokens=forced_tokens,
-        eos_check_every=eos_check_every,
-        compile=compile,
-        prefill_rows=prefill_rows,
-    )[0]
+    policy = policy_of(method, **{name: value for name, value in keywords.items() if name not in SETTINGS})
+    given = {name: value for name, value in keywords.items() if name in SETTINGS}
+    return generate_many(model, input_ids, attention_mask, methods=[policy], settings=settings, **given)[0]
 
 
 @torch.inference_mode()
@@ -210,23 +217,13 @@ def generate_many(
     attention_mask: torch.Tensor | None = None,
     *,
     methods: Sequence[str | Policy],
-    max_new_tokens: int = 64,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    eos_token_id: int | list[int] | None = None,
-    return_logits: bool = False,
-    progress: bool = False,
-    forced_tokens: torch.Tensor | None = None,
-    eos_check_every: int | None = None,
-    compile: bool = False,
     fidelity: bool = False,
-    prefill_rows: int | None = None,
+    settings: GenerationSettings | None = None,
+    **keywords,
 ) -> list[GenerationOutput]:
     """`generate` under several methods for the price of one prefill, e.g.
-    `generate_many(model, ids, methods=["full", "snapkv", make_policy("refreshkv", qc_stride=5)])`.
+    `generate_many(model, ids, methods=["full", "snapkv", make_policy("refreshkv", qc_stride=5)])`; `settings` and
+    `keywords` as for `generate` (`GenerationSettings`).
 
     The methods that share their prefill (all built-in ones) are prefilled by one forward pass; each then decodes
     on its own, so every output equals what `generate` gives for that method alone (sampling included: each decode
@@ -236,10 +233,9 @@ def generate_many(
     `fidelity=True` (greedy, one row): every method after the first also gets a second cache, prefilled by the same
     forward, that is fed the first method's answer (teacher forcing); its output's `fidelity` compares the two
     next-token distributions step by step (runtime/fidelity.py). The first method is the reference (`full`).
-
-    `prefill_rows` N: prefill at most N rows per forward (`prefill_in_groups`), for a batch whose one prefill would
-    not fit in memory; decoding is the same one batched step, and the methods still share each group's forward.
     """
+    settings = GenerationSettings.of(settings, **keywords)
+    max_new_tokens, eos_token_id, forced_tokens = settings.max_new_tokens, settings.eos_token_id, settings.forced_tokens
     if not methods:
         raise ValueError("methods must name at least one method")
     policies = [m if isinstance(m, Policy) else make_policy(m) for m in methods]
@@ -248,20 +244,18 @@ def generate_many(
         check_token_ids("forced_tokens", forced_tokens, vocabulary_size(model))
         max_new_tokens, eos_token_id = forced_tokens.shape[1], []
     check_new_tokens(max_new_tokens)
-    check_positive("prefill_rows", prefill_rows, allow_none=True)
-    if eos_check_every is None:
-        eos_check_every = default_eos_check_every(input_ids.device)
-    settings = DecodeSettings(do_sample, temperature, top_k, top_p, seed, eos_check_every, compile)
+    check_positive("prefill_rows", settings.prefill_rows, allow_none=True)
+    decoding = settings.decoding(input_ids.device)
     attention_mask = check_attention_mask(attention_mask, input_ids)
     check_length(model, int(attention_mask.sum(-1).max()), max_new_tokens)
     check_eos(eos_token_id)
     if eos_token_id is None:
         eos_token_id = model.generation_config.eos_token_id
     eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=input_ids.device).flatten()
-    if compile:
+    if settings.compile:
         check_compile_works()
 
-    if fidelity and (do_sample or forced_tokens is not None or input_ids.shape[0] != 1 or len(policies) < 2):
+    if fidelity and (settings.do_sample or forced_tokens is not None or input_ids.shape[0] != 1 or len(policies) < 2):
         raise ValueError(
             "fidelity compares greedy answers of one prompt (a batch of 1) with the first method's: "
             "give two methods or more, no sampling, no forced tokens"
@@ -275,13 +269,22 @@ def generate_many(
     groups.sort(key=lambda group: caches[0] not in group)  # the reference answers before anyone follows it
     outputs = {}
     for group in groups:
-        logits, prefill_s = prefill_in_groups(model, input_ids, attention_mask, group, prefill_rows)
+        logits, prefill_s = prefill_in_groups(model, input_ids, attention_mask, group, settings.prefill_rows)
         for cache in group:
             if id(cache) in follows:  # fed the reference's answer, compared with it, then dropped
                 reference = outputs[id(caches[0])]
                 forced = torch.tensor(reference.tokens, device=input_ids.device)
                 out = decode(
-                    model, cache, logits, attention_mask, forced.shape[1], settings, eos[:0], forced, True, progress
+                    model,
+                    cache,
+                    logits,
+                    attention_mask,
+                    forced.shape[1],
+                    decoding,
+                    eos[:0],
+                    forced,
+                    True,
+                    settings.progress,
                 )
                 outputs[id(follows[id(cache)])].fidelity = fidelity_to(
                     reference.logits, out.logits, reference.tokens[0]
@@ -293,11 +296,11 @@ def generate_many(
                 logits,
                 attention_mask,
                 max_new_tokens,
-                settings,
+                decoding,
                 eos,
                 forced_tokens,
-                return_logits or (fidelity and cache is caches[0]),
-                progress,
+                settings.return_logits or (fidelity and cache is caches[0]),
+                settings.progress,
             )
             # the methods that shared the prefill (a teacher-forced second cache is no method of its own)
             out.prefill_s, out.prefill_shared_by = prefill_s, sum(id(c) not in follows for c in group)
