@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 import torch
+from torch import Tensor
 
 from .attention_math import Scaling
 from .kvstore import LayerState
@@ -49,7 +50,7 @@ class MethodLayer(Protocol[State]):
         `budget`/`budget_ratio` and the longest prompt; 0 for a method without a budget."""
 
     @property
-    def pads(self) -> torch.Tensor | None:
+    def pads(self) -> Tensor | None:
         """(B,) left-padding tokens per row; None when no row is padded."""
 
     @property
@@ -61,19 +62,19 @@ class MethodLayer(Protocol[State]):
         """The model family (`llama`, `qwen2`, ...), for defaults that depend on it."""
 
     @property
-    def prompt_spans(self) -> torch.Tensor | None:
+    def prompt_spans(self) -> Tensor | None:
         """(B, prompt length) word index of each prompt token (engine/spans.py) when the method asked for word spans
         (`Policy.uses_word_spans`); None otherwise."""
 
     @property
-    def rope_inv_freq(self) -> torch.Tensor | None:
+    def rope_inv_freq(self) -> Tensor | None:
         """This layer's RoPE inverse frequencies, None where the package cannot undo the model's RoPE."""
 
-    def valid_positions(self, length: int, device: torch.device) -> torch.Tensor | None:
+    def valid_positions(self, length: int, device: torch.device) -> Tensor | None:
         """(B, 1, 1, length) bool: True at the real tokens among the first `length` positions; None without
         padding (every position is real)."""
 
-    def positions(self, device: torch.device) -> torch.Tensor:
+    def positions(self, device: torch.device) -> Tensor:
         """(B or 1,) RoPE position of the newest token in each row (0 at a row's first real token)."""
 
     def capacity(self) -> int:
@@ -88,15 +89,15 @@ class MethodLayer(Protocol[State]):
 
     def decode_each(
         self,
-        decode: Callable[[MethodLayer[State], torch.Tensor, torch.Tensor, torch.Tensor, Scaling], torch.Tensor],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        decode: Callable[[MethodLayer[State], Tensor, Tensor, Tensor, Scaling], Tensor],
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
         scaling: Scaling,
-    ) -> torch.Tensor:
+    ) -> Tensor:
         """`decode(layer, query, key, value, scaling)` for each of several new tokens in turn, as if they came one per
         step (`Policy.extend`'s default); the step's statistics are the mean over the tokens. Returns (B, q, Hq, D)."""
 
-    def record(self, full_fraction: float | torch.Tensor, attended_bytes: int) -> None:
+    def record(self, full_fraction: float | Tensor, attended_bytes: int) -> None:
         """Once per decode step: the share of rows that attended to the whole cache (0.0-1.0, or a 0-d tensor
         decided on the device) and the bytes of keys and values read."""

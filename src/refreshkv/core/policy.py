@@ -17,7 +17,7 @@ import dataclasses
 import math
 from typing import ClassVar, Generic
 
-import torch
+from torch import Tensor
 
 from .attention_math import Scaling, prompt_attention
 from .contract import MethodLayer, State
@@ -52,7 +52,7 @@ class Policy(Generic[State]):
     budget_parameters: ClassVar[tuple[str, ...]] = ()
 
     def store_prompt(
-        self, layer: MethodLayer[State], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Scaling
+        self, layer: MethodLayer[State], query: Tensor, key: Tensor, value: Tensor, scaling: Scaling
     ) -> None:
         """Keep what the method needs of the prompt in `layer.state` (key/value: (B, Hkv, L, D), left-padded)."""
         raise NotImplementedError
@@ -60,24 +60,20 @@ class Policy(Generic[State]):
     def prefill(
         self,
         layer: MethodLayer[State],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        mask: torch.Tensor | None,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        mask: Tensor | None,
         scaling: Scaling,
-    ) -> torch.Tensor:
+    ) -> Tensor:
         """The prompt's attention output; store the prompt. Override only together with `shares_prefill = False`."""
         self.store_prompt(layer, query, key, value, scaling)
         return prompt_attention(query, key, value, mask, scaling)
 
-    def decode(
-        self, layer: MethodLayer[State], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Scaling
-    ) -> torch.Tensor:
+    def decode(self, layer: MethodLayer[State], query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
         raise NotImplementedError
 
-    def extend(
-        self, layer: MethodLayer[State], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Scaling
-    ) -> torch.Tensor:
+    def extend(self, layer: MethodLayer[State], query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
         """Several new tokens after the prompt in one forward (a conversation's next question, drafted tokens):
         their attention outputs (B, q, Hq, D). By default they go through `decode` one at a time, each seeing the
         ones before it, exactly as if they had been decoded one per step (the method's own rule applies to each:
@@ -85,7 +81,7 @@ class Policy(Generic[State]):
         overrides this and says so in its docstring (refreshkv: one full step that rebuilds C_p)."""
         return layer.decode_each(self.decode, query, key, value, scaling)
 
-    def selection(self, layer: MethodLayer[State], query: torch.Tensor, scaling: Scaling) -> torch.Tensor | None:
+    def selection(self, layer: MethodLayer[State], query: Tensor, scaling: Scaling) -> Tensor | None:
         """(B, Hkv, m) positions of the tokens a step that does not attend to everything attends to (-1: none), for
         analysis (`refreshkv trace`), read after a decode step with its query: the tokens held, by default (what an
         eviction method attends to); a method with a partial cache gives it, one that chooses per step recomputes

@@ -21,6 +21,7 @@ import dataclasses
 from typing import Self
 
 import torch
+from torch import Tensor
 
 from .attention_math import Scaling, attend_with_probs, decode_attention, top_k
 from .contract import MethodLayer
@@ -30,9 +31,7 @@ from .policy import BudgetPolicy, PolicyError
 APPENDED = 2.0  # above any attention probability: decoded tokens outrank prompt tokens unless a method says otherwise
 
 
-def keep_top(
-    scores: torch.Tensor, k: int, valid: torch.Tensor | None = None, keep_last: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
+def keep_top(scores: Tensor, k: int, valid: Tensor | None = None, keep_last: int = 0) -> tuple[Tensor, Tensor]:
     """The shared tail of a selection: per row and KV head, the k highest of `scores` (B, Hkv, n) in position order,
     and their scores.
 
@@ -55,7 +54,7 @@ def keep_top(
     return index.masked_fill(~real, -1), kept.masked_fill(~real, float("-inf"))
 
 
-def checked_scores(method: str, scores: object, like: torch.Tensor) -> torch.Tensor:
+def checked_scores(method: str, scores: object, like: Tensor) -> Tensor:
     """A `score()` result, refused in one line if it is not (B, Hkv, L) real numbers for the prompt `like` keys."""
     expected = tuple(like.shape[:3])
     if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != expected:
@@ -82,14 +81,14 @@ class SelectionState(LayerState):
     empty: int  # empty slots left in every row and head (decoded tokens fill these before anything is evicted)
 
     @classmethod
-    def empty_like(cls, key: torch.Tensor, slots: int) -> SelectionState:
+    def empty_like(cls, key: Tensor, slots: int) -> SelectionState:
         store = SlotStore(key, slots)
         return cls(store, torch.full(store.positions.shape, float("-inf"), device=key.device), 0, slots)
 
     def nbytes(self) -> int:
         return self.store.nbytes()
 
-    def kept(self, pads: torch.Tensor | None) -> torch.Tensor:
+    def kept(self, pads: Tensor | None) -> Tensor:
         return self.store.kept(pads)
 
     @classmethod
@@ -115,12 +114,12 @@ class SelectionState(LayerState):
 
     def load(
         self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        index: torch.Tensor,
-        scores: torch.Tensor,
+        keys: Tensor,
+        values: Tensor,
+        index: Tensor,
+        scores: Tensor,
         ragged: bool = True,
-        positions: torch.Tensor | None = None,
+        positions: Tensor | None = None,
     ) -> None:
         """Hold the tokens at `index` (B, Hkv, k; -1 = none) of keys/values with their scores; empty the rest.
         `positions`: the tokens' positions, where `index` counts rows of another store (-1 = none: that entry is
@@ -153,9 +152,7 @@ class SelectionState(LayerState):
         """The held tokens fill slots 0 .. used - 1 in every row and head (no hole left by a ragged selection)."""
         return self.filled == self.used
 
-    def put(
-        self, eviction_scores: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position: int, score: float
-    ) -> None:
+    def put(self, eviction_scores: Tensor, key: Tensor, value: Tensor, position: int, score: float) -> None:
         """Write one token into each head's lowest-scored slot (an empty one while there is room)."""
         # While slots are free and none is a hole, the lowest is the first free slot everywhere: a plain write (not
         # under torch.compile, where a slot that moves every step would recompile the step)
@@ -175,7 +172,7 @@ class SelectionState(LayerState):
         self.filled = min(self.filled + 1, self.store.slots)
         self.empty = max(self.empty - 1, 0)
 
-    def valid(self, pads: torch.Tensor | None) -> torch.Tensor | None:
+    def valid(self, pads: Tensor | None) -> Tensor | None:
         """(B, Hkv, slots) mask of the slots to attend to, or None when every slot holds a real token."""
         if pads is None and self.filled >= self.store.slots:
             return None
@@ -187,16 +184,14 @@ class SelectionState(LayerState):
         self.empty += extra
 
 
+SelectionLayer = MethodLayer[SelectionState]  # the layer an eviction method works on (contract.py)
+
+
 @dataclasses.dataclass
 class SelectionPolicy(BudgetPolicy[SelectionState]):
     def score(
-        self,
-        layer: MethodLayer[SelectionState],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        scaling: Scaling,
-        valid: torch.Tensor | None,
-    ) -> torch.Tensor:
+        self, layer: SelectionLayer, query: Tensor, key: Tensor, scaling: Scaling, valid: Tensor | None
+    ) -> Tensor:
         """(B, Hkv, L): how much each prompt token is worth keeping, per KV head. Any real values; higher is kept
         first; +inf keeps a token whenever it fits. Pads need no masking (`select` never keeps them), but a score
         computed from attention must mask them among the keys (`valid`, as in `select`)."""
@@ -208,23 +203,18 @@ class SelectionPolicy(BudgetPolicy[SelectionState]):
         scores do not depend on K, which says so by leaving the budget out). By default every parameter."""
         return repr(self)
 
-    def kept_tokens(self, layer: MethodLayer[SelectionState]) -> int:
+    def kept_tokens(self, layer: SelectionLayer) -> int:
         """Prompt tokens to keep per KV head (fewer when the prompt is shorter): K, the cache's budget."""
         return layer.budget
 
-    def recent_kept(self, layer: MethodLayer[SelectionState]) -> int:
+    def recent_kept(self, layer: SelectionLayer) -> int:
         """The last prompt tokens kept whatever their score (an observation or recent window), counted in
         `kept_tokens`."""
         return 0
 
     def select(
-        self,
-        layer: MethodLayer[SelectionState],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        scaling: Scaling,
-        valid: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, layer: SelectionLayer, query: Tensor, key: Tensor, scaling: Scaling, valid: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         """Per KV head: (index (B, Hkv, k) of prompt tokens to keep, -1 = none; their eviction scores (B, Hkv, k)).
 
         `query` (B, Hq, L, D), `key` (B, Hkv, L, D): the whole prompt; `valid` (B, 1, 1, L) bool marks its real
@@ -240,55 +230,43 @@ class SelectionPolicy(BudgetPolicy[SelectionState]):
         mask = None if valid is None else valid.view(valid.shape[0], 1, -1)
         return keep_top(scores, self.kept_tokens(layer), mask, self.recent_kept(layer))
 
-    def max_slots(self, layer: MethodLayer[SelectionState]) -> int | None:
+    def max_slots(self, layer: SelectionLayer) -> int | None:
         """Fixed store size of a method that evicts while decoding; None: room for every decoded token."""
         return None
 
-    def slots(self, layer: MethodLayer[SelectionState], kept: int) -> int:
+    def slots(self, layer: SelectionLayer, kept: int) -> int:
         """Initial store size: the kept tokens plus the decoded tokens to come, within `max_slots`."""
         wanted = kept + layer.expected_new_tokens()
         limit = self.max_slots(layer)
         return wanted if limit is None else min(wanted, limit)
 
-    def appended_score(self, layer: MethodLayer[SelectionState]) -> float:
+    def appended_score(self, layer: SelectionLayer) -> float:
         return APPENDED + layer.step
 
-    def eviction_scores(self, layer: MethodLayer[SelectionState]) -> torch.Tensor:
+    def eviction_scores(self, layer: SelectionLayer) -> Tensor:
         """(B, Hkv, slots): the decoded token replaces the minimum (empty slots are -inf, so they go first)."""
         return layer.state.scores
 
-    def observe(self, layer: MethodLayer[SelectionState], probs: torch.Tensor) -> None:
+    def observe(self, layer: SelectionLayer, probs: Tensor) -> None:
         """Called after each decode step with the step's attention probabilities (B, Hkv, G, slots), float32.
 
         Only methods that override it pay for the probabilities; the others attend with one fused SDPA call.
         """
 
     def store_selection(
-        self,
-        layer: MethodLayer[SelectionState],
-        key: torch.Tensor,
-        value: torch.Tensor,
-        index: torch.Tensor,
-        scores: torch.Tensor,
+        self, layer: SelectionLayer, key: Tensor, value: Tensor, index: Tensor, scores: Tensor
     ) -> SelectionState:
         """A state holding the selected prompt tokens, sized for the decoded tokens to come."""
         state = SelectionState.empty_like(key, self.slots(layer, index.shape[-1]))
         state.load(key, value, index, scores)
         return state
 
-    def store_prompt(
-        self,
-        layer: MethodLayer[SelectionState],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: Scaling,
-    ) -> None:
+    def store_prompt(self, layer: SelectionLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> None:
         valid = layer.valid_positions(key.shape[2], key.device)
         index, scores = self.select(layer, query, key, scaling, valid)
         layer.state = self.store_selection(layer, key, value, index, scores)
 
-    def append(self, layer: MethodLayer[SelectionState], key: torch.Tensor, value: torch.Tensor) -> None:
+    def append(self, layer: SelectionLayer, key: Tensor, value: Tensor) -> None:
         """Store the decoded token in the lowest-scored slot (an empty one while there is room).
 
         A store that runs out of empty slots below its method's `max_slots` doubles (up to that size) instead of
@@ -301,14 +279,7 @@ class SelectionPolicy(BudgetPolicy[SelectionState]):
             state.grow((2 * slots if limit is None else min(2 * slots, limit)) - slots)
         state.put(self.eviction_scores(layer), key, value, layer.seen - 1, self.appended_score(layer))
 
-    def decode(
-        self,
-        layer: MethodLayer[SelectionState],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: Scaling,
-    ) -> torch.Tensor:
+    def decode(self, layer: SelectionLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
         self.append(layer, key, value)
         state = layer.state
         observes = type(self).observe is not SelectionPolicy.observe

@@ -69,6 +69,11 @@ def check_handoff_taken() -> None:
         )
 
 
+def _of_cache(name: str) -> property:
+    """A member of the MethodLayer contract that every layer of a generation shares: its cache's `name`."""
+    return property(lambda layer: getattr(layer.cache, name))
+
+
 class PolicyLayer(CacheLayerMixin):
     """One layer of a `PolicyCache`: transformers' cache layer, and the `MethodLayer` (contract.py) its method
     works on."""
@@ -203,33 +208,16 @@ class PolicyLayer(CacheLayerMixin):
         self.seen += tokens_to_remove
 
     # -- the MethodLayer contract (contract.py): what a method reads of its generation ---------------------------
-    @property
-    def step(self) -> int:
-        return self.cache.step
-
-    @property
-    def budget(self) -> int:
-        return self.cache.budget
-
-    @property
-    def pads(self) -> torch.Tensor | None:
-        return self.cache.pads
-
-    @property
-    def max_pad(self) -> int:
-        return self.cache.max_pad
-
-    @property
-    def model_type(self) -> str:
-        return self.cache.model_type
+    step = _of_cache("step")
+    budget = _of_cache("budget")
+    pads = _of_cache("pads")
+    max_pad = _of_cache("max_pad")
+    model_type = _of_cache("model_type")
+    prompt_spans = _of_cache("prompt_spans")
 
     @property
     def rope_inv_freq(self) -> torch.Tensor | None:
         return self.cache.rope_inv_freq[self.layer_idx]
-
-    @property
-    def prompt_spans(self) -> torch.Tensor | None:
-        return self.cache.prompt_spans
 
     def valid_positions(self, length: int, device) -> torch.Tensor | None:
         return self.cache.valid_positions(length, device)

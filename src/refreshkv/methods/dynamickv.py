@@ -49,11 +49,11 @@ import math
 from typing import Self, cast
 
 import torch
+from torch import Tensor
 
 from ..core.attention_math import Scaling, ranked
-from ..core.contract import MethodLayer
 from ..core.policy import PolicyError, check_positive, register
-from ..core.selection import SelectionState, checked_scores, keep_top
+from ..core.selection import SelectionLayer, SelectionState, checked_scores, keep_top
 from .snapkv import SnapKV
 
 WINDOW_SCORE = 1.0  # the observation window is always kept: score above any pooled probability
@@ -68,12 +68,12 @@ class DynamicState(SelectionState):
 
     @classmethod
     def of(
-        cls, held: SelectionState, selected: int, window: int, budget: torch.Tensor, attention: torch.Tensor | None
+        cls, held: SelectionState, selected: int, window: int, budget: Tensor, attention: Tensor | None
     ) -> DynamicState:
         """The tokens `held` (selected ones, then the window) as a layer's DynamicState."""
         return cls(held.store, held.scores, held.filled, held.empty, budget, attention, selected, window)
 
-    def prefix_attention(self) -> torch.Tensor:
+    def prefix_attention(self) -> Tensor:
         """A^l, which every update reads until the final one drops it."""
         assert self.attention is not None, "DynamicKV's final update has dropped A^l"
         return self.attention
@@ -99,13 +99,13 @@ class DynamicState(SelectionState):
         self.selected, self.filled = width, 0
 
 
-def _with_empty_slots(tensor: torch.Tensor, at: int, count: int, fill) -> torch.Tensor:
+def _with_empty_slots(tensor: Tensor, at: int, count: int, fill) -> Tensor:
     """`tensor` (B, Hkv, slots, ...) with `count` slots holding `fill` inserted at slot `at`."""
     empty = tensor.new_full((*tensor.shape[:2], count, *tensor.shape[3:]), fill)
     return torch.cat([tensor[:, :, :at], empty, tensor[:, :, at:]], dim=2)
 
 
-def layer_counts(scores: list[torch.Tensor], per_layer: int) -> torch.Tensor:
+def layer_counts(scores: list[Tensor], per_layer: int) -> Tensor:
     """Eq. 4 / Alg. 1 line 6: per row, how many of the global top-(per_layer * H * l) entries of the concatenated
     scores (l tensors (B, H, P), -inf = never selectable) fall in each layer -> (B, l)."""
     batch = scores[0].shape[0]
@@ -120,7 +120,7 @@ def layer_counts(scores: list[torch.Tensor], per_layer: int) -> torch.Tensor:
     return counts[:, :-1]
 
 
-def apportion(weights: torch.Tensor, total: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
+def apportion(weights: Tensor, total: Tensor, caps: Tensor) -> Tensor:
     """Integers (B, l) proportional to `weights` (B, l), each <= `caps` (B, l), summing to min(total, caps.sum()).
 
     Proportional shares (Eq. 6); a layer whose share reaches its cap gets the cap and the rest is shared again among
@@ -152,14 +152,14 @@ def apportion(weights: torch.Tensor, total: torch.Tensor, caps: torch.Tensor) ->
     return base + ((rank < missing.unsqueeze(-1)) & room).long()
 
 
-def allocate(counts: torch.Tensor, layer_max: int, total: int, caps: torch.Tensor) -> torch.Tensor:
+def allocate(counts: Tensor, layer_max: int, total: int, caps: Tensor) -> Tensor:
     """Update_Buffer_Length's budgets Z' (B, l) from the counts (B, l): Eq. 5 with line 8's int(), Eq. 6 to `total`."""
     peak = counts.amax(dim=-1, keepdim=True).clamp(min=1)
     provisional = (layer_max * counts // peak).double()  # Eq. 5: Z = int(B^l * t / max(C))
     return apportion(provisional, torch.full_like(counts[:, 0], total), caps)
 
 
-def _position_order(positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def _position_order(positions: Tensor, keep: Tensor) -> Tensor:
     """The order (B, Hkv, k) that sorts the kept entries by position, unused ones last."""
     return torch.where(keep, positions, torch.iinfo(torch.long).max).argsort(dim=-1)
 
@@ -195,18 +195,13 @@ class DynamicKV(SnapKV):
         ):
             raise PolicyError(f"r_max must be a number > 0, got {self.r_max!r}")
 
-    def layer_budget(self, layer: MethodLayer[SelectionState]) -> int:
+    def layer_budget(self, layer: SelectionLayer) -> int:
         """B^l = (wt - ws) * r_max with wt - ws = K: what a layer keeps before the first update."""
         return int(self.selected_budget(layer) * self.r_max)
 
     def prefix_scores(
-        self,
-        layer: MethodLayer[SelectionState],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        scaling: Scaling,
-        valid: torch.Tensor | None,
-    ) -> torch.Tensor:
+        self, layer: SelectionLayer, query: Tensor, key: Tensor, scaling: Scaling, valid: Tensor | None
+    ) -> Tensor:
         """A^l: SnapKV's scores of the tokens before the window (-inf at pads, which never count in Eq. 4)."""
         scores = checked_scores(self.name, self.score(layer, query, key, scaling, valid), key)
         if valid is not None:
@@ -214,18 +209,13 @@ class DynamicKV(SnapKV):
         return scores[..., : key.shape[2] - self.window]
 
     def select(
-        self,
-        layer: MethodLayer[SelectionState],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        scaling: Scaling,
-        valid: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, layer: SelectionLayer, query: Tensor, key: Tensor, scaling: Scaling, valid: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         return self.select_from(self.prefix_scores(layer, query, key, scaling, valid), layer, valid, key.shape[2])
 
     def select_from(
-        self, attention: torch.Tensor, layer: MethodLayer[SelectionState], valid: torch.Tensor | None, length: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, attention: Tensor, layer: SelectionLayer, valid: Tensor | None, length: int
+    ) -> tuple[Tensor, Tensor]:
         """SnapKV's selection from A^l with the layer's maximum budget B^l (`keep_top`): selected tokens in position
         order (-1, for pads, last), then the window."""
         prefix = None if valid is None else valid.view(valid.shape[0], 1, -1)[..., : length - self.window]
@@ -236,14 +226,7 @@ class DynamicKV(SnapKV):
         scores = torch.cat([kept, torch.full_like(window, WINDOW_SCORE, dtype=attention.dtype)], -1)
         return torch.cat([index, window], dim=-1), scores
 
-    def store_prompt(
-        self,
-        layer: MethodLayer[SelectionState],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: Scaling,
-    ) -> None:
+    def store_prompt(self, layer: SelectionLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> None:
         valid = layer.valid_positions(key.shape[2], key.device)
         attention = self.prefix_scores(layer, query, key, scaling, valid)
         index, scores = self.select_from(attention, layer, valid, key.shape[2])
@@ -256,9 +239,7 @@ class DynamicKV(SnapKV):
         if depth % self.interval == 0 or depth == len(layers):
             self.update(layers[:depth], self.selected_budget(layer), len(layers), final=depth == len(layers))
 
-    def update(
-        self, layers: list[MethodLayer[SelectionState]], per_layer: int, num_layers: int, final: bool
-    ) -> torch.Tensor:
+    def update(self, layers: list[SelectionLayer], per_layer: int, num_layers: int, final: bool) -> Tensor:
         """Update_Buffer_Length over `layers` (Alg. 1 lines 4-11) and shrink their stores (lines 27-30)."""
         states = [cast(DynamicState, layer.state) for layer in layers]  # what store_prompt keeps
         attention = [state.prefix_attention() for state in states]
@@ -276,7 +257,7 @@ class DynamicKV(SnapKV):
                 state.attention = None  # no longer needed
         return budgets
 
-    def shrink(self, layer: MethodLayer[SelectionState], state: DynamicState, budget: torch.Tensor) -> DynamicState:
+    def shrink(self, layer: SelectionLayer, state: DynamicState, budget: Tensor) -> DynamicState:
         """A new, smaller store holding each head's top-`budget` selected tokens (by A^l) and the window.
 
         Ranked by `ranked`, not `keep_top`: each row keeps its own number of tokens (`budget`, (B,)), the first of

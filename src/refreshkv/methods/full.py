@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
+from torch import Tensor
 
 from ..core.attention_math import Scaling, decode_attention
 from ..core.contract import MethodLayer
 from ..core.kvstore import FullStore
 from ..core.policy import Policy, register
+
+FullLayer = MethodLayer[FullStore]  # the layer of a method that keeps every token in a FullStore
 
 
 @register
@@ -24,43 +26,22 @@ class Full(Policy[FullStore]):
     name = "full"
     summary = "vanilla attention over every token"
 
-    def store_prompt(
-        self,
-        layer: MethodLayer[FullStore],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: Scaling,
-    ) -> None:
+    def store_prompt(self, layer: FullLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> None:
         layer.state = FullStore(key, layer.capacity())
         layer.state.append(key, value)
 
-    def decode(
-        self,
-        layer: MethodLayer[FullStore],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: Scaling,
-    ) -> torch.Tensor:
+    def decode(self, layer: FullLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
         store = layer.state
         store.append(key, value)
         keys, values = store.view()
         layer.record(1.0, store.attended_bytes())
         return decode_attention(query, keys, values, scaling, layer.valid_positions(store.length, key.device))
 
-    def selection(self, layer: MethodLayer[FullStore], query: torch.Tensor, scaling: Scaling) -> torch.Tensor | None:
+    def selection(self, layer: FullLayer, query: Tensor, scaling: Scaling) -> Tensor | None:
         return None  # every step attends to every token
 
-    def extend(
-        self,
-        layer: MethodLayer[FullStore],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: Scaling,
-    ) -> torch.Tensor:
+    def extend(self, layer: FullLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
         return self.decode(layer, query, key, value, scaling)  # several tokens attend causally, as in one decode
 
-    def crop(self, layer: MethodLayer[FullStore], tokens: int) -> None:
+    def crop(self, layer: FullLayer, tokens: int) -> None:
         layer.state.crop(tokens)

@@ -21,11 +21,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import Tensor
 
 from ..core.attention_math import AGGREGATIONS, Scaling, aggregate_group, attention_probs
-from ..core.contract import MethodLayer
 from ..core.policy import check_choice, register
-from ..core.selection import SelectionPolicy, SelectionState
+from ..core.selection import SelectionLayer, SelectionPolicy
 
 PREFILL_BLOCK = 256  # prompt queries scored at once: memory (B, Hq, 256, L) floats
 
@@ -36,9 +36,7 @@ def split_budget(budget: int) -> tuple[int, int]:
     return heavy, budget - heavy
 
 
-def cumulative_attention(
-    query: torch.Tensor, key: torch.Tensor, scaling: Scaling, valid: torch.Tensor | None, how: str
-) -> torch.Tensor:
+def cumulative_attention(query: Tensor, key: Tensor, scaling: Scaling, valid: Tensor | None, how: str) -> Tensor:
     """(B, Hkv, L): attention received from every prompt query, summed per query head, aggregated over the group."""
     length = key.shape[2]
     total: torch.Tensor | None = None
@@ -72,33 +70,28 @@ class H2O(SelectionPolicy):
         super().__post_init__()
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
 
-    def max_slots(self, layer: MethodLayer[SelectionState]) -> int:
+    def max_slots(self, layer: SelectionLayer) -> int:
         return layer.budget + 1  # K kept + the newest token
 
     def score(
-        self,
-        layer: MethodLayer[SelectionState],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        scaling: Scaling,
-        valid: torch.Tensor | None,
-    ) -> torch.Tensor:
+        self, layer: SelectionLayer, query: Tensor, key: Tensor, scaling: Scaling, valid: Tensor | None
+    ) -> Tensor:
         return cumulative_attention(query, key, scaling, valid, self.aggregation)
 
     def score_key(self) -> str:
         return repr(dataclasses.replace(self, budget=None, budget_ratio=None))  # cumulative attention ignores K
 
-    def recent_kept(self, layer: MethodLayer[SelectionState]) -> int:
+    def recent_kept(self, layer: SelectionLayer) -> int:
         return split_budget(layer.budget)[1]
 
-    def appended_score(self, layer: MethodLayer[SelectionState]) -> float:
+    def appended_score(self, layer: SelectionLayer) -> float:
         return 0.0  # a decoded token starts with no accumulated attention
 
-    def eviction_scores(self, layer: MethodLayer[SelectionState]) -> torch.Tensor:
+    def eviction_scores(self, layer: SelectionLayer) -> Tensor:
         """Cumulative scores, with the recent window protected (empty slots, position -1, stay candidates)."""
         _, recent = split_budget(layer.budget)
         protected = layer.state.store.positions >= max(layer.seen - 1 - recent, 0)
         return layer.state.scores.masked_fill(protected, float("inf"))
 
-    def observe(self, layer: MethodLayer[SelectionState], probs: torch.Tensor) -> None:
+    def observe(self, layer: SelectionLayer, probs: Tensor) -> None:
         layer.state.scores += aggregate_group(probs, self.aggregation)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from ..core.attention_math import Scaling
-from ..core.contract import MethodLayer
 from ..core.policy import register
-from ..core.selection import SelectionPolicy, SelectionState
+from ..core.selection import SelectionLayer, SelectionPolicy
 
 
 @register
@@ -31,13 +30,8 @@ class KeyDiff(SelectionPolicy):
     summary = "keep the K prompt keys least similar (cosine) to the mean key, per KV head; no attention needed"
 
     def score(
-        self,
-        layer: MethodLayer[SelectionState],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        scaling: Scaling,
-        valid: torch.Tensor | None,
-    ) -> torch.Tensor:
+        self, layer: SelectionLayer, query: Tensor, key: Tensor, scaling: Scaling, valid: Tensor | None
+    ) -> Tensor:
         unit = F.normalize(key.float(), dim=-1)  # (B, Hkv, L, D)
         if valid is not None:
             unit = unit * valid.view(valid.shape[0], 1, -1, 1)  # pads add nothing to the anchor

@@ -19,6 +19,7 @@ import dataclasses
 from typing import ClassVar
 
 import torch
+from torch import Tensor
 
 from ..core.attention_math import (
     AGGREGATIONS,
@@ -29,9 +30,9 @@ from ..core.attention_math import (
     top_k,
     unpack_output,
 )
-from ..core.contract import MethodLayer
 from ..core.kvstore import FullStore
 from ..core.policy import BudgetPolicy, check_choice, register
+from .full import FullLayer
 
 
 @register
@@ -54,28 +55,14 @@ class Oracle(BudgetPolicy[FullStore]):
         super().__post_init__()
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
 
-    def store_prompt(
-        self,
-        layer: MethodLayer[FullStore],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: Scaling,
-    ) -> None:
+    def store_prompt(self, layer: FullLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> None:
         layer.state = FullStore(key, layer.capacity())
         layer.state.append(key, value)
 
-    def crop(self, layer: MethodLayer[FullStore], tokens: int) -> None:
+    def crop(self, layer: FullLayer, tokens: int) -> None:
         layer.state.crop(tokens)
 
-    def decode(
-        self,
-        layer: MethodLayer[FullStore],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: Scaling,
-    ) -> torch.Tensor:
+    def decode(self, layer: FullLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
         store = layer.state
         store.append(key, value)
         keys, values = store.view()
@@ -88,9 +75,7 @@ class Oracle(BudgetPolicy[FullStore]):
         output = torch.matmul(logits.softmax(dim=-1).to(values.dtype), values)  # (B, Hkv, G, D)
         return unpack_output(output, query.shape[1])
 
-    def _choose(
-        self, layer: MethodLayer[FullStore], query: torch.Tensor, keys: torch.Tensor, scaling: Scaling
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _choose(self, layer: FullLayer, query: Tensor, keys: Tensor, scaling: Scaling) -> tuple[Tensor, Tensor | None]:
         """The current query's float32 logits (B, Hkv, G, n), pads masked, and the K positions (B, Hkv, K) it
         attends to most besides the newest token (None when every token fits)."""
         n = keys.shape[2]
@@ -105,7 +90,7 @@ class Oracle(BudgetPolicy[FullStore]):
             ranking, layer.budget, None if valid is None else valid.view(valid.shape[0], 1, -1)[..., :-1]
         )
 
-    def selection(self, layer: MethodLayer[FullStore], query: torch.Tensor, scaling: Scaling) -> torch.Tensor | None:
+    def selection(self, layer: FullLayer, query: Tensor, scaling: Scaling) -> Tensor | None:
         """The step's K chosen tokens and the newest one; None when every token fits."""
         keys, _ = layer.state.view()
         _, chosen = self._choose(layer, query, keys, scaling)

@@ -21,9 +21,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..core.contract import MethodLayer
 from ..core.policy import PolicyError, register
-from ..core.selection import SelectionState
+from ..core.selection import SelectionLayer
 from .snapkv import SnapKV
 
 DEFAULT_BETA = 20.0
@@ -99,7 +98,7 @@ class PyramidKV(SnapKV):
         super().__post_init__()
         check_beta(self.beta)
 
-    def layer_budget(self, layer: MethodLayer[SelectionState]) -> int:
+    def layer_budget(self, layer: SelectionLayer) -> int:
         outside_window = max(layer.seen - self.window, 0)  # prompt tokens SnapKV selects from (window kept anyway)
         layers = layer.method_layers()  # the pyramid spans the layers that run the method (not sliding windows)
         total = self.selected_budget(layer) * len(layers)

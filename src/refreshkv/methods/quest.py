@@ -27,6 +27,7 @@ from typing import Self
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from ..core.attention_math import AGGREGATIONS, Scaling, aggregate_group, decode_attention, pack_queries, top_k
 from ..core.contract import MethodLayer
@@ -39,7 +40,7 @@ class ZeroedStore(FullStore):
     pages reads the unwritten tail of the page being written, masked, and a masked NaN would still poison the
     output (0 x NaN)."""
 
-    def __init__(self, like: torch.Tensor, capacity: int):
+    def __init__(self, like: Tensor, capacity: int):
         super().__init__(like, capacity)
         self.keys.zero_()
         self.values.zero_()
@@ -56,7 +57,7 @@ class PagedStore(LayerState):
     tokens j * page_size ...), so a left-padded row pages its tokens as it would alone; pages not yet reached hold
     +inf / -inf."""
 
-    def __init__(self, key: torch.Tensor, capacity: int, page_size: int, pads: torch.Tensor | None):
+    def __init__(self, key: Tensor, capacity: int, page_size: int, pads: Tensor | None):
         self.full = ZeroedStore(key, capacity)
         self.page_size = page_size
         self.pads = torch.zeros(key.shape[0], dtype=torch.long, device=key.device) if pads is None else pads.clone()
@@ -84,7 +85,7 @@ class PagedStore(LayerState):
         """Pages holding at least one token, in the row with the most."""
         return -(-(self.full.length - self.fewest_pads) // self.page_size)
 
-    def load_prompt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def load_prompt(self, keys: Tensor, values: Tensor) -> None:
         """The prompt (B, Hkv, L, D, left-padded): stored, and its pages' ranges from each row's real tokens."""
         self.full.append(keys, values)
         batch, heads, length, dim = keys.shape
@@ -100,7 +101,7 @@ class PagedStore(LayerState):
         high = F.pad(moved.masked_fill(mask, float("-inf")), padding, value=float("-inf")).view(shape).amax(3)
         self.lows[:, :, :pages], self.highs[:, :, :pages] = low, high
 
-    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+    def append(self, key: Tensor, value: Tensor) -> None:
         """One decoded token (B, Hkv, 1, D): stored, and its page's range widened (each row's own page)."""
         self.full.append(key, value)
         if self.pages > self.lows.shape[2]:  # more tokens than the capacity announced: double
@@ -110,7 +111,7 @@ class PagedStore(LayerState):
         self.lows.scatter_reduce_(2, page, key, "amin")
         self.highs.scatter_reduce_(2, page, key, "amax")
 
-    def current_pages(self) -> torch.Tensor:
+    def current_pages(self) -> Tensor:
         """(B,) the page each row is writing (its last token's)."""
         return (self.full.length - 1 - self.pads) // self.page_size
 
@@ -121,8 +122,11 @@ class PagedStore(LayerState):
     def nbytes(self) -> int:
         return self.full.nbytes() + self.metadata_bytes()
 
-    def kept(self, pads: torch.Tensor | None) -> torch.Tensor:
+    def kept(self, pads: Tensor | None) -> Tensor:
         return every_position(self.full.length, self.full.keys, pads)
+
+
+PagedLayer = MethodLayer[PagedStore]  # the layer quest works on
 
 
 @register
@@ -161,26 +165,11 @@ class Quest(BudgetPolicy[PagedStore]):
             )
         return budget
 
-    def store_prompt(
-        self,
-        layer: MethodLayer[PagedStore],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: Scaling,
-    ) -> None:
-        store = PagedStore(key, layer.capacity(), self.page_size, layer.pads)
-        store.load_prompt(key, value)
-        layer.state = store
+    def store_prompt(self, layer: PagedLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> None:
+        layer.state = PagedStore(key, layer.capacity(), self.page_size, layer.pads)
+        layer.state.load_prompt(key, value)
 
-    def decode(
-        self,
-        layer: MethodLayer[PagedStore],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: Scaling,
-    ) -> torch.Tensor:
+    def decode(self, layer: PagedLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
         store = layer.state
         store.append(key, value)
         full = store.full
@@ -203,7 +192,7 @@ class Quest(BudgetPolicy[PagedStore]):
         layer.record(0.0, token_bytes * index.shape[-1] + store.metadata_bytes())
         return decode_attention(query, keys, values, scaling, valid)
 
-    def selection(self, layer: MethodLayer[PagedStore], query: torch.Tensor, scaling: Scaling) -> torch.Tensor | None:
+    def selection(self, layer: PagedLayer, query: Tensor, scaling: Scaling) -> Tensor | None:
         """The step's pages (their tokens' positions); None where the step attends to the whole cache."""
         store = layer.state
         selected_pages = layer.budget // self.page_size
@@ -213,9 +202,7 @@ class Quest(BudgetPolicy[PagedStore]):
         held = index < store.full.length if chosen is None else chosen & (index < store.full.length)
         return index.masked_fill(~held, -1)
 
-    def selected_tokens(
-        self, store: PagedStore, query: torch.Tensor, selected_pages: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def selected_tokens(self, store: PagedStore, query: Tensor, selected_pages: int) -> tuple[Tensor, Tensor | None]:
         """(B, Hkv, (selected_pages + 1) * page_size) padded positions, each row's top pages by their bound (page
         order) then the page it is writing, and whether each belongs to a chosen page (None: all do; a padded row
         with fewer pages than selected_pages fills up with pages it does not have); positions past a row's last

@@ -34,16 +34,16 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import Tensor
 
 from ..core.attention_math import Scaling, attention_probs
-from ..core.contract import MethodLayer
 from ..core.policy import PolicyError, check_choice, check_positive, check_window, register
-from ..core.selection import SelectionPolicy, SelectionState
+from ..core.selection import SelectionLayer, SelectionPolicy
 
 GROUP_REDUCTIONS = ("norm", "max")
 
 
-def position_ranking(length: int, sink: int, pads: torch.Tensor | None, device) -> torch.Tensor:
+def position_ranking(length: int, sink: int, pads: Tensor | None, device) -> Tensor:
     """(B or 1, length) positions in ranked order: the first `sink` real tokens, the rest backwards, then the pads."""
     positions = torch.arange(length, device=device)
     pad = torch.zeros(1, 1, dtype=torch.long, device=device) if pads is None else pads.view(-1, 1)
@@ -53,7 +53,7 @@ def position_ranking(length: int, sink: int, pads: torch.Tensor | None, device) 
     return key.argsort(dim=-1)
 
 
-def kept_counts(ranked_squares: torch.Tensor, threshold: float) -> torch.Tensor:
+def kept_counts(ranked_squares: Tensor, threshold: float) -> Tensor:
     """Kept prefix length along the last dim of ranked squared scores: 1 + the first i with 1 - ||A~_i||/||A|| <= T.
 
     1 - sqrt(C_i / S) <= T  <=>  S - C_i <= (1 - (1 - T)^2) S, with C_i the cumulative and S the total square sum.
@@ -74,7 +74,7 @@ def kept_counts(ranked_squares: torch.Tensor, threshold: float) -> torch.Tensor:
     return done.int().argmax(dim=-1) + 1  # the last entry is always done (remaining = 0)
 
 
-def reduced_rows(probs: torch.Tensor) -> torch.Tensor:
+def reduced_rows(probs: Tensor) -> Tensor:
     """Eq. 2: (B, Hkv, G, k, n) attention of the last k queries -> (B, Hkv, G, n), each position's mean over the
     rows that can see it (the last k positions are seen by fewer rows under the causal mask)."""
     k, n = probs.shape[-2], probs.shape[-1]
@@ -137,13 +137,8 @@ class ReFreeKV(SelectionPolicy):
         return 0  # no preset budget: the threshold decides
 
     def select(
-        self,
-        layer: MethodLayer[SelectionState],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        scaling: Scaling,
-        valid: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, layer: SelectionLayer, query: Tensor, key: Tensor, scaling: Scaling, valid: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         batch, kv_heads, length = key.shape[0], key.shape[1], key.shape[2]
         pads = layer.pads
         if layer.layer_idx < self.keep_layers:

@@ -35,6 +35,7 @@ from collections import Counter
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from ..core import native_selection
 from ..core.attention_math import (
@@ -71,7 +72,7 @@ FAMILY_THRESHOLDS = {"qwen2": 0.95}  # A.4: chosen for Qwen2-7B
 QUERY_SPACES = ("pre_rope", "post_rope")
 
 
-def head_mean(query: torch.Tensor) -> torch.Tensor:
+def head_mean(query: Tensor) -> Tensor:
     """(B, D): the last token's query averaged over the query heads, what the dynamic schedule compares."""
     return query[:, :, -1].mean(dim=1)
 
@@ -95,8 +96,11 @@ class RefreshState(LayerState):
         total.update(self.partial.nbytes_by_device() if self.partial is not None else {})
         return dict(total)
 
-    def kept(self, pads: torch.Tensor | None) -> torch.Tensor:
+    def kept(self, pads: Tensor | None) -> Tensor:
         return self.full.kept(pads)
+
+
+RefreshLayer = MethodLayer[RefreshState]  # the layer refreshkv works on: C_f, C_p and the schedule's state
 
 
 @register
@@ -154,7 +158,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             params.update(qc_stride=DEFAULT_QC_STRIDE, threshold=f"{tuned}, {LLAMA_THRESHOLD} otherwise")
         return params
 
-    def compared_query(self, layer: MethodLayer[RefreshState], query: torch.Tensor) -> torch.Tensor:
+    def compared_query(self, layer: RefreshLayer, query: Tensor) -> Tensor:
         """(B, D) head-averaged query of the newest token, before RoPE with `query="pre_rope"`."""
         mean = head_mean(query)
         if self.query == "post_rope":
@@ -171,14 +175,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         check_window("window", self.window, shortest)
 
     # -- prefill ---------------------------------------------------------------------------------------------------
-    def store_prompt(
-        self,
-        layer: MethodLayer[RefreshState],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: Scaling,
-    ) -> None:
+    def store_prompt(self, layer: RefreshLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> None:
         length = key.shape[2]
         check_group_size(self.full_cache, self.group_size, key.shape[-1])
         full = make_full_store(key, layer.capacity(), self.full_cache, self.group_size)
@@ -195,14 +192,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         self._refresh(layer, probs, valid, (key, value))
 
     # -- decode ----------------------------------------------------------------------------------------------------
-    def decode(
-        self,
-        layer: MethodLayer[RefreshState],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: Scaling,
-    ) -> torch.Tensor:
+    def decode(self, layer: RefreshLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
         state: RefreshState = layer.state
         state.full.append(key, value)
         self._observe(state, query)
@@ -230,14 +220,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         layer.record(need.float().mean(), state.partial.nbytes() + state.full.attended_bytes())
         return torch.where(need.view(-1, 1, 1, 1), full_out, partial_out)
 
-    def extend(
-        self,
-        layer: MethodLayer[RefreshState],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: Scaling,
-    ) -> torch.Tensor:
+    def extend(self, layer: RefreshLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
         """A block of new tokens (a conversation's next question) is one full step: appended to C_f, attended over
         all of C_f (each token causally), and C_p rebuilt from the last `window` of them as at prefill, so the next
         answer is read from a selection made for the new question."""
@@ -259,7 +242,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             state.anchor = self.compared_query(layer, query)
         return output
 
-    def crop(self, layer: MethodLayer[RefreshState], tokens: int) -> None:
+    def crop(self, layer: RefreshLayer, tokens: int) -> None:
         """Forget the last `tokens` tokens: from C_f (dense only) and from C_p, whose emptied slots decoded tokens
         fill first."""
         state: RefreshState = layer.state
@@ -277,7 +260,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         partial.filled = 0  # some slots are empty now: mask until refilled
         partial.empty = int((partial.store.positions < 0).sum(-1).min())
 
-    def selection(self, layer: MethodLayer[RefreshState], query: torch.Tensor, scaling: Scaling) -> torch.Tensor | None:
+    def selection(self, layer: RefreshLayer, query: Tensor, scaling: Scaling) -> Tensor | None:
         """C_p (after a full step, the refreshed one); None while K holds every token."""
         partial = layer.state.partial
         return None if partial is None else partial.kept(layer.pads)
@@ -289,7 +272,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     def decides_on_host(self, step: int) -> bool:
         return self.stride is None and self._scheduled(step)
 
-    def _needs_full(self, layer: MethodLayer[RefreshState], query: torch.Tensor) -> bool | torch.Tensor:
+    def _needs_full(self, layer: RefreshLayer, query: Tensor) -> bool | Tensor:
         """True / False for the whole batch, or a (B,) bool tensor when rows may disagree.
 
         The schedule's step test is a host integer test (never a device read; under torch.compile it selects one
@@ -311,14 +294,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         count = int(need.sum())
         return True if count == need.numel() else False if count == 0 else need
 
-    def _partial_step(
-        self,
-        layer: MethodLayer[RefreshState],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: Scaling,
-    ) -> torch.Tensor:
+    def _partial_step(self, layer: RefreshLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
         partial = layer.state.partial
         assert partial is not None  # a partial step has C_p
         # The new token takes an empty slot first, then the lowest-scored recycled token's.
@@ -326,14 +302,12 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         store = partial.store
         return decode_attention(query, store.keys, store.values, scaling, partial.valid(layer.pads))
 
-    def _observe(self, state: RefreshState, query: torch.Tensor) -> None:
+    def _observe(self, state: RefreshState, query: Tensor) -> None:
         """Slide the observation window over the new queries (each step's one, or a block's)."""
         if state.recent is not None:
             state.recent = torch.cat([state.recent, query], dim=2)[:, :, -self.window :]
 
-    def _full_step(
-        self, layer: MethodLayer[RefreshState], query: torch.Tensor, scaling: Scaling, rows: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def _full_step(self, layer: RefreshLayer, query: Tensor, scaling: Scaling, rows: Tensor | None = None) -> Tensor:
         state: RefreshState = layer.state
         keys, values = state.full.view()
         valid = layer.valid_positions(state.full.length, keys.device)
@@ -353,11 +327,11 @@ class RefreshKV(BudgetPolicy[RefreshState]):
 
     def _refresh(
         self,
-        layer: MethodLayer[RefreshState],
-        probs: torch.Tensor,
-        valid: torch.Tensor | None,
-        full_kv: tuple[torch.Tensor, torch.Tensor],
-        rows: torch.Tensor | None = None,
+        layer: RefreshLayer,
+        probs: Tensor,
+        valid: Tensor | None,
+        full_kv: tuple[Tensor, Tensor],
+        rows: Tensor | None = None,
     ) -> None:
         """Rebuild C_p from window probabilities (B, Hkv, G, w, n) over C_f's keys and values `full_kv` (read once
         per full step: a quantized C_f is dequantized once); only `rows` (B,) bool if given.

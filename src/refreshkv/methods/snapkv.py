@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
+from torch import Tensor
 
 from ..core.attention_math import AGGREGATIONS, POOLINGS, Scaling, attention_probs, selection_scores
-from ..core.contract import MethodLayer
 from ..core.policy import (
     PolicyError,
     check_choice,
@@ -30,7 +29,7 @@ from ..core.policy import (
     ratio_or_default,
     register,
 )
-from ..core.selection import SelectionPolicy, SelectionState
+from ..core.selection import SelectionLayer, SelectionPolicy
 
 
 @register
@@ -77,27 +76,22 @@ class SnapKV(SelectionPolicy):
     def check_prompt(self, shortest: int) -> None:
         check_window("window", self.window, shortest)
 
-    def selected_budget(self, layer: MethodLayer[SelectionState]) -> int:
+    def selected_budget(self, layer: SelectionLayer) -> int:
         """Prompt tokens chosen per layer on average: the budget less the window, which is always kept."""
         return layer.budget - self.window
 
-    def layer_budget(self, layer: MethodLayer[SelectionState]) -> int:
+    def layer_budget(self, layer: SelectionLayer) -> int:
         return self.selected_budget(layer)
 
     def score(
-        self,
-        layer: MethodLayer[SelectionState],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        scaling: Scaling,
-        valid: torch.Tensor | None,
-    ) -> torch.Tensor:
+        self, layer: SelectionLayer, query: Tensor, key: Tensor, scaling: Scaling, valid: Tensor | None
+    ) -> Tensor:
         """The observation window's attention averaged, max-pooled and aggregated over the group."""
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
         return selection_scores(probs, self.kernel, self.aggregation, self.pooling, layer.prompt_spans)
 
-    def kept_tokens(self, layer: MethodLayer[SelectionState]) -> int:
+    def kept_tokens(self, layer: SelectionLayer) -> int:
         return self.layer_budget(layer) + self.window
 
-    def recent_kept(self, layer: MethodLayer[SelectionState]) -> int:
+    def recent_kept(self, layer: SelectionLayer) -> int:
         return self.window  # the observation window is always kept

@@ -16,11 +16,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import Tensor
 
 from ..core.attention_math import Scaling
-from ..core.contract import MethodLayer
 from ..core.policy import PolicyError, register
-from ..core.selection import SelectionPolicy, SelectionState
+from ..core.selection import SelectionLayer, SelectionPolicy
 
 
 def check_sinks(value) -> None:
@@ -33,7 +33,7 @@ def effective_sinks(sinks: int, budget: int) -> int:
     return max(0, min(sinks, budget - 1))
 
 
-def sink_recent_scores(length: int, sinks: int, pads: torch.Tensor | None, batch: int, device) -> torch.Tensor:
+def sink_recent_scores(length: int, sinks: int, pads: Tensor | None, batch: int, device) -> Tensor:
     """(B, length) float32 keep-priority of each prompt position: +inf for a row's sinks, the position for the
     others, -inf for left padding. Keeping the top K gives sinks + most recent; evicting the minimum the oldest."""
     positions = torch.arange(length, device=device)
@@ -62,20 +62,15 @@ class StreamingLLM(SelectionPolicy):
         super().__post_init__()
         check_sinks(self.sinks)
 
-    def max_slots(self, layer: MethodLayer[SelectionState]) -> int:
+    def max_slots(self, layer: SelectionLayer) -> int:
         return layer.budget
 
-    def appended_score(self, layer: MethodLayer[SelectionState]) -> float:
+    def appended_score(self, layer: SelectionLayer) -> float:
         return float(layer.seen - 1)  # its position: the oldest non-sink token is evicted first
 
     def score(
-        self,
-        layer: MethodLayer[SelectionState],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        scaling: Scaling,
-        valid: torch.Tensor | None,
-    ) -> torch.Tensor:
+        self, layer: SelectionLayer, query: Tensor, key: Tensor, scaling: Scaling, valid: Tensor | None
+    ) -> Tensor:
         batch, kv_heads, length, _ = key.shape
         scores = sink_recent_scores(length, effective_sinks(self.sinks, layer.budget), layer.pads, batch, key.device)
         return scores.unsqueeze(1).expand(-1, kv_heads, -1)

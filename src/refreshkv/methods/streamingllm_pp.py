@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import Tensor
 
 from ..core.attention_math import Scaling, decode_attention
 from ..core.contract import MethodLayer
@@ -35,6 +36,8 @@ from ..core.full_cache import (
 from ..core.kvstore import gather_tokens
 from ..core.policy import BudgetPolicy, check_positive, register
 from .streamingllm import check_sinks, effective_sinks
+
+FullCacheLayer = MethodLayer[FullCacheStore]  # the layer streamingllm++ works on: its full cache, however held
 
 
 @register
@@ -61,27 +64,13 @@ class StreamingLLMPlusPlus(BudgetPolicy[FullCacheStore]):
         check_positive("stride", self.stride)
         check_full_cache(self.full_cache, self.group_size)
 
-    def store_prompt(
-        self,
-        layer: MethodLayer[FullCacheStore],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: Scaling,
-    ) -> None:
+    def store_prompt(self, layer: FullCacheLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> None:
         check_group_size(self.full_cache, self.group_size, key.shape[-1])
         full = make_full_store(key, layer.capacity(), self.full_cache, self.group_size)
         full.append(key, value)
         layer.state = full
 
-    def decode(
-        self,
-        layer: MethodLayer[FullCacheStore],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: Scaling,
-    ) -> torch.Tensor:
+    def decode(self, layer: FullCacheLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
         full = layer.state
         full.append(key, value)
         length = full.length
@@ -97,8 +86,8 @@ class StreamingLLMPlusPlus(BudgetPolicy[FullCacheStore]):
 
     @staticmethod
     def _window(
-        full: FullCacheStore, pads: torch.Tensor | None, max_pad: int, sinks: int, budget: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        full: FullCacheStore, pads: Tensor | None, max_pad: int, sinks: int, budget: int
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Keys/values of the sinks followed by the recent window, and a (B, 1, 1, n) validity mask (or None)."""
         length = full.length
         start = max(0, length - (budget - sinks))

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
+from torch import Tensor
 
 from ..core.attention_math import Scaling, attention_probs
-from ..core.contract import MethodLayer
 from ..core.policy import register
-from ..core.selection import SelectionPolicy, SelectionState
+from ..core.selection import SelectionLayer, SelectionPolicy
 
 
-def layer_scores(probs: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+def layer_scores(probs: Tensor, valid: Tensor | None) -> Tensor:
     """(B, Hkv, G, n) probabilities -> (B, Hkv, n): the mean over every query head of the layer, in every KV head;
     slots that hold no real token get -inf (they are filled or evicted first, never kept)."""
     scores = probs.mean(dim=(1, 2), keepdim=True)[:, :, 0].expand(-1, probs.shape[1], -1)
@@ -45,18 +44,13 @@ class TOVA(SelectionPolicy):
     name = "tova"
     summary = "keep the K tokens the current query attends to most (head-averaged); drop the least every step"
 
-    def max_slots(self, layer: MethodLayer[SelectionState]) -> int:
+    def max_slots(self, layer: SelectionLayer) -> int:
         return layer.budget + 1  # K kept + the newest token
 
     def score(
-        self,
-        layer: MethodLayer[SelectionState],
-        query: torch.Tensor,
-        key: torch.Tensor,
-        scaling: Scaling,
-        valid: torch.Tensor | None,
-    ) -> torch.Tensor:
+        self, layer: SelectionLayer, query: Tensor, key: Tensor, scaling: Scaling, valid: Tensor | None
+    ) -> Tensor:
         return layer_scores(attention_probs(query[:, :, -1:], key, scaling, valid)[:, :, :, 0], valid)
 
-    def observe(self, layer: MethodLayer[SelectionState], probs: torch.Tensor) -> None:
+    def observe(self, layer: SelectionLayer, probs: Tensor) -> None:
         layer.state.scores = layer_scores(probs, layer.state.store.valid(layer.pads))
