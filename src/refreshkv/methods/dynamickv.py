@@ -107,7 +107,8 @@ def _with_empty_slots(tensor: Tensor, at: int, count: int, fill) -> Tensor:
 
 def layer_counts(scores: list[Tensor], per_layer: int) -> Tensor:
     """Eq. 4 / Alg. 1 line 6: per row, how many of the global top-(per_layer * H * l) entries of the concatenated
-    scores (l tensors (B, H, P), -inf = never selectable) fall in each layer -> (B, l)."""
+    scores (l tensors (B, H, P), -inf = never selectable) fall in each layer -> (B, l). A count over the layers'
+    scores together, not a per-head selection: `ranked`, not `keep_top`."""
     batch = scores[0].shape[0]
     size = scores[0][0].numel()
     gathered = torch.cat([s.reshape(batch, -1) for s in scores], dim=-1)

@@ -11,6 +11,9 @@ Choices:
   token is always attended to, besides the K chosen (as in refreshkv's partial cache: K + the new token).
 - The chosen tokens' attention is renormalised over them alone (softmax over the K + 1 logits), as a method that
   held only those tokens would compute it.
+- Not the scorer layer's `keep_top` / `SelectionState.load` (selection.py): nothing is kept between steps. The shared
+  `top_k` ranks; nothing is gathered: the step masks the other logits of the softmax it computes over the whole cache
+  anyway, which costs less than gathering the K tokens to attend to them again.
 """
 
 from __future__ import annotations

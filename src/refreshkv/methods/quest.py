@@ -18,6 +18,10 @@ Choices where the paper is silent:
 - When every page fits (at most K / page_size + 1), the step attends to the whole cache directly (so a budget that
   keeps everything equals `full`).
 - Bytes read per step: the selected pages' keys and values plus every page's minimum and maximum.
+- Not the scorer layer's `keep_top` / `SelectionState.load` (selection.py): those keep tokens between steps, and
+  Quest keeps every token and chooses pages afresh at each step. Pages are ranked by the shared `top_k` (ties to the
+  earlier page, pages a row has not reached excluded); their tokens are gathered into scratch memory reused every
+  step (`gather_tokens`'s `out`).
 """
 
 from __future__ import annotations

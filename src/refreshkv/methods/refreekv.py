@@ -27,6 +27,9 @@ Choices where the paper is silent or not directly applicable:
   layer (the store is that size plus room for the decoded tokens, SelectionPolicy masks the empty slots). Kept
   tokens are stored in position order; their eviction score is their reduced attention (nothing is evicted while the
   store has room for every decoded token).
+- `select` is not `keep_top`'s top-k by score: each head keeps a prefix of a fixed ranking (by position, not by
+  score), as long as its criterion asks. The tokens it returns are loaded by the scorer layer
+  (`SelectionPolicy.store_selection`, `SelectionState.load`).
 """
 
 from __future__ import annotations
