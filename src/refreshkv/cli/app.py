@@ -15,7 +15,7 @@ from rich.table import Table
 from typer.exceptions import TyperException
 
 from ..core.policy import label_notes
-from ..runtime.inputs import SamplingSettings
+from ..runtime.generate import GenerationSettings
 from ..runtime.prepare import check_runtime, load_checked
 from .chat_command import register as register_chat_command
 from .demo import MIN_LENGTH as DEMO_MIN_LENGTH
@@ -87,18 +87,14 @@ def encode(tokenizer, text: str, chat: bool):
     return ids
 
 
-def run_generations(
-    model, tokenizer, ids, methods: list[tuple[str, dict]], max_new_tokens: int, **sampling
-) -> list[dict]:
+def run_generations(model, tokenizer, ids, methods: list[tuple[str, dict]], settings: GenerationSettings) -> list[dict]:
     """Each (method, parameters) on the same prompt, with one shared prefill (`generate_many`)."""
     from ..core.policy import BUILT_IN, PROVIDERS, make_policy
     from ..measure.budget_report import budget_report
     from ..runtime.generate import generate_many
 
     policies = [make_policy(method, **params) for method, params in methods]
-    outs = generate_many(
-        model, ids.to(model.device), methods=policies, max_new_tokens=max_new_tokens, progress=True, **sampling
-    )
+    outs = generate_many(model, ids.to(model.device), methods=policies, settings=settings)
     results = []
     for (method, params), result in zip(methods, outs):
         stats = result.stats()
@@ -212,20 +208,21 @@ def generate(
     make_policy(method, **params)  # validate before loading anything
     if compare is not None:
         make_policy(compare)
-    SamplingSettings(do_sample=sample, temperature=temperature, top_p=top_p, seed=seed)  # the API's own rules
-    text = read_prompt(prompt, prompt_file)
-    lm, tokenizer, _ = load_checked(model, check_runtime(dtype, device, compile, weight_layout))
-    ids = encode(tokenizer, text, chat)
-    sampling = dict(
+    settings = GenerationSettings(  # checked by the API's own rules, before anything loads
+        max_new_tokens=max_new_tokens,
         do_sample=sample,
         temperature=temperature,
         top_p=top_p,
         seed=seed,
         eos_check_every=eos_check_every,
         compile=compile,
+        progress=True,
     )
+    text = read_prompt(prompt, prompt_file)
+    lm, tokenizer, _ = load_checked(model, check_runtime(dtype, device, compile, weight_layout))
+    ids = encode(tokenizer, text, chat)
     methods = [(method, params)] + ([(compare, {})] if compare is not None else [])
-    show(run_generations(lm, tokenizer, ids, methods, max_new_tokens, **sampling), as_json)
+    show(run_generations(lm, tokenizer, ids, methods, settings), as_json)
 
 
 @app.command()
@@ -251,7 +248,9 @@ def demo(
     lm, tokenizer, _ = load_checked(model, check_runtime())
     ids = demo_prompt(tokenizer, length)
     check_length(lm, ids.shape[1], max_new_tokens)
-    results = run_generations(lm, tokenizer, ids, methods, max_new_tokens)
+    results = run_generations(
+        lm, tokenizer, ids, methods, GenerationSettings(max_new_tokens=max_new_tokens, progress=True)
+    )
     for result in results:
         result["finds_the_number"] = found(result["text"])
     show(results, as_json)
