@@ -35,7 +35,7 @@ def test_no_call_of_the_package_warns_about_the_cache_argument():
         cache = PolicyCache(make_policy("h2o", budget=8), llama, max_new_tokens=4)
         llama.generate(ids, **{cache_keyword(llama): cache}, max_new_tokens=4, do_sample=False, pad_token_id=0)
         check_attention(llama)
-        run_transformers_once(llama, ids, 3, PeakMemory(torch.device("cpu")))
+        run_transformers_once(llama, ids, 3, PeakMemory(torch.device("cpu")), None)
         profile_once(llama, ids, make_policy("full"), 2)
     assert cache_warnings(caught) == []
 
