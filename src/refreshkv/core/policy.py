@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, Generic
+from collections.abc import Collection
+from typing import Any, ClassVar, Generic, TypeGuard
 
 from torch import Tensor
 
@@ -137,7 +138,7 @@ class BudgetPolicy(Policy[State]):
     budget: int | None = None
     budget_ratio: float | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_budget(self.budget, self.budget_ratio)
 
     @classmethod
@@ -148,7 +149,7 @@ class BudgetPolicy(Policy[State]):
         return resolve_budget(prompt_length, self.budget, self.budget_ratio)
 
 
-def check_budget(budget, budget_ratio, names: tuple[str, str] = ("budget", "budget_ratio")) -> None:
+def check_budget(budget: object, budget_ratio: object, names: tuple[str, str] = ("budget", "budget_ratio")) -> None:
     """The one rule for a budget's parameters (methods, `refreshkv train`, the recovery task): `budget` an integer
     >= 1 or `budget_ratio` a number in (0, 1], not both. `names`: how the caller's user spells the two."""
     budget_name, ratio_name = names
@@ -173,7 +174,7 @@ def resolve_budget(prompt_length: int, budget: int | None = None, budget_ratio: 
     return max(1, math.ceil(ratio_or_default(budget_ratio) * prompt_length))
 
 
-def is_number(value) -> bool:
+def is_number(value: object) -> TypeGuard[int | float]:
     """A finite int or float (not a bool, not text)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -184,19 +185,19 @@ def check_window(name: str, window: int, prompt_length: int) -> None:
         raise PolicyError(f"{name} ({window}) is larger than the prompt ({prompt_length} tokens)")
 
 
-def check_positive(name: str, value, allow_none: bool = False) -> None:
+def check_positive(name: str, value: object, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise PolicyError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-def check_kernel(value) -> None:
+def check_kernel(value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value % 2 == 0:
         raise PolicyError(f"kernel must be an odd integer >= 1, got {value!r}")
 
 
-def check_choice(name: str, value, choices) -> None:
+def check_choice(name: str, value: object, choices: Collection[str]) -> None:
     if value not in choices:
         raise PolicyError(f"unknown {name} '{value}'; choose from: {', '.join(choices)}")
 
@@ -252,7 +253,7 @@ def accepted_parameters(cls: type[Policy]) -> set[str]:
     return set(cls.parameters()) | ({"preset"} if cls.presets else set())
 
 
-def make_policy(name: str, preset: str | None = None, **params) -> Policy:
+def make_policy(name: str, preset: str | None = None, **params: object) -> Policy:
     """Build a method by name; parameters set to None are left at their defaults (or at `preset`'s values, which
     parameters given beside it override)."""
     if name not in METHODS:
@@ -273,7 +274,7 @@ def make_policy(name: str, preset: str | None = None, **params) -> Policy:
     return cls(**given)
 
 
-def policy_of(method: str | Policy, **params) -> Policy:
+def policy_of(method: str | Policy, **params: Any) -> Policy:
     """`method` as a Policy: a name is built with `params` (`make_policy`); a Policy object is taken as it is and
     refuses parameters beside it, which it would ignore (its own were set when it was made)."""
     if not isinstance(method, Policy):

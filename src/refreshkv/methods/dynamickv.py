@@ -99,7 +99,7 @@ class DynamicState(SelectionState):
         self.selected, self.filled = width, 0
 
 
-def _with_empty_slots(tensor: Tensor, at: int, count: int, fill) -> Tensor:
+def _with_empty_slots(tensor: Tensor, at: int, count: int, fill: float) -> Tensor:
     """`tensor` (B, Hkv, slots, ...) with `count` slots holding `fill` inserted at slot `at`."""
     empty = tensor.new_full((*tensor.shape[:2], count, *tensor.shape[3:]), fill)
     return torch.cat([tensor[:, :, :at], empty, tensor[:, :, at:]], dim=2)
@@ -186,7 +186,7 @@ class DynamicKV(SnapKV):
     r_max: float = 5.0
     interval: int = 4
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         check_positive("interval", self.interval)
         if (

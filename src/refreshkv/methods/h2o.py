@@ -66,7 +66,7 @@ class H2O(SelectionPolicy):
 
     aggregation: str = "max"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
 

@@ -54,7 +54,7 @@ class Oracle(BudgetPolicy[FullStore]):
 
     aggregation: str = "max"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
 

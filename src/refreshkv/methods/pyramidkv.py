@@ -28,7 +28,7 @@ from .snapkv import SnapKV
 DEFAULT_BETA = 20.0
 
 
-def check_beta(value) -> None:
+def check_beta(value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1:
         raise PolicyError(f"beta must be a number >= 1 (top layer budget = K / beta), got {value!r}")
 
@@ -94,7 +94,7 @@ class PyramidKV(SnapKV):
     pooling: str = "centered"  # its paper's (snapkv's default keeps whole words)
     beta: float = DEFAULT_BETA
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         check_beta(self.beta)
 

@@ -151,7 +151,7 @@ class Quest(BudgetPolicy[PagedStore]):
     dense_layers: int = 2
     aggregation: str = "max"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         check_positive("page_size", self.page_size)
         if not isinstance(self.dense_layers, int) or isinstance(self.dense_layers, bool) or self.dense_layers < 0:

@@ -46,7 +46,7 @@ from ..core.selection import SelectionLayer, SelectionPolicy
 GROUP_REDUCTIONS = ("norm", "max")
 
 
-def position_ranking(length: int, sink: int, pads: Tensor | None, device) -> Tensor:
+def position_ranking(length: int, sink: int, pads: Tensor | None, device: torch.device) -> Tensor:
     """(B or 1, length) positions in ranked order: the first `sink` real tokens, the rest backwards, then the pads."""
     positions = torch.arange(length, device=device)
     pad = torch.zeros(1, 1, dtype=torch.long, device=device) if pads is None else pads.view(-1, 1)
@@ -106,7 +106,7 @@ class ReFreeKV(SelectionPolicy):
     keep_layers: int = 2
     aggregation: str = "norm"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.budget is not None or self.budget_ratio is not None:
             raise PolicyError("refreekv sets its budget from the threshold T; do not give budget or budget_ratio")
         if (

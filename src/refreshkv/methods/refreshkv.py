@@ -135,7 +135,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     full_cache: str = "dense"
     group_size: int = DEFAULT_GROUP_SIZE
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         check_positive("stride", self.stride, allow_none=True)
         check_positive("qc_stride", self.qc_stride, allow_none=True)

@@ -53,7 +53,7 @@ class SnapKV(SelectionPolicy):
     pooling: str = "span"  # the papers' is "centered" (preset "paper"); span keeps whole words: issue 30
     aggregation: str = "max"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         check_positive("window", self.window)
         check_kernel(self.kernel)

@@ -23,7 +23,7 @@ from ..core.policy import PolicyError, register
 from ..core.selection import SelectionLayer, SelectionPolicy
 
 
-def check_sinks(value) -> None:
+def check_sinks(value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise PolicyError(f"sinks must be an integer >= 0, got {value!r}")
 
@@ -33,7 +33,7 @@ def effective_sinks(sinks: int, budget: int) -> int:
     return max(0, min(sinks, budget - 1))
 
 
-def sink_recent_scores(length: int, sinks: int, pads: Tensor | None, batch: int, device) -> Tensor:
+def sink_recent_scores(length: int, sinks: int, pads: Tensor | None, batch: int, device: torch.device) -> Tensor:
     """(B, length) float32 keep-priority of each prompt position: +inf for a row's sinks, the position for the
     others, -inf for left padding. Keeping the top K gives sinks + most recent; evicting the minimum the oldest."""
     positions = torch.arange(length, device=device)
@@ -58,7 +58,7 @@ class StreamingLLM(SelectionPolicy):
 
     sinks: int = 4
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         check_sinks(self.sinks)
 

@@ -58,7 +58,7 @@ class StreamingLLMPlusPlus(BudgetPolicy[FullCacheStore]):
     full_cache: str = "dense"
     group_size: int = DEFAULT_GROUP_SIZE
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         check_sinks(self.sinks)
         check_positive("stride", self.stride)
