@@ -26,7 +26,8 @@ def plot_trace(trace: dict, tokens: list[str], path: Path) -> None:
     steps, layers = trace["steps"], trace["layers"]
     panels = [panel for panel in PANELS if panel[0] != "needle" or trace["needle_positions"]]
     width = min(4 + 0.18 * len(steps), 40)
-    figure, axes = plt.subplots(len(panels), 1, figsize=(width, 1.2 + 0.12 * len(layers) * len(panels) + 1.5))
+    panel_height = max(1.2, 0.12 * len(layers))  # a model with few traced layers (Gemma: 3) still gets readable rows
+    figure, axes = plt.subplots(len(panels), 1, figsize=(width, 1.5 + panel_height * len(panels)))
     axes = np.atleast_1d(axes)
     full = np.array([step["full"] for step in steps], dtype=bool).T  # (layers, steps)
     for axis, (name, title) in zip(axes, panels):
