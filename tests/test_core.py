@@ -305,9 +305,17 @@ def test_prompt_longer_than_context_is_refused(llama):
         generate(llama, random_prompt(1020), method="full", max_new_tokens=10)
 
 
-def test_window_larger_than_prompt_is_refused(llama):
-    with pytest.raises(PolicyError, match="window"):
-        generate(llama, random_prompt(5), method="refreshkv", window=8, max_new_tokens=2)
+def test_a_window_longer_than_the_prompt_starts_with_the_whole_prompt(llama):
+    """A window of 8 over a 5-token prompt selects at prefill as a window of 5 does, then fills up as it decodes."""
+    held = []
+    for window in (5, 8):
+        cache = PolicyCache(make_policy("refreshkv", budget=2, window=window, pooling="centered"), llama, 3)
+        with torch.no_grad():
+            llama(random_prompt(5), **with_cache(llama, cache))
+        held.append(cache.layers[1].state.partial.store.positions.clone())
+    assert torch.equal(held[0], held[1])
+    longer = generate(llama, random_prompt(5), method="refreshkv", budget=2, window=8, stride=2, max_new_tokens=6)
+    assert longer.cache.layers[1].state.recent.shape[2] == 8  # 5 prompt queries and 5 steps: the last 8
 
 
 @pytest.mark.parametrize("method", ["snapkv", "streamingllm", "h2o", "refreekv"])

@@ -4,7 +4,8 @@ Each layer keeps the full cache C_f and a partial cache C_p of K tokens per KV h
 recycled-attention.txt §2.3, §6):
 - prefill: full attention; C_p = top-K tokens by the attention of the last `window` prompt tokens, max-pooled over
   positions (`kernel`) and aggregated over the query heads of a GQA group (`aggregation`, max by default, A.3);
-  the observation window then slides with decoding: it always holds the last `window` queries (prompt and decoded);
+  the observation window then slides with decoding: it always holds the last `window` queries (prompt and decoded;
+  a shorter prompt starts it with all of its own);
 - partial step: attend to C_p plus the new token, which takes the slot of the lowest-scored entry, so C_p keeps K
   entries besides the newest token;
 - full step: attend to all of C_f and rebuild C_p from the attention of the window's queries (with `window` 1, the
@@ -59,7 +60,6 @@ from ..core.policy import (
     check_choice,
     check_kernel,
     check_positive,
-    check_window,
     is_number,
     register,
 )
@@ -170,9 +170,6 @@ class RefreshKV(BudgetPolicy[RefreshState]):
                 "use query='post_rope'"
             )
         return unrotate(mean, layer.positions(query.device), inv_freq)
-
-    def check_prompt(self, shortest: int) -> None:
-        check_window("window", self.window, shortest)
 
     # -- prefill ---------------------------------------------------------------------------------------------------
     def store_prompt(self, layer: RefreshLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> None:
