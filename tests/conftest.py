@@ -80,6 +80,26 @@ def tiny_model(family: str = "llama", layers: int = 3, seed: int = 0, **override
     return model.eval()
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models decode fastest on one thread: a second one only waits for it (seconds on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def forward_shapes(model) -> list[tuple[int, ...]]:
+    """A list that records the shape of the token ids of every forward pass of `model` from now on."""
+    shapes = []
+
+    def record(_, args, kwargs):
+        shapes.append(tuple((args[0] if args else kwargs["input_ids"]).shape))
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    return shapes
+
+
 @pytest.fixture(scope="session")
 def llama():
     return tiny_model("llama")

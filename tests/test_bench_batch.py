@@ -4,8 +4,7 @@ refusals that come before anything is timed."""
 import json
 
 import pytest
-import torch
-from conftest import tiny_model
+from conftest import forward_shapes, tiny_model
 from test_bad_input import WordTokenizer, assert_one_line_error, cli, no_model, tiny_loader  # noqa: F401
 
 import refreshkv
@@ -23,14 +22,7 @@ from refreshkv.measure.batch_memory import (
 
 MB = 2**20
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models decode fastest on one thread: a second one only waits for it (seconds on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def test_rows_are_distinct_windows_of_the_book_and_row_0_is_the_single_prompt():
@@ -221,17 +213,10 @@ def test_a_batch_that_fits_only_a_row_per_prefill_forward_is_prefilled_so(monkey
     model = tiny_model("llama", layers=1)
     at_once = bench.run_bench(model, WordTokenizer(), methods, [40], new_tokens=4, rounds=1, batches=[3])
     monkeypatch.setattr(bench, "check_fits", lambda *args: 1)  # what fits here: one row per prefill forward
-    prompts = []
-
-    def record(_, args, kwargs):
-        ids = args[0] if args else kwargs["input_ids"]
-        if ids.shape[1] > 1:
-            prompts.append(tuple(ids.shape))
-
-    model.register_forward_pre_hook(record, with_kwargs=True)
+    shapes = forward_shapes(model)
     grouped = bench.run_bench(model, WordTokenizer(), methods, [40], new_tokens=4, rounds=1, batches=[3])
     # one row sized (batch_memory.row_bytes), then the reference's prefill and the methods' shared one, a row per forward
-    assert prompts == [(1, 36)] * 7
+    assert [shape for shape in shapes if shape[1] > 1] == [(1, 36)] * 7
     assert [row["prefill_rows"] for row in grouped["rows"]] == [1, 1, 1]
     assert [row["prefill_rows"] for row in at_once["rows"]] == [3, 3, 3]
     assert [row["tokens"] for row in grouped["rows"]] == [row["tokens"] for row in at_once["rows"]]

@@ -3,7 +3,7 @@ prefilled in one forward: same tokens, logits, statistics and bytes for every me
 
 import pytest
 import torch
-from conftest import random_prompt, tiny_model
+from conftest import forward_shapes, random_prompt, tiny_model
 from test_method_contract import left_pad, max_diff, small_budget
 
 import refreshkv
@@ -45,12 +45,7 @@ def test_every_method_decodes_as_if_prefilled_at_once(family, kind):
 
 def test_the_methods_share_each_groups_forward():
     model = tiny_model("llama", layers=1)
-    shapes = []
-
-    def record(_, args, kwargs):
-        shapes.append(tuple((args[0] if args else kwargs["input_ids"]).shape))
-
-    model.register_forward_pre_hook(record, with_kwargs=True)
+    shapes = forward_shapes(model)
     refreshkv.generate_many(
         model, random_prompt(30, batch=5), methods=policies(), max_new_tokens=2, eos_token_id=[], prefill_rows=2
     )
