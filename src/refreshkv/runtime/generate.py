@@ -175,6 +175,7 @@ class GenerationSettings(SamplingSettings):
     eos_check_every: int | None = None
     compile: bool = False
     prefill_rows: int | None = None
+    decode_rows: int | None = None
 
     @classmethod
     def of(cls, settings: GenerationSettings | None = None, **keywords) -> GenerationSettings:
@@ -245,6 +246,7 @@ def generate_many(
         max_new_tokens, eos_token_id = forced_tokens.shape[1], []
     check_new_tokens(max_new_tokens)
     check_positive("prefill_rows", settings.prefill_rows, allow_none=True)
+    decode_rows = check_decode_rows(settings.decode_rows, input_ids.shape[0])
     decoding = settings.decoding(input_ids.device)
     attention_mask = check_attention_mask(attention_mask, input_ids)
     check_length(model, int(attention_mask.sum(-1).max()), max_new_tokens)
@@ -255,7 +257,7 @@ def generate_many(
     if settings.compile:
         check_compile_works()
 
-    if fidelity and (settings.do_sample or forced_tokens is not None or input_ids.shape[0] != 1 or len(policies) < 2):
+    if fidelity and (settings.do_sample or forced_tokens is not None or decode_rows != 1 or len(policies) < 2):
         raise ValueError(
             "fidelity compares greedy answers of one prompt (a batch of 1) with the first method's: "
             "give two methods or more, no sampling, no forced tokens"
@@ -270,6 +272,8 @@ def generate_many(
     outputs = {}
     for group in groups:
         logits, prefill_s = prefill_in_groups(model, input_ids, attention_mask, group, settings.prefill_rows)
+        logits, mask, repeat_s = repeat_rows(group, logits, attention_mask, decode_rows)
+        prefill_s += repeat_s
         for cache in group:
             if id(cache) in follows:  # fed the reference's answer, compared with it, then dropped
                 reference = outputs[id(caches[0])]
@@ -278,7 +282,7 @@ def generate_many(
                     model,
                     cache,
                     logits,
-                    attention_mask,
+                    mask,
                     forced.shape[1],
                     decoding,
                     eos[:0],
@@ -294,7 +298,7 @@ def generate_many(
                 model,
                 cache,
                 logits,
-                attention_mask,
+                mask,
                 max_new_tokens,
                 decoding,
                 eos,
@@ -348,6 +352,37 @@ def prefill_in_groups(model, input_ids, attention_mask, caches, rows: int | None
             join_caches(list(parts))
         seconds += time.perf_counter() - start
     return torch.cat(logits), seconds
+
+
+def check_decode_rows(decode_rows: int | None, prompts: int) -> int:
+    """Rows to decode (None: the prompt's), refused below the prompt's rows, which each decode at least once."""
+    check_positive("decode_rows", decode_rows, allow_none=True)
+    if decode_rows is not None and decode_rows < prompts:
+        raise ValueError(
+            f"decode_rows ({decode_rows}) is fewer than the prompt's {prompts} rows; give at least {prompts}"
+        )
+    return prompts if decode_rows is None else decode_rows
+
+
+def copied_rows(prompts: int, rows: int, device) -> torch.Tensor:
+    """(rows,): the prompt row that each of `rows` decoded rows copies, the prompts in turn (row r copies r mod
+    `prompts`), so that `rows` needs no multiple of `prompts`."""
+    return torch.arange(rows, device=device) % prompts
+
+
+def repeat_rows(caches, logits, attention_mask, rows: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """`caches`, the prompt's last logits and its mask, prefilled for N rows, repeated to `rows` (`copied_rows`):
+    each cache one layer at a time (`batch_select_indices`), every copy its own tensors. Returns the logits, the mask
+    and the seconds it took (nothing done where `rows` is N)."""
+    if rows == logits.shape[0]:
+        return logits, attention_mask, 0.0
+    start = time.perf_counter()
+    copies = copied_rows(logits.shape[0], rows, logits.device)
+    for cache in caches:
+        cache.batch_select_indices(copies)
+    logits, attention_mask = logits[copies], attention_mask[copies]
+    synchronize(logits.device)
+    return logits, attention_mask, time.perf_counter() - start
 
 
 def decode(
