@@ -118,6 +118,20 @@ def test_the_cap_arithmetic_on_hand_made_sizes():
         check_cap(512 * MB, 512 * MB)
 
 
+def test_copies_made_after_the_prefill_need_only_the_distinct_rows_prefill():
+    row = RowBytes(kv=300 * MB, kv_layer=30 * MB, decode=20 * MB, prefill=1000 * MB)
+    room = 6 * GB - 512 * MB
+    # 16 rows from 4: the decode step holds the most (16 x 320), the prefill 4 x 300 + 1000, the copies 16 x 300 + 4 x 30
+    assert working_set(16, 1, [row], distinct=4) == 16 * 320 * MB
+    assert working_set(16, 2, [row], distinct=16) == working_set(16, 2, [row])  # every row distinct
+    assert largest_batch(room, [row], distinct=4) == 17  # 17 x 320 <= 5632 < 18 x 320 (every row distinct: 15)
+    assert most_prefill_rows(17, room, [row], distinct=4) == 4  # no more than the distinct rows
+    wide = RowBytes(kv=300 * MB, kv_layer=150 * MB, decode=1 * MB, prefill=10 * MB)
+    assert working_set(10, 4, [wide], distinct=4) == (10 * 300 + 4 * 150) * MB  # copying a layer of 4 rows
+    assert working_set(10, 2, [wide], distinct=4) == (10 * 300 + 4 * 150) * MB  # joining 4 rows' layer holds less
+    assert check_fits(10**6, [row], True, None, "x", distinct=4) == 4  # free memory unknown: all 4 at once
+
+
 def test_a_run_that_fits_only_in_groups_prefills_as_many_rows_per_forward_as_fit():
     full, small = RowBytes(300 * MB, 30 * MB, 20 * MB, 500 * MB), RowBytes(40 * MB, 4 * MB, 20 * MB, 500 * MB)
     kv = 4 * 340 * MB  # 4 rows of both methods at once (a shared prefill)

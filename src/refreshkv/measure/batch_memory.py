@@ -14,10 +14,13 @@ A row's bytes under a method (`RowBytes`):
   attention output), queries, keys and values, the MLP's gate, up and product, and attention scores of up to 256
   prompt queries per query head (H2O scores the prompt in blocks of 256).
 
-A run of B rows holds B x kv throughout, and at its peak the largest of three transients that never overlap
-(`working_set`): the decode step's, B x decode; the prefill's, G x prefill for G rows per prefill forward (the batch
-is prefilled a few rows at a time when all at once would not fit, runtime/generate.py `prefill_in_groups`); and,
-when G < B, the join of the groups' caches, B x kv_layer (engine/join_rows.py moves one layer at a time).
+A run of B rows prefills N of them (N = B, or `bench --distinct-rows N`: the N rows repeated to B after the prefill,
+runtime/generate.py `repeat_rows`) and its peak is the most that one of four phases holds (`working_set`):
+- a prefill forward: N x kv and G x prefill for G rows per forward (a batch is prefilled a few rows at a time when
+  all at once would not fit, runtime/generate.py `prefill_in_groups`);
+- when G < N, the join of the groups' caches: N x kv and N x kv_layer (engine/join_rows.py moves one layer at a time);
+- when N < B, the copies: B x kv and N x kv_layer (one layer at a time, its N rows freed once copied);
+- a decode step: B x kv and B x decode.
 `--memory-cap` bounds the whole run: weights + that working set (the process's own memory, the interpreter and
 PyTorch's libraries, is not counted); each method's batch is the largest that fits with one row per prefill forward,
 and its prefill then takes as many rows per forward as still fit. A run without a cap is checked against the memory
@@ -112,13 +115,25 @@ def check_cap(cap: float, weights: int) -> None:
         raise ValueError(f"--memory-cap {gb(cap)} does not hold the model's weights ({gb(weights)}); give more")
 
 
-def working_set(batch: int, prefill_rows: int, rows: list[RowBytes]) -> int:
+def prefilled_rows(batch: int, distinct: int | None) -> int:
+    """Rows a batch prefills: `distinct` (None: every row), at most the batch; the others are copies of them."""
+    return batch if distinct is None else min(distinct, batch)
+
+
+def working_set(batch: int, prefill_rows: int, rows: list[RowBytes], distinct: int | None = None) -> int:
     """Bytes beside the weights at the peak of a run of `batch` rows of each of `rows` (methods whose caches exist at
-    once: a shared prefill), prefilled `prefill_rows` rows per forward: their KV, and the largest transient (module
-    doc), one method's at a time."""
-    join = batch * max(row.kv_layer for row in rows) if prefill_rows < batch else 0
-    transients = (batch * max(row.decode for row in rows), prefill_rows * max(row.prefill for row in rows), join)
-    return batch * sum(row.kv for row in rows) + max(transients)
+    once: a shared prefill), `distinct` of them prefilled (None: all; the others copies of those), `prefill_rows` per
+    forward: the most that one phase of the run holds (module doc), one method's transient at a time."""
+    prefilled = prefilled_rows(batch, distinct)
+    kv = sum(row.kv for row in rows)
+    layer = max(row.kv_layer for row in rows)
+    phases = (
+        prefilled * kv + prefill_rows * max(row.prefill for row in rows),
+        prefilled * kv + (prefilled * layer if prefill_rows < prefilled else 0),
+        batch * kv + (prefilled * layer if prefilled < batch else 0),
+        batch * kv + batch * max(row.decode for row in rows),
+    )
+    return max(phases)
 
 
 def _most(fits, limit: int) -> int:
@@ -126,19 +141,25 @@ def _most(fits, limit: int) -> int:
     return bisect.bisect_left(range(1, limit + 1), True, key=lambda n: not fits(n))
 
 
-def largest_batch(room: float, rows: list[RowBytes]) -> int:
-    """The most rows of each of `rows` whose run fits in `room` bytes, prefilled one row at a time (0: not one)."""
-    return _most(lambda batch: working_set(batch, 1, rows) <= room, int(room // sum(row.kv for row in rows)) + 1)
+def largest_batch(room: float, rows: list[RowBytes], distinct: int | None = None) -> int:
+    """The most rows of each of `rows` whose run fits in `room` bytes, `distinct` of them prefilled (None: all), one
+    row at a time (0: not one)."""
+    most = int(room // sum(row.kv for row in rows)) + 1
+    return _most(lambda batch: working_set(batch, 1, rows, distinct) <= room, most)
 
 
-def most_prefill_rows(batch: int, room: float, rows: list[RowBytes]) -> int:
-    """Rows per prefill forward for a run of `batch` rows that fits in `room` (0: not even one at a time)."""
-    return _most(lambda group: working_set(batch, group, rows) <= room, batch)
+def most_prefill_rows(batch: int, room: float, rows: list[RowBytes], distinct: int | None = None) -> int:
+    """Rows per prefill forward for a run of `batch` rows, `distinct` of them prefilled (None: all), that fits in
+    `room` (0: not even one at a time)."""
+    return _most(lambda group: working_set(batch, group, rows, distinct) <= room, prefilled_rows(batch, distinct))
 
 
-def capped_batches(cap: float, weights: int, rows: dict[str, RowBytes], length: int) -> dict[str, int]:
-    """Each method's largest batch under `cap` beside the weights; refused if a method fits no row."""
-    batches = {name: largest_batch(cap - weights, [row]) for name, row in rows.items()}
+def capped_batches(
+    cap: float, weights: int, rows: dict[str, RowBytes], length: int, distinct: int | None = None
+) -> dict[str, int]:
+    """Each method's largest batch under `cap` beside the weights, `distinct` rows prefilled (None: all); refused if
+    a method fits no row."""
+    batches = {name: largest_batch(cap - weights, [row], distinct) for name, row in rows.items()}
     for name, batch in batches.items():
         if batch == 0:
             need = working_set(1, 1, [rows[name]])
@@ -149,17 +170,19 @@ def capped_batches(cap: float, weights: int, rows: dict[str, RowBytes], length: 
     return batches
 
 
-def check_fits(batch: int, rows: list[RowBytes], together: bool, available: int | None, what: str) -> int:
-    """Rows per prefill forward for `batch` rows of each method in `rows` in `available` bytes (None: unknown, all
-    at once), refused where not even one at a time fits. `together`: one prefill for all, whose caches then exist
-    at once; else one method at a time."""
+def check_fits(
+    batch: int, rows: list[RowBytes], together: bool, available: int | None, what: str, distinct: int | None = None
+) -> int:
+    """Rows per prefill forward for `batch` rows of each method in `rows`, `distinct` of them prefilled (None: all),
+    in `available` bytes (None: unknown, all at once), refused where not even one at a time fits. `together`: one
+    prefill for all, whose caches then exist at once; else one method at a time."""
     if available is None:
-        return batch
+        return prefilled_rows(batch, distinct)
     runs = [rows] if together else [[row] for row in rows]
-    prefill_rows = min(most_prefill_rows(batch, available, run) for run in runs)
+    prefill_rows = min(most_prefill_rows(batch, available, run, distinct) for run in runs)
     if prefill_rows == 0:
-        most = min(largest_batch(available, run) for run in runs)
-        need = max(working_set(batch, 1, run) for run in runs)
+        most = min(largest_batch(available, run, distinct) for run in runs)
+        need = max(working_set(batch, 1, run, distinct) for run in runs)
         shared = " (the methods' caches at once: fewer methods or --no-share-prefill need less)" if together else ""
         raise ValueError(
             f"{what} needs about {gb(need)} for KV, decode and a one-row prefill{shared}; {gb(available)} are free "
