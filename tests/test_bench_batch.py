@@ -4,10 +4,12 @@ refusals that come before anything is timed."""
 import json
 
 import pytest
+import torch
 from conftest import forward_shapes, tiny_model
 from test_bad_input import WordTokenizer, assert_one_line_error, cli, no_model, tiny_loader  # noqa: F401
 
 import refreshkv
+from refreshkv.engine.cache_argument import with_cache
 from refreshkv.measure import batch_memory, bench
 from refreshkv.measure.batch_memory import (
     GB,
@@ -79,17 +81,20 @@ def test_a_run_of_one_row_works_out_no_row_sizes(monkeypatch):
     assert run(monkeypatch)["row_bytes"] == {}
 
 
-def test_under_a_cap_each_method_runs_alone_at_its_largest_batch(monkeypatch):
+@pytest.mark.parametrize("distinct", [None, 2])
+def test_under_a_cap_each_method_runs_alone_at_its_largest_batch(distinct, monkeypatch):
     model = tiny_model("llama", layers=1)
     cap = bench.weight_bytes(model) + 0.5 * MB
-    result = run(monkeypatch, memory_cap=cap)
+    result = run(monkeypatch, memory_cap=cap, distinct_rows=distinct)
     sizes = result["row_bytes"]["40"]
     room = cap - result["machine"]["weight_bytes"]
     for row in result["rows"]:
         rows = [RowBytes(**sizes[row["method"]])]
-        assert row["batch"] == largest_batch(room, rows) and row["peak_process_bytes"] is not None  # alone: its own
-        assert row["prefill_rows"] == most_prefill_rows(row["batch"], room, rows)
-        assert working_set(row["batch"], row["prefill_rows"], rows) <= room  # the whole run, its prefill included
+        assert row["batch"] == largest_batch(room, rows, distinct) and row["peak_process_bytes"] is not None  # alone
+        assert row["prefill_rows"] == most_prefill_rows(row["batch"], room, rows, distinct)
+        assert row["distinct_rows"] == (distinct or row["batch"])
+        # the whole run, its prefill included
+        assert working_set(row["batch"], row["prefill_rows"], rows, distinct) <= room
     batches = {row["method"]: row["batch"] for row in result["rows"]}
     assert batches["streamingllm"] > batches["full"] == batches["transformers"] > 1
     full = next(row for row in result["rows"] if row["method"] == "full")
@@ -151,10 +156,20 @@ def test_a_run_that_fits_only_in_groups_prefills_as_many_rows_per_forward_as_fit
         (["--batch", "1,x"], "--batch expects comma-separated integers"),
         (["--memory-cap", "0"], "--memory-cap expects a size > 0 GB, got 0"),
         (["--memory-cap", "6", "--batch", "4"], "--memory-cap chooses each method's batch: leave out --batch"),
+        (["--distinct-rows", "0"], "--distinct-rows expects an integer >= 1, got 0"),
+        (
+            ["--batch", "1,2,8", "--distinct-rows", "4"],
+            "--distinct-rows 4 is more than --batch 2 holds: give at most 2",
+        ),
     ],
 )
 def test_bad_batches_and_caps_are_one_line_before_loading(args, message, no_model, monkeypatch, capsys):  # noqa: F811
     assert_one_line_error(*cli(monkeypatch, capsys, "bench", *args)[::2], message)
+
+
+def test_distinct_rows_beside_a_batch_of_one_or_a_cap_are_fine():
+    for batches, cap in (([1], None), ([1], 6 * GB), ([1, 4, 8], None)):
+        bench.check_batching(batches, cap, 4)
 
 
 def test_profile_refuses_batch_0_before_loading(no_model, monkeypatch, capsys):  # noqa: F811
@@ -199,8 +214,12 @@ def test_a_batched_result_shows_a_throughput_table_per_batch():
     rows = [{"method": "full", "length": 100, "batch": b, "decode_ms_per_step": 10.0 * b} for b in (1, 8)]
     machine = {"device": "cpu", "threads": 1, "dtype": "float32", "memory_bandwidth_gb_s": 10.0, "weight_bytes": 1}
     result = {"rows": rows, "machine": machine, "new_tokens": 8, "rounds": 1, "batches": [1, 8]}
-    titles = [table.title for table in bench_tables(result)]
-    assert titles[0] == "throughput at 100 tokens of context, batch 1" and titles[4].endswith("batch 8")
+    tables = bench_tables(result)
+    assert tables[0].title == "throughput at 100 tokens of context, batch 1" and tables[4].title.endswith("batch 8")
+    assert tables[0].caption == "every row a distinct prompt"
+    copied = bench_tables({**result, "distinct_rows": 4})
+    assert copied[0].caption == "every row a distinct prompt"  # batch 1
+    assert copied[4].caption.startswith("4 distinct prompts a batch, repeated to its rows after the prefill")
     assert "| batch |" in markdown_table(result) and "| batch |" not in markdown_table({**result, "batches": [1]})
     json.dumps(result)
 
@@ -209,7 +228,7 @@ def test_the_cli_writes_each_batchs_rows(tiny_loader, tmp_path, monkeypatch, cap
     monkeypatch.setattr(bench, "memory_bandwidth", lambda device: 1e10)
     out = tmp_path / "bench.json"
     args = ["--methods", "full,streamingllm", "--budget", "8", "--lengths", "40", "--new-tokens", "4", "--rounds", "1"]
-    code, printed, _ = cli(monkeypatch, capsys, "bench", *args, "--batch", "1,2", "--json", out)
+    code, printed, _ = cli(monkeypatch, capsys, "bench", *args, "--batch", "1,2", "--distinct-rows", "1", "--json", out)
     result = json.loads(out.read_text())
     assert code in (0, None) and "throughput at 40 tokens of context, batch 2" in printed
     assert [(row["method"], row["batch"]) for row in result["rows"]] == [
@@ -219,6 +238,7 @@ def test_the_cli_writes_each_batchs_rows(tiny_loader, tmp_path, monkeypatch, cap
         ("streamingllm", 2),
     ]
     assert result["batches"] == [1, 2] and set(result["row_bytes"]["40"]) == {"full", "streamingllm"}
+    assert result["distinct_rows"] == 1 and {row["distinct_rows"] for row in result["rows"]} == {1}
 
 
 def test_a_batch_that_fits_only_a_row_per_prefill_forward_is_prefilled_so(monkeypatch):
@@ -234,3 +254,41 @@ def test_a_batch_that_fits_only_a_row_per_prefill_forward_is_prefilled_so(monkey
     assert [row["prefill_rows"] for row in grouped["rows"]] == [1, 1, 1]
     assert [row["prefill_rows"] for row in at_once["rows"]] == [3, 3, 3]
     assert [row["tokens"] for row in grouped["rows"]] == [row["tokens"] for row in at_once["rows"]]
+
+
+def test_a_batch_from_fewer_distinct_rows_prefills_those_and_decodes_every_row(monkeypatch):
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda device: 1e10)
+    methods = {"transformers": {}, "full": {}, "streamingllm": {"budget": 8}}
+    model = tiny_model("llama", layers=1)
+    every_row = bench.run_bench(model, WordTokenizer(), methods, [40], 4, rounds=1, batches=[5])
+    shapes = forward_shapes(model)
+    copied = bench.run_bench(model, WordTokenizer(), methods, [40], 4, rounds=1, batches=[5], distinct_rows=2)
+    # one row sized (batch_memory.row_bytes), then the reference's prefill and the methods' shared one: 2 rows each
+    assert [shape for shape in shapes if shape[1] > 1] == [(1, 36), (2, 36), (2, 36)]
+    assert {shape for shape in shapes if shape[1] == 1} == {(5, 1)}  # every decode step reads five rows
+    assert copied["distinct_rows"] == 2 and every_row["distinct_rows"] is None
+    for ours, theirs in zip(copied["rows"], every_row["rows"]):
+        assert (ours["batch"], ours["distinct_rows"], ours["prefill_rows"]) == (5, 2, 2)
+        assert ours["prefill_tokens_per_s"] == pytest.approx(2 * 36 / ours["prefill_s"])  # the tokens prefilled
+        assert ours["kv_bytes_held"] == theirs["kv_bytes_held"]  # five rows' own KV either way
+        assert ours["tokens"] == theirs["tokens"]  # row 0 is the book's start either way
+
+
+def test_the_references_copies_decode_the_tokens_of_their_originals():
+    model = tiny_model("llama", layers=2)
+    ids = bench.bench_prompt(WordTokenizer(), 30, rows=2)
+
+    @torch.inference_mode()
+    def greedy(ids, decode_rows):
+        cache, logits = bench.transformers_prefill(model, ids, None, decode_rows)
+        assert all(layer.keys.shape[0] == logits.shape[0] for layer in cache.layers)  # each copy its own keys
+        tokens = []
+        for _ in range(6):
+            tokens.append(logits.argmax(dim=-1, keepdim=True))
+            logits = model(tokens[-1], **with_cache(model, cache), use_cache=True).logits[:, -1]
+        return torch.cat(tokens, dim=1).tolist()
+
+    copies = greedy(ids, 5)
+    assert len(copies) == 5
+    for row, tokens in enumerate(copies):
+        assert tokens == greedy(ids[row % 2][None], None)[0], row

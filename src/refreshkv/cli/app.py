@@ -345,6 +345,13 @@ def bench(
             "batch that fits (worked out first; excludes --batch)."
         ),
     ] = None,
+    distinct_rows: Annotated[
+        Optional[int],
+        typer.Option(
+            help="Distinct prompts a batch prefills (at most each --batch above 1): repeated to the batch's rows "
+            "after the prefill, each copy its own KV, so that B rows cost N prefills (default: every row distinct)."
+        ),
+    ] = None,
 ):
     """Decode speed, memory and distance to the bandwidth floor of methods, interleaved in one run."""
     from tqdm.auto import tqdm
@@ -358,7 +365,7 @@ def bench(
     length_list = parse_integers(lengths, "--lengths", 16)
     batches = parse_integers(batch, "--batch", 1)
     cap = None if memory_cap is None else memory_cap * GB
-    check_batching(batches, cap)
+    check_batching(batches, cap, distinct_rows)
     if plot is not None:
         check_plotting()
     for output in [json_out, *(plot_paths(plot) if plot is not None else ())]:
@@ -386,6 +393,7 @@ def bench(
             compile=compile,
             batches=batches,
             memory_cap=cap,
+            distinct_rows=distinct_rows,
         )
     finally:
         for bar in bars:

@@ -14,7 +14,9 @@ one prefill, every batch size in every round; tokens/s is B x steps / decode tim
 weights once and every row's KV. With `memory_cap`, each method runs alone at the largest batch whose run fits under
 the cap beside the weights (batch_memory.py). Either way each row's bytes are worked out first, a batch whose one
 prefill forward would not fit (under the cap, or in the memory free here) is prefilled a few rows per forward
-(`prefill_rows` in the results), and a run that would not fit even so is refused before anything is timed.
+(`prefill_rows` in the results), and a run that would not fit even so is refused before anything is timed. With
+`distinct_rows` N a batch of B rows prefills N distinct rows and decodes B: the N repeated after the prefill, each copy
+its own KV (runtime/generate.py `repeat_rows`), so that a large batch costs N prefills, not B.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from transformers import DynamicCache
 
 from ..core.policy import label_notes, make_policy
 from ..engine.cache_argument import with_cache
-from ..runtime.generate import check_length, generate, generate_many, synchronize
+from ..runtime.generate import check_length, generate, generate_many, repeat_rows, synchronize
 from ..texts import book_text
 from .batch_memory import (
     GB,
@@ -40,6 +42,7 @@ from .batch_memory import (
     check_cap,
     check_fits,
     most_prefill_rows,
+    prefilled_rows,
     proc_bytes,
     row_bytes,
 )
@@ -112,14 +115,27 @@ def bench_prompt(tokenizer, length: int, rows: int = 1) -> torch.Tensor:
     return torch.tensor([loop[row * len(ids) // rows :][:length] for row in range(rows)])
 
 
-def check_batching(batches: list[int], memory_cap: float | None) -> None:
-    """Batch sizes >= 1, or instead of them a cap (bytes) > 0 that chooses each method's batch."""
-    if not batches or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batches):
+def is_count(value: object) -> bool:
+    """An integer >= 1 (a bool is none)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_batching(batches: list[int], memory_cap: float | None, distinct_rows: int | None = None) -> None:
+    """Batch sizes >= 1, or instead of them a cap (bytes) > 0 that chooses each method's batch; distinct rows >= 1
+    and, beside batch sizes, no more than any of them but a batch of one (which is its own distinct row)."""
+    if not batches or not all(map(is_count, batches)):
         raise ValueError(f"--batch expects integers >= 1, got {batches}")
     if memory_cap is not None and not memory_cap > 0:
         raise ValueError(f"--memory-cap expects a size > 0 GB, got {memory_cap / GB:g}")
     if memory_cap is not None and batches != [1]:
         raise ValueError("--memory-cap chooses each method's batch: leave out --batch")
+    if distinct_rows is not None and not is_count(distinct_rows):
+        raise ValueError(f"--distinct-rows expects an integer >= 1, got {distinct_rows}")
+    smaller = [batch for batch in batches if distinct_rows is not None and 1 < batch < distinct_rows]
+    if smaller:
+        raise ValueError(
+            f"--distinct-rows {distinct_rows} is more than --batch {min(smaller)} holds: give at most {min(smaller)}"
+        )
 
 
 class PeakMemory:
@@ -169,6 +185,7 @@ class Run:
     tokens: list[int] = dataclasses.field(default_factory=list)  # greedy tokens (compare eager with --compile runs)
     batch: int = 1  # rows decoded together
     prefill_rows: int = 1  # rows per prefill forward
+    distinct_rows: int = 1  # rows prefilled, the others copies of them
 
 
 def split_steps(step_s: list[float], full_layers: list[float], num_layers: int) -> tuple[list[float], list[float]]:
@@ -192,15 +209,19 @@ def run_round(
     share_prefill: bool,
     compile: bool = False,
     prefill_rows: int | None = None,
+    decode_rows: int | None = None,
 ) -> list[Run]:
-    """One run of each of `names`, in that order, prefilled `prefill_rows` rows per forward (None: all at once).
+    """One run of each of `names`, in that order, prefilled `prefill_rows` rows per forward (None: all at once), the
+    rows of `ids` repeated to `decode_rows` after the prefill (None: `ids`'s rows decode).
     Shared: one prefill for all (its time in every Run, peak memory unattributable); otherwise each method prefills
     alone and its peak memory is its own."""
     runs = {}
     if REFERENCE in names:
-        runs[REFERENCE] = run_transformers_once(model, ids, new_tokens, peak, prefill_rows)
+        runs[REFERENCE] = run_transformers_once(model, ids, new_tokens, peak, prefill_rows, decode_rows)
     policies = {name: make_policy(method_of(name), **methods[name]) for name in names if name != REFERENCE}
-    decoding = dict(max_new_tokens=new_tokens, eos_token_id=[], compile=compile, prefill_rows=prefill_rows)
+    decoding = dict(
+        max_new_tokens=new_tokens, eos_token_id=[], compile=compile, prefill_rows=prefill_rows, decode_rows=decode_rows
+    )
     if share_prefill and policies:
         outs = generate_many(model, ids, methods=list(policies.values()), **decoding)
         runs.update((name, run_from(name, ids, new_tokens, out, None)) for name, out in zip(policies, outs))
@@ -210,7 +231,7 @@ def run_round(
             out = generate(model, ids, method=policy, **decoding)
             runs[name] = run_from(name, ids, new_tokens, out, peak.peak_bytes())
     for run in runs.values():
-        run.prefill_rows = prefill_rows or run.batch
+        run.prefill_rows = prefill_rows or run.distinct_rows
     return [runs[name] for name in names]
 
 
@@ -235,14 +256,16 @@ def run_from(method: str, ids, new_tokens: int, result, peak_bytes: int | None) 
         full_steps_s=full_steps,
         partial_steps_s=partial_steps,
         tokens=result.tokens[0],
-        batch=ids.shape[0],
+        batch=len(result.tokens),
+        distinct_rows=ids.shape[0],
     )
 
 
-def transformers_prefill(model, ids, rows: int | None) -> tuple[DynamicCache, torch.Tensor]:
+def transformers_prefill(model, ids, rows: int | None, decode_rows: int | None) -> tuple[DynamicCache, torch.Tensor]:
     """Stock transformers' prefill of `ids`, `rows` rows per forward (None: all at once): each group into a
     DynamicCache of its own, joined into the first one layer at a time (keys and values concatenated along the batch,
-    each group's layer dropped once moved), as `prefill_in_groups` does for the methods. Returns it and the logits."""
+    each group's layer dropped once moved), as `prefill_in_groups` does for the methods, then repeated to
+    `decode_rows` rows (None: as many as `ids`) as `repeat_rows` repeats theirs. Returns it and the logits."""
     rows = rows or ids.shape[0]
     caches, logits = [], []
     for start in range(0, ids.shape[0], rows):
@@ -255,16 +278,19 @@ def transformers_prefill(model, ids, rows: int | None) -> tuple[DynamicCache, to
             layers[0].values = torch.cat([layer.values for layer in layers])
             for layer in layers[1:]:
                 layer.keys = layer.values = None
-    return caches[0], torch.cat(logits)
+    logits, _, _ = repeat_rows(caches[:1], torch.cat(logits), torch.ones_like(ids), decode_rows or ids.shape[0])
+    return caches[0], logits
 
 
-def run_transformers_once(model, ids, new_tokens, peak: PeakMemory, prefill_rows: int | None) -> Run:
+def run_transformers_once(
+    model, ids, new_tokens, peak: PeakMemory, prefill_rows: int | None, decode_rows: int | None = None
+) -> Run:
     """Stock transformers decoding (DynamicCache + SDPA): the reference the project's speed targets quote."""
     peak.reset()
     device = ids.device
     with torch.inference_mode():
         start = time.perf_counter()
-        cache, logits = transformers_prefill(model, ids, prefill_rows)
+        cache, logits = transformers_prefill(model, ids, prefill_rows, decode_rows)
         synchronize(device)
         prefill_s = time.perf_counter() - start
         step_s = []
@@ -286,7 +312,8 @@ def run_transformers_once(model, ids, new_tokens, peak: PeakMemory, prefill_rows
         held,
         held,
         peak.peak_bytes(),
-        batch=ids.shape[0],
+        batch=logits.shape[0],
+        distinct_rows=ids.shape[0],
     )
 
 
@@ -307,9 +334,10 @@ def summarize(runs: list[Run], weights: int, bandwidth: float) -> dict:
         "length": runs[0].length,
         "batch": batch,
         "prefill_rows": runs[0].prefill_rows,
+        "distinct_rows": runs[0].distinct_rows,
         "rounds": len(runs),
         "prefill_s": prefill,
-        "prefill_tokens_per_s": batch * (runs[0].length - runs[0].new_tokens) / prefill,
+        "prefill_tokens_per_s": runs[0].distinct_rows * (runs[0].length - runs[0].new_tokens) / prefill,
         "decode_ms_per_step": 1000 * median_step,
         "decode_ms_per_token": 1000 * median_step / batch,
         "decode_ms_spread": 1000 * (max(per_step) - min(per_step)),
@@ -370,12 +398,13 @@ def plan_units(
     batches: list[int],
     memory_cap: float | None,
     share_prefill: bool,
+    distinct_rows: int | None = None,
 ) -> tuple[dict[int, list[Unit]], dict[int, dict]]:
     """What each length runs, and each method's bytes per row there (batch_memory.py; not worked out for a run of
     one row, which stays as before issue 48). Under `memory_cap` each method is a unit of its own at its largest
-    batch. A unit's prefill takes as many rows per forward as fit (under the cap, and in the memory free here). A
-    cap below the weights, a method without one row under the cap, and a unit that would not fit in the memory free
-    here even one prefill row at a time are refused, before anything is timed."""
+    batch. A unit prefills `distinct_rows` of its rows (None: all), as many per forward as fit (under the cap, and in
+    the memory free here). A cap below the weights, a method without one row under the cap, and a unit that would not
+    fit in the memory free here even one prefill row at a time are refused, before anything is timed."""
     names = list(methods)
     if memory_cap is None and batches == [1]:
         return {length: [Unit(1, names, 1)] for length in lengths}, {}
@@ -396,17 +425,20 @@ def plan_units(
         if memory_cap is None:
             planned = [(batch, names) for batch in batches]
         else:
-            capped = capped_batches(memory_cap, weights, rows, length)
+            capped = capped_batches(memory_cap, weights, rows, length, distinct_rows)
             planned = [(capped[name], [name]) for name in names]
         units[length] = []
         for batch, unit in planned:
             # rows per prefill forward: as many as fit under the cap (a method alone there) and in the memory free here
-            most = batch if memory_cap is None else most_prefill_rows(batch, memory_cap - weights, [rows[unit[0]]])
+            most = prefilled_rows(batch, distinct_rows)
+            if memory_cap is not None:
+                most = most_prefill_rows(batch, memory_cap - weights, [rows[unit[0]]], distinct_rows)
             decoded = [name for name in unit if name != REFERENCE]  # the reference runs first, its cache then freed
             for group, at_once in ((decoded, together), ([REFERENCE] if REFERENCE in unit else [], False)):
                 if group:
                     what = f"{', '.join(group)} at batch {batch} and {length} tokens"
-                    most = min(most, check_fits(batch, [rows[name] for name in group], at_once, available, what))
+                    fits = check_fits(batch, [rows[name] for name in group], at_once, available, what, distinct_rows)
+                    most = min(most, fits)
             units[length].append(Unit(batch, unit, most))
     return units, sizes
 
@@ -437,6 +469,7 @@ def run_bench(
     compile: bool = False,
     batches: list[int] = (1,),
     memory_cap: float | None = None,
+    distinct_rows: int | None = None,
 ) -> dict:
     """Interleaved benchmark; `methods` maps a method name to its parameters. Returns rows + machine facts.
 
@@ -447,17 +480,20 @@ def run_bench(
     not measured per method (all caches exist together). With `compile` decode steps run compiled (`transformers`
     stays eager), after one untimed round that compiles the graphs for each length.
     `batches`: rows decoded together (`bench_prompt`); `memory_cap` (bytes; instead of `batches`): each method
-    alone at the largest batch that fits under it beside the weights (module doc). `progress(n)` is called with 0
+    alone at the largest batch that fits under it beside the weights (module doc); `distinct_rows` N: a batch of B
+    prefills N distinct rows, repeated to B after the prefill (None: every row distinct). `progress(n)` is called with 0
     once every check has passed, then with the runs each round completed at a length and batch.
     """
     check_methods(methods)
     batches = list(dict.fromkeys(batches))
-    check_batching(batches, memory_cap)
+    check_batching(batches, memory_cap, distinct_rows)
     for length in lengths:
         if length - new_tokens < 16:
             raise ValueError(f"length {length} leaves no room for a prompt before {new_tokens} new tokens")
         check_length(model, length - new_tokens, new_tokens)
-    units, sizes = plan_units(model, tokenizer, methods, lengths, new_tokens, batches, memory_cap, share_prefill)
+    units, sizes = plan_units(
+        model, tokenizer, methods, lengths, new_tokens, batches, memory_cap, share_prefill, distinct_rows
+    )
     if progress is not None:
         progress(0)  # every check passed
     share_prefill = share_prefill and memory_cap is None
@@ -466,16 +502,15 @@ def run_bench(
     weights = weight_bytes(model)
     peak = PeakMemory(device)
     prompts = {  # each ends at `length`
-        (length, batch): bench_prompt(tokenizer, length - new_tokens, batch).to(device)
+        (length, batch): bench_prompt(tokenizer, length - new_tokens, prefilled_rows(batch, distinct_rows)).to(device)
         for length in lengths
         for batch, *_ in units[length]
     }
     if compile:
         for length in lengths:
             for batch, unit, prefill_rows in units[length]:
-                run_round(
-                    model, prompts[length, batch], methods, unit, new_tokens, peak, share_prefill, compile, prefill_rows
-                )
+                ids = prompts[length, batch]
+                run_round(model, ids, methods, unit, new_tokens, peak, share_prefill, compile, prefill_rows, batch)
     runs: dict[tuple[int, int, str], list[Run]] = {
         (length, batch, name): [] for length in lengths for batch, unit, _ in units[length] for name in unit
     }
@@ -484,7 +519,9 @@ def run_bench(
             for batch, unit, prefill_rows in rotated(units[length], round_index):
                 order = rotated(unit, round_index)
                 ids = prompts[length, batch]
-                done = run_round(model, ids, methods, order, new_tokens, peak, share_prefill, compile, prefill_rows)
+                done = run_round(
+                    model, ids, methods, order, new_tokens, peak, share_prefill, compile, prefill_rows, batch
+                )
                 for run in done:
                     runs[length, batch, run.method].append(run)
                 if progress is not None:
@@ -514,6 +551,7 @@ def run_bench(
         "shared_prefill": share_prefill,
         "batches": batches,
         "memory_cap_bytes": memory_cap,
+        "distinct_rows": distinct_rows,
         "row_bytes": {
             str(length): {name: dataclasses.asdict(row) for name, row in rows_at.items()}
             for length, rows_at in sizes.items()

@@ -95,6 +95,18 @@ def table_groups(result: dict) -> list[tuple[str, list[dict]]]:
     return groups
 
 
+def rows_note(result: dict, rows: list[dict]) -> str:
+    """What the batches of a throughput table's `rows` are: distinct prompts, or copies of a few (`--distinct-rows`;
+    a batch no larger holds only distinct ones)."""
+    distinct = result.get("distinct_rows")
+    if distinct is None or all(row["batch"] <= distinct for row in rows):
+        return "every row a distinct prompt"
+    return (
+        f"{distinct} distinct prompts a batch, repeated to its rows after the prefill (each copy its own KV; "
+        "refreshkv's copies decide their query checks alike)"
+    )
+
+
 def bench_tables(result: dict) -> list[Table]:
     machine = result["machine"]
     cpu = f"{machine['cpu']} (bf16 instructions: {machine['cpu_bf16']}), " if "cpu" in machine else ""
@@ -113,10 +125,8 @@ def bench_tables(result: dict) -> list[Table]:
     tables = []
     for where, rows in table_groups(result):
         for kind, columns in kinds:
-            table = Table(
-                title=f"{kind} at {where}",
-                caption=caption if kind == "memory and bandwidth floor" else None,
-            )
+            captions = {"memory and bandwidth floor": caption, "throughput": rows_note(result, rows)}
+            table = Table(title=f"{kind} at {where}", caption=captions.get(kind))
             for label, key, _ in columns:
                 if key == "peak_process_bytes" and "gpu" in machine:
                     label = "peak GPU MB"  # torch.cuda.max_memory_allocated, not the process's resident memory
