@@ -300,7 +300,8 @@ def test_bad_parameters(llama, method, params, words):
         refreshkv.generate(llama, random_prompt(20), method=method, max_new_tokens=2, **params)
 
 
-@pytest.mark.parametrize("method", ["snapkv", "pyramidkv", "refreshkv", "dynamickv"])
+# refreshkv's window slides with decoding, so a window longer than the prompt is accepted (test_core.py)
+@pytest.mark.parametrize("method", ["snapkv", "pyramidkv", "dynamickv"])
 def test_window_larger_than_prompt(llama, method):
     with pytest.raises(PolicyError, match="window") as error:
         refreshkv.generate(llama, random_prompt(12), method=method, max_new_tokens=2, window=16)

@@ -600,36 +600,15 @@ def test_a_preset_gives_its_values_and_parameters_beside_it_override_them():
 
 @pytest.mark.parametrize("window", [1, 5])
 def test_a_full_step_selects_with_the_window_of_the_last_queries_as_a_prompt_of_those_tokens_would(llama, window):
-    """The observation window slides with decoding: the C_p that a full step rebuilds after S steps is the one a
-    prompt ending in the same S decoded tokens gets at its prefill (the same keys and the same last `window` queries:
-    with a full step at every step, every hidden state is exact, as in the prefill)."""
-    ids, steps = random_prompt(80), 6
-    params = dict(budget=12, stride=1, window=window, pooling="centered")
-    decoded = generate(llama, ids, method="recycled", max_new_tokens=steps + 1, eos_token_id=[], **params)
-    longer = torch.cat([ids, torch.tensor([decoded.tokens[0][:steps]])], dim=1)  # the prompt and S written tokens
+    """The observation window slides with decoding: the C_p that a full step at step S rebuilds is the one a prompt
+    ending in the same S decoded tokens gets at its prefill (the same keys and the same last `window` queries)."""
+    ids, stride = random_prompt(80), 6
+    params = dict(budget=12, stride=stride, window=window, pooling="centered")
+    decoded = generate(llama, ids, method="recycled", max_new_tokens=stride + 1, eos_token_id=[], **params)
+    refreshed = decoded.cache.layers[1].state.partial.store.positions[..., :12]
+    longer = torch.cat([ids, torch.tensor([decoded.tokens[0][:stride]])], dim=1)  # the prompt and S written tokens
     cache = PolicyCache(make_policy("recycled", **params), llama, max_new_tokens=1)
     with torch.no_grad():
         llama(longer, **with_cache(llama, cache))
-    refreshed, at_prefill = decoded.cache.layers[1].state.partial, cache.layers[1].state.partial
-    assert torch.equal(
-        refreshed.store.positions[..., :12].sort(-1).values, at_prefill.store.positions[..., :12].sort(-1).values
-    )
-    torch.testing.assert_close(refreshed.scores, at_prefill.scores)
-
-
-def test_the_windows_own_tokens_are_kept_until_the_next_refresh(llama):
-    """With a window of w queries, C_p holds the last w tokens (scored +inf: partial steps never evict them) and the
-    top K - w of the rest; the papers' window of one keeps nothing besides the scores' top K."""
-    ids = random_prompt(60)
-    for window, kept in ((8, 8), (1, 0)):
-        cache = PolicyCache(make_policy("refreshkv", budget=12, window=window, threshold=-1.0), llama, 4)
-        with torch.no_grad():
-            llama(ids, **with_cache(llama, cache))
-        partial = cache.layers[2].state.partial
-        last = partial.store.positions >= 60 - window
-        assert (last.sum(-1) >= kept).all() and (
-            partial.scores[last & (partial.scores == float("inf"))].numel() == kept * 2
-        )
-    out = generate(llama, ids, method="refreshkv", budget=12, window=8, threshold=-1.0, max_new_tokens=6)
-    positions = out.cache.layers[2].state.partial.store.positions
-    assert all(set(range(52, 60)) <= set(row.tolist()) for row in positions[0])  # 5 partial steps later, still held
+    at_prefill = cache.layers[1].state.partial.store.positions[..., :12]
+    assert torch.equal(refreshed.sort(-1).values, at_prefill.sort(-1).values)

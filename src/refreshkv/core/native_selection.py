@@ -154,8 +154,7 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     library.gather_rows.argtypes = [pointer, pointer, BlockStrides, size, pointer, size, size, size, size, size]
     library.gather_rows.argtypes += [pointer, pointer, status]
     library.refresh_partial.argtypes = [pointer, size, size, size, size, status, size, size, pointer, size, pointer]
-    library.refresh_partial.argtypes += [size, size, pointer, pointer, BlockStrides, size, size, pointer, pointer]
-    library.refresh_partial.argtypes += [pointer]
+    library.refresh_partial.argtypes += [size, pointer, pointer, BlockStrides, size, size, pointer, pointer, pointer]
     library.refresh_partial.argtypes += [pointer, status]
     for function in (library.top_k_in_order, library.gather_rows, library.refresh_partial):
         function.restype = status
@@ -231,7 +230,6 @@ def refresh_partial(
     window: tuple[int, int],
     words: torch.Tensor | None,
     valid: torch.Tensor | None,
-    keep_last: int,
     k: int,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -239,8 +237,7 @@ def refresh_partial(
 ) -> bool:
     """A partial cache refreshed in one C call: `attention_math.selection_scores` with max (or `first_only`)
     aggregation and pooling `window` (before, after), spread over `words` (B, L) when given, -inf where `valid`
-    (broadcastable to (B, 1, 1, n)) is False, the last `keep_last` valid positions +inf (kept whatever their score),
-    its top k in position order (`top_k`), and those tokens loaded into
+    (broadcastable to (B, 1, 1, n)) is False, its top k in position order (`top_k`), and those tokens loaded into
     `store` = (keys, values, positions, scores) of a `SelectionState` as its `load` does, the slots from k on emptied.
     `per_head`: each query head's window-mean probabilities (B, Hkv, G, n), float32; keys and values (B, Hkv, n, D).
     False, with nothing written, where the C path is not available or a tensor lies otherwise."""
@@ -254,7 +251,6 @@ def refresh_partial(
     batch, heads, _, n = per_head.shape
     fits = (
         0 < k <= n
-        and 0 <= keep_last <= k
         and _token_rows_fit(batch, heads, k, keys, values, key_out, value_out)
         and keys.shape[2] == n
         and all(t.shape == key_out.shape[:3] and t.is_contiguous() for t in (positions, scores))
@@ -264,7 +260,7 @@ def refresh_partial(
         and (valid is None or (valid.dtype == torch.bool and valid.numel() == batch * n))
     )
     if fits:
-        arguments = (per_head, first_only, *window, words, valid, keep_last, k, keys, values, *store)
+        arguments = (per_head, first_only, *window, words, valid, k, keys, values, *store)
         (_refresh_operator if torch.compiler.is_compiling() else _refresh)(*arguments)
     return fits
 
@@ -330,9 +326,7 @@ def _gather(index, keys, values, key_out, value_out) -> None:
         raise IndexError(f"gather: an index is outside the {keys.shape[2]} tokens held")
 
 
-def _refresh(
-    per_head, first_only, before, after, words, valid, keep_last, k, keys, values, key_out, value_out, positions, scores
-):
+def _refresh(per_head, first_only, before, after, words, valid, k, keys, values, key_out, value_out, positions, scores):
     per_head = per_head.contiguous()
     batch, heads, group, n = per_head.shape
     words = None if words is None else words.to(torch.long).contiguous()
@@ -349,7 +343,6 @@ def _refresh(
         None if words is None else words.data_ptr(),
         0 if words is None else words.shape[1],
         None if valid is None else valid.data_ptr(),
-        keep_last,
         k,
         keys.data_ptr(),
         values.data_ptr(),
@@ -403,8 +396,7 @@ _gather_operator = _operator(
 _refresh_operator = _operator(
     "refresh_partial",
     _refresh,
-    "(Tensor per_head, bool first_only, int before, int after, Tensor? words, Tensor? valid, int keep_last, int k, "
-    "Tensor keys, Tensor values, Tensor(a!) key_out, Tensor(b!) value_out, Tensor(c!) positions, "
-    "Tensor(d!) scores) -> ()",
+    "(Tensor per_head, bool first_only, int before, int after, Tensor? words, Tensor? valid, int k, Tensor keys, "
+    "Tensor values, Tensor(a!) key_out, Tensor(b!) value_out, Tensor(c!) positions, Tensor(d!) scores) -> ()",
     lambda *arguments: None,
 )

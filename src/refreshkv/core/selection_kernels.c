@@ -281,9 +281,8 @@ int gather_rows(const char *keys, const char *values, BlockStrides strides, int6
    Per (batch, KV head), from `probs` (batch x heads x group x n: each query head's window-mean probabilities): the
    highest over the group (or the first head's with `first_only`), max-pooled over the `before` positions before and
    the `after` after each position, raised to the highest of its word over the first `length` positions where `words`
-   (batch x length) is given, -inf where `valid` (batch x n bytes, or NULL) is 0. The last `keep_last` positions
-   rank first whatever their score (those that are valid), with score +inf: an observation window's own tokens, kept
-   until the next refresh. Its k highest in position order (top_k_of_keys) fill the first k of the store's `slots`: their positions (`positions`, batch x heads x slots),
+   (batch x length) is given, -inf where `valid` (batch x n bytes, or NULL) is 0. Its k highest in position order
+   (top_k_of_keys) fill the first k of the store's `slots`: their positions (`positions`, batch x heads x slots),
    scores (`kept_scores`, likewise) and key and value rows (as gather_rows). The slots from k on are empty: position
    -1, score -inf, a copy of the last kept row.
    Per batch element, five steps, each shared out between `threads` threads: the group's highest and the pooling in
@@ -291,8 +290,7 @@ int gather_rows(const char *keys, const char *values, BlockStrides strides, int6
    Returns 0, or -1 with nothing written if no scratch space could be had. */
 AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads, int64_t group, int64_t n,
                                int first_only, int64_t before, int64_t after, const int64_t *words, int64_t length,
-                               const uint8_t *valid, int64_t keep_last, int64_t k, const char *key_source,
-                               const char *value_source,
+                               const uint8_t *valid, int64_t k, const char *key_source, const char *value_source,
                                BlockStrides strides, int64_t row_bytes, int64_t slots, char *key_out, char *value_out,
                                int64_t *positions, float *kept_scores, int threads) {
     /* per batch element: each head's k taken, its group's highest and its scores; per thread: order keys, candidates */
@@ -341,7 +339,6 @@ AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads,
             uint32_t *keys = thread_keys + THREAD_NUMBER() * 2 * n;
             if (valid)
                 for (int64_t i = 0; i < n; i++) scores[i] = valid[b * n + i] ? scores[i] : -INFINITY;
-            for (int64_t i = n - keep_last; i < n; i++) scores[i] = scores[i] > -INFINITY ? INFINITY : scores[i];
             for (int64_t i = 0; i < n; i++) keys[i] = order_key(scores[i]);
             top_k_of_keys(keys, n, k, taken + h * k, keys + n);
             int64_t out = (b * heads + h) * slots;

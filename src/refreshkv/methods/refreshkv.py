@@ -344,21 +344,14 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         keys, values = full_kv
         store = (partial.store.keys, partial.store.values, partial.store.positions, partial.scores)
         per_head = window_mean(probs)  # averaged once, whichever path scores it
-        # the window's own tokens (the question, the latest words) are kept until the next refresh, as SnapKV keeps
-        # its window; the papers' window of one query keeps nothing besides its scores
-        keep_last = min(probs.shape[3], k) if probs.shape[3] > 1 else 0
         if rows is None and self.aggregation != "mean":
-            pooling, first_only = pool_window(self.kernel, self.pooling), self.aggregation == "first"
-            if native_selection.refresh_partial(
-                per_head, first_only, pooling, words, valid, keep_last, k, keys, values, store
-            ):
+            window, first_only = pool_window(self.kernel, self.pooling), self.aggregation == "first"
+            if native_selection.refresh_partial(per_head, first_only, window, words, valid, k, keys, values, store):
                 partial.loaded(k)
                 return
         scores = selection_scores(per_head.unsqueeze(3), self.kernel, self.aggregation, self.pooling, words)
         if valid is not None:
             scores = scores.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
-        window = torch.arange(scores.shape[-1], device=scores.device) >= scores.shape[-1] - keep_last
-        scores = scores.masked_fill(window & (scores > float("-inf")), float("inf"))
         index, kept = keep_top(scores, k)  # pads scored -inf: a top k, no entry -1
         refreshed = partial if rows is None else SelectionState.empty_like(keys, partial.store.slots)
         refreshed.load(keys, values, index, kept, ragged=False)
