@@ -80,6 +80,8 @@ def test_dynamic_threshold_one_refreshes_at_every_qc_step(llama):
         qc_stride=qc,
         max_new_tokens=NEW,
         eos_token_id=[],
+        window=1,  # these tokens: a token written twice gives layer 0 its pre-RoPE query again (cosine 1, not below)
+        carry=0.0,
     )
     steps = result.cache.step
     assert steps == NEW - 1
@@ -105,7 +107,9 @@ def test_partial_cache_after_prefill_is_pooled_top_k(llama, monkeypatch):
         return original(query, keys, *args, **kwargs)
 
     monkeypatch.setattr(method, "attention_probs", spy)
-    cache = PolicyCache(make_policy("refreshkv", budget=10, pooling="centered"), llama.config, max_new_tokens=1)
+    cache = PolicyCache(
+        make_policy("refreshkv", budget=10, pooling="centered", window=1), llama.config, max_new_tokens=1
+    )
     with torch.no_grad():
         llama(random_prompt(64), **with_cache(llama, cache))
     query, keys = seen[0]  # layer 0: query (1, 4, 1, 16), keys (1, 2, 64, 16)
@@ -305,17 +309,41 @@ def test_prompt_longer_than_context_is_refused(llama):
         generate(llama, random_prompt(1020), method="full", max_new_tokens=10)
 
 
-def test_a_window_longer_than_the_prompt_starts_with_the_whole_prompt(llama):
-    """A window of 8 over a 5-token prompt selects at prefill as a window of 5 does, then fills up as it decodes."""
+def test_a_window_longer_than_the_prompt_takes_the_whole_prompt(llama):
+    """The default window (32) over a 5-token prompt selects at prefill as a window of 5 does."""
     held = []
-    for window in (5, 8):
+    for window in (5, 32):
         cache = PolicyCache(make_policy("refreshkv", budget=2, window=window, pooling="centered"), llama, 3)
         with torch.no_grad():
             llama(random_prompt(5), **with_cache(llama, cache))
         held.append(cache.layers[1].state.partial.store.positions.clone())
     assert torch.equal(held[0], held[1])
-    longer = generate(llama, random_prompt(5), method="refreshkv", budget=2, window=8, stride=2, max_new_tokens=6)
-    assert longer.cache.layers[1].state.recent.shape[2] == 8  # 5 prompt queries and 5 steps: the last 8
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+@pytest.mark.parametrize("carry, kept", [(0.0, [2, 3]), (0.4, [2, 3]), (0.5, [1, 2]), (1.0, [1, 2])])
+def test_a_refresh_keeps_a_held_token_whose_carried_score_still_ranks(monkeypatch, native, carry, kept):
+    """K = 2 of 6 tokens. The first selection keeps 1 (0.9) and 4 (0.05); the refresh's query scores 2 at 0.5, 3 at
+    0.4 and 1 at 0: token 1 stays where carry x 0.9 beats 0.4. A decoded token in C_p carries nothing."""
+    from types import SimpleNamespace
+
+    from refreshkv.core.selection import APPENDED, SelectionState
+    from refreshkv.methods.refreshkv import RefreshKV
+
+    monkeypatch.setenv("REFRESHKV_NATIVE", native)
+    keys, values = torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4)
+    layer = SimpleNamespace(state=SimpleNamespace(partial=SelectionState.empty_like(keys, 3)), prompt_spans=None)
+    method = RefreshKV(budget=2, kernel=1, pooling="centered", carry=carry)
+    probs = torch.tensor([[0.0, 0.9, 0.0, 0.0, 0.05, 0.05], [0.0, 0.0, 0.5, 0.4, 0.0, 0.1]]).view(2, 1, 1, 1, 1, 6)
+    method._refresh(layer, probs[0], None, (keys, values))
+    partial = layer.state.partial
+    assert partial.store.positions[0, 0, :2].tolist() == [1, 4]
+    partial.store.positions[0, 0, 2], partial.scores[0, 0, 2] = 5, APPENDED + 3  # token 5, decoded
+    method._refresh(layer, probs[1], None, (keys, values))
+    assert partial.store.positions[0, 0, :2].tolist() == kept
+    assert partial.scores[0, 0, :2].tolist() == pytest.approx(
+        [max(0.5 if i == 2 else 0.4 if i == 3 else 0.0, carry * 0.9 if i == 1 else 0) for i in kept]
+    )
 
 
 @pytest.mark.parametrize("method", ["snapkv", "streamingllm", "h2o", "refreekv"])
@@ -588,7 +616,8 @@ def test_a_preset_gives_its_values_and_parameters_beside_it_override_them():
     from refreshkv.core.policy import METHODS
 
     paper = make_policy("refreshkv", preset="paper", kernel=15)
-    assert (paper.kernel, paper.pooling, paper.window, paper.aggregation) == (15, "centered", 1, "max")
+    assert (paper.kernel, paper.pooling, paper.window, paper.carry, paper.aggregation) == (15, "centered", 1, 0, "max")
+    assert (make_policy("refreshkv").window, make_policy("recycled").carry) == (32, 1.0)  # issue 47's defaults
     assert make_policy("snapkv", preset="paper").window == 1 and make_policy("snapkv").window == 32
     assert make_policy("recycled", preset="paper").stride == 10  # recycled's own schedule stays
     for name, cls in METHODS.items():  # every preset builds; a preset of one method is not another's
@@ -598,12 +627,11 @@ def test_a_preset_gives_its_values_and_parameters_beside_it_override_them():
         make_policy("pyramidkv", preset="paper")
 
 
-@pytest.mark.parametrize("window", [1, 5])
-def test_a_full_step_selects_with_the_window_of_the_last_queries_as_a_prompt_of_those_tokens_would(llama, window):
-    """The observation window slides with decoding: the C_p that a full step at step S rebuilds is the one a prompt
-    ending in the same S decoded tokens gets at its prefill (the same keys and the same last `window` queries)."""
+def test_a_full_step_of_the_papers_selection_selects_as_a_prompt_of_those_tokens_would(llama):
+    """Without carry, the C_p that a full step at step S rebuilds is the one a prompt ending in the same S decoded
+    tokens gets at its prefill with a window of 1 (the same keys, the same query)."""
     ids, stride = random_prompt(80), 6
-    params = dict(budget=12, stride=stride, window=window, pooling="centered")
+    params = dict(budget=12, stride=stride, window=1, carry=0.0, pooling="centered")
     decoded = generate(llama, ids, method="recycled", max_new_tokens=stride + 1, eos_token_id=[], **params)
     refreshed = decoded.cache.layers[1].state.partial.store.positions[..., :12]
     longer = torch.cat([ids, torch.tensor([decoded.tokens[0][:stride]])], dim=1)  # the prompt and S written tokens

@@ -261,3 +261,34 @@ def test_a_compiled_selection_calls_the_same_c_as_eager(monkeypatch):
     assert all(torch.equal(compiled, eager) for compiled, eager in zip(compiled_store, eager_store))
     positions = eager_store[2]
     assert (positions[..., :10] >= 0).all() and (positions[..., 10] == -1).all()  # 10 kept, one slot emptied
+
+
+@needs_compiler
+@pytest.mark.parametrize("carry", [0.3, 1.0])
+def test_a_refresh_carries_the_held_scores_in_c_as_in_pytorch(monkeypatch, carry):
+    """Two refreshes in a row, a decoded token and an empty slot in C_p between them: the same C_p either way."""
+    from refreshkv.core.selection import APPENDED
+
+    generator = torch.Generator().manual_seed(6)
+    batch, length, slots = 2, 300, 41
+    keys = torch.randn(batch, 3, length, 8, generator=generator)
+    values = torch.randn(batch, 3, length, 8, generator=generator)
+    first, second = (torch.rand(batch, 3, 2, 1, length, generator=generator) ** 4 * scale for scale in (1, 0.2))
+    method = RefreshKV(budget=slots - 1, kernel=5, pooling="centered", carry=carry)
+    held = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("REFRESHKV_NATIVE", native)
+        layer = SimpleNamespace(
+            state=SimpleNamespace(partial=SelectionState.empty_like(keys, slots)), prompt_spans=None
+        )
+        method._refresh(layer, first, None, (keys, values))
+        partial = layer.state.partial
+        partial.store.positions[:, :, -1], partial.scores[:, :, -1] = length - 1, APPENDED + 1  # a decoded token
+        partial.store.positions[:, :, 0], partial.scores[:, :, 0] = -1, float("-inf")  # an emptied slot
+        method._refresh(layer, second, None, (keys, values))
+        held.append((partial.store.positions.clone(), partial.scores.clone()))
+    assert torch.equal(held[0][0], held[1][0]) and torch.equal(held[0][1], held[1][1])
+    without = RefreshKV(budget=slots - 1, kernel=5, pooling="centered", carry=0.0)
+    layer = SimpleNamespace(state=SimpleNamespace(partial=SelectionState.empty_like(keys, slots)), prompt_spans=None)
+    without._refresh(layer, second, None, (keys, values))
+    assert not torch.equal(layer.state.partial.store.positions, held[0][0])  # the carry changed the selection

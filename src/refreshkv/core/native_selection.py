@@ -155,7 +155,7 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     library.gather_rows.argtypes += [pointer, pointer, status]
     library.refresh_partial.argtypes = [pointer, size, size, size, size, status, size, size, pointer, size, pointer]
     library.refresh_partial.argtypes += [size, pointer, pointer, BlockStrides, size, size, pointer, pointer, pointer]
-    library.refresh_partial.argtypes += [pointer, status]
+    library.refresh_partial.argtypes += [pointer, ctypes.c_float, ctypes.c_float, status]
     for function in (library.top_k_in_order, library.gather_rows, library.refresh_partial):
         function.restype = status
     return library
@@ -234,11 +234,14 @@ def refresh_partial(
     keys: torch.Tensor,
     values: torch.Tensor,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    carry: tuple[float, float] = (0.0, 0.0),
 ) -> bool:
     """A partial cache refreshed in one C call: `attention_math.selection_scores` with max (or `first_only`)
     aggregation and pooling `window` (before, after), spread over `words` (B, L) when given, -inf where `valid`
     (broadcastable to (B, 1, 1, n)) is False, its top k in position order (`top_k`), and those tokens loaded into
-    `store` = (keys, values, positions, scores) of a `SelectionState` as its `load` does, the slots from k on emptied.
+    `store` = (keys, values, positions, scores) of a `SelectionState` as its `load` does, the slots from k on emptied;
+    with `carry` = (share, below) and share > 0, each token the store holds with a score below `below` (the selected
+    ones, not the decoded ones) first scores at least share x its score there.
     `per_head`: each query head's window-mean probabilities (B, Hkv, G, n), float32; keys and values (B, Hkv, n, D).
     False, with nothing written, where the C path is not available or a tensor lies otherwise."""
     key_out, value_out, positions, scores = store
@@ -260,7 +263,7 @@ def refresh_partial(
         and (valid is None or (valid.dtype == torch.bool and valid.numel() == batch * n))
     )
     if fits:
-        arguments = (per_head, first_only, *window, words, valid, k, keys, values, *store)
+        arguments = (per_head, first_only, *window, words, valid, k, keys, values, *store, *map(float, carry))
         (_refresh_operator if torch.compiler.is_compiling() else _refresh)(*arguments)
     return fits
 
@@ -326,7 +329,23 @@ def _gather(index, keys, values, key_out, value_out) -> None:
         raise IndexError(f"gather: an index is outside the {keys.shape[2]} tokens held")
 
 
-def _refresh(per_head, first_only, before, after, words, valid, k, keys, values, key_out, value_out, positions, scores):
+def _refresh(
+    per_head,
+    first_only,
+    before,
+    after,
+    words,
+    valid,
+    k,
+    keys,
+    values,
+    key_out,
+    value_out,
+    positions,
+    scores,
+    carry,
+    carried_below,
+):
     per_head = per_head.contiguous()
     batch, heads, group, n = per_head.shape
     words = None if words is None else words.to(torch.long).contiguous()
@@ -353,6 +372,8 @@ def _refresh(per_head, first_only, before, after, words, valid, k, keys, values,
         value_out.data_ptr(),
         positions.data_ptr(),
         scores.data_ptr(),
+        carry,
+        carried_below,
         torch.get_num_threads(),
     )
     if failed:
@@ -397,6 +418,7 @@ _refresh_operator = _operator(
     "refresh_partial",
     _refresh,
     "(Tensor per_head, bool first_only, int before, int after, Tensor? words, Tensor? valid, int k, Tensor keys, "
-    "Tensor values, Tensor(a!) key_out, Tensor(b!) value_out, Tensor(c!) positions, Tensor(d!) scores) -> ()",
+    "Tensor values, Tensor(a!) key_out, Tensor(b!) value_out, Tensor(c!) positions, Tensor(d!) scores, "
+    "float carry, float carried_below) -> ()",
     lambda *arguments: None,
 )

@@ -281,7 +281,9 @@ int gather_rows(const char *keys, const char *values, BlockStrides strides, int6
    Per (batch, KV head), from `probs` (batch x heads x group x n: each query head's window-mean probabilities): the
    highest over the group (or the first head's with `first_only`), max-pooled over the `before` positions before and
    the `after` after each position, raised to the highest of its word over the first `length` positions where `words`
-   (batch x length) is given, -inf where `valid` (batch x n bytes, or NULL) is 0. Its k highest in position order
+   (batch x length) is given, -inf where `valid` (batch x n bytes, or NULL) is 0, and with `carry` > 0 at least carry
+   x its score in the store where the store holds it with a score below `carried_below` (the selected tokens, not the
+   decoded ones). Its k highest in position order
    (top_k_of_keys) fill the first k of the store's `slots`: their positions (`positions`, batch x heads x slots),
    scores (`kept_scores`, likewise) and key and value rows (as gather_rows). The slots from k on are empty: position
    -1, score -inf, a copy of the last kept row.
@@ -292,7 +294,8 @@ AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads,
                                int first_only, int64_t before, int64_t after, const int64_t *words, int64_t length,
                                const uint8_t *valid, int64_t k, const char *key_source, const char *value_source,
                                BlockStrides strides, int64_t row_bytes, int64_t slots, char *key_out, char *value_out,
-                               int64_t *positions, float *kept_scores, int threads) {
+                               int64_t *positions, float *kept_scores, float carry, float carried_below,
+                               int threads) {
     /* per batch element: each head's k taken, its group's highest and its scores; per thread: order keys, candidates */
     size_t indices = (size_t)(heads * k) * sizeof(int64_t), floats = (size_t)(2 * heads * n) * sizeof(float);
     char *space = scratch(indices + floats + (size_t)(threads * 2 * n) * sizeof(uint32_t));
@@ -337,11 +340,17 @@ AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads,
         for (int64_t h = 0; h < heads; h++) {
             float *scores = all_scores + h * n;
             uint32_t *keys = thread_keys + THREAD_NUMBER() * 2 * n;
+            int64_t out = (b * heads + h) * slots;
             if (valid)
                 for (int64_t i = 0; i < n; i++) scores[i] = valid[b * n + i] ? scores[i] : -INFINITY;
+            if (carry > 0) /* read before the slots below are rewritten */
+                for (int64_t slot = 0; slot < slots; slot++) {
+                    int64_t at = positions[out + slot];
+                    float previous = kept_scores[out + slot];
+                    if (at >= 0 && at < n && previous < carried_below) scores[at] = higher(carry * previous, scores[at]);
+                }
             for (int64_t i = 0; i < n; i++) keys[i] = order_key(scores[i]);
             top_k_of_keys(keys, n, k, taken + h * k, keys + n);
-            int64_t out = (b * heads + h) * slots;
             for (int64_t slot = 0; slot < slots; slot++) {
                 positions[out + slot] = slot < k ? taken[h * k + slot] : -1;
                 kept_scores[out + slot] = slot < k ? scores[taken[h * k + slot]] : -INFINITY;

@@ -2,14 +2,15 @@
 
 Each layer keeps the full cache C_f and a partial cache C_p of K tokens per KV head (refreshkv.txt §2.2, Fig. 2;
 recycled-attention.txt §2.3, §6):
-- prefill: full attention; C_p = top-K tokens by the attention of the last `window` prompt tokens, max-pooled over
-  positions (`kernel`) and aggregated over the query heads of a GQA group (`aggregation`, max by default, A.3);
-  the observation window then slides with decoding: it always holds the last `window` queries (prompt and decoded;
-  a shorter prompt starts it with all of its own);
+- prefill: full attention; C_p = top-K tokens by the attention of the last `window` prompt tokens (32 by default,
+  SnapKV's observation window, so that a question is read whole; the papers' 1, A.1), max-pooled over positions
+  (`kernel`) and aggregated over the query heads of a GQA group (`aggregation`, max by default, A.3);
 - partial step: attend to C_p plus the new token, which takes the slot of the lowest-scored entry, so C_p keeps K
   entries besides the newest token;
-- full step: attend to all of C_f and rebuild C_p from the attention of the window's queries (with `window` 1, the
-  papers' setting, the current query's alone).
+- full step: attend to all of C_f and rebuild C_p from the current query's attention, where each token C_p holds
+  scores at least `carry` x its score there (1 by default: a kept token keeps the best score it had; the papers' 0
+  rebuilds from the current query alone). Issue 47: one query selecting alone dropped the needle that the prefill's
+  window had found whenever the model wrote words before the answer (docs/results.md).
 C_f is read only at full steps, so it can be held in few bits or off the GPU (`full_cache`: dense, int8, int4, int2,
 offload; core/full_cache.py). Then a full step attends to the dequantized C_f and C_p is gathered from it; the
 prefill's selection uses the prompt's exact keys.
@@ -48,7 +49,6 @@ from ..core.attention_math import (
     decode_attention,
     pool_window,
     selection_scores,
-    weighted_values,
     window_mean,
 )
 from ..core.contract import MethodLayer
@@ -86,7 +86,6 @@ class RefreshState(LayerState):
     full: FullCacheStore  # C_f: dense, quantized or offloaded (core/full_cache.py)
     partial: SelectionState | None  # C_p: K slots + the newest token; None while K holds every token (see decode)
     anchor: torch.Tensor | None  # (B, D) compared query of the last full step (dynamic schedule only)
-    recent: torch.Tensor | None  # (B, Hq, <= window, D) the last queries, oldest first (None with `window` 1)
 
     def nbytes(self) -> int:
         return self.full.nbytes() + (self.partial.nbytes() if self.partial is not None else 0)
@@ -98,6 +97,15 @@ class RefreshState(LayerState):
 
     def kept(self, pads: Tensor | None) -> Tensor:
         return self.full.kept(pads)
+
+
+def carried(held: tuple[Tensor, Tensor], scores: Tensor, share: float) -> Tensor:
+    """`scores` (B, Hkv, n), where each token C_p holds (`held`: its positions and scores, (B, Hkv, slots)) scores at
+    least `share` x its score there; decoded tokens, never scored, and empty slots (position -1) carry nothing."""
+    positions, previous = held
+    selected = (positions >= 0) & (previous < APPENDED) & (positions < scores.shape[-1])
+    floor = torch.where(selected, previous * share, float("-inf"))
+    return scores.scatter_reduce(-1, positions.clamp(min=0) * selected, floor, reduce="amax")
 
 
 RefreshLayer = MethodLayer[RefreshState]  # the layer refreshkv works on: C_f, C_p and the schedule's state
@@ -113,23 +121,34 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     default); `stride` a full step every S decode steps (fixed schedule; excludes the next two);
     `qc_stride` (10) steps between query checks and `threshold` (0.85; 0.95 for Qwen2) the cosine below which a
     layer refreshes (dynamic schedule); `kernel` (7) max-pooling kernel and `pooling` (span: centred, then whole
-    words, engine/spans.py; centered: the papers'; forward: 1 token before a peak and kernel - 2 after), `window` (1)
-    last prompt tokens whose attention selects at prefill, `aggregation` (max) over a GQA group; `query` (pre_rope)
-    the space the check compares queries in; `full_cache` (dense) how C_f is held (int8/int4/int2, offload) and
-    `group_size` (32) its quantization groups.
+    words, engine/spans.py; centered: the papers'; forward: 1 token before a peak and kernel - 2 after), `window` (32)
+    last prompt tokens whose attention selects at prefill (a longer window takes the whole prompt), `carry` (1) the
+    share of its score in C_p that a kept token keeps at a refresh, `aggregation` (max) over a GQA group; `query`
+    (pre_rope) the space the check compares queries in; `full_cache` (dense) how C_f is held (int8/int4/int2,
+    offload) and `group_size` (32) its quantization groups.
     """
 
     name = "refreshkv"
     summary = "full cache + top-K partial cache, refreshed when the query drifts (or every `stride` steps)"
     # refreshkv.txt A.1, A.4 (recycled-attention.txt §3.2 for `recycled`): the selection of the papers' runs
-    presets = {"paper": {"kernel": 7, "pooling": "centered", "window": 1, "aggregation": "max", "query": "pre_rope"}}
+    presets = {
+        "paper": {
+            "kernel": 7,
+            "pooling": "centered",
+            "window": 1,
+            "carry": 0.0,
+            "aggregation": "max",
+            "query": "pre_rope",
+        }
+    }
 
     stride: int | None = None
     qc_stride: int | None = None
     threshold: float | None = None
     kernel: int = 7
     pooling: str = "span"  # the papers' is "centered" (preset "paper"); span keeps whole words: issue 30
-    window: int = 1
+    window: int = 32  # the papers' is 1 (preset "paper"): issue 47
+    carry: float = 1.0  # the papers' is 0 (preset "paper"): issue 47
     aggregation: str = "max"
     query: str = "pre_rope"
     full_cache: str = "dense"
@@ -146,6 +165,8 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         check_kernel(self.kernel)
         check_choice("pooling", self.pooling, POOLINGS)
         check_positive("window", self.window)
+        if not (is_number(self.carry) and 0 <= self.carry <= 1):
+            raise PolicyError(f"carry must be a share in [0, 1], got {self.carry!r}")
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
         check_choice("query", self.query, QUERY_SPACES)
         check_full_cache(self.full_cache, self.group_size)
@@ -178,12 +199,11 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         full = make_full_store(key, layer.capacity(), self.full_cache, self.group_size)
         full.append(key, value)
         anchor = self.compared_query(layer, query) if self.stride is None else None
-        recent = query[:, :, -self.window :].clone() if self.window > 1 else None
         if layer.budget >= layer.capacity():  # K holds the prompt and every announced token: C_p would copy C_f
-            layer.state = RefreshState(full, None, anchor, recent)
+            layer.state = RefreshState(full, None, anchor)
             return
         partial = SelectionState.empty_like(key, layer.budget + 1)
-        layer.state = RefreshState(full, partial, anchor, recent)
+        layer.state = RefreshState(full, partial, anchor)
         valid = layer.valid_positions(length, key.device)
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
         self._refresh(layer, probs, valid, (key, value))
@@ -192,7 +212,6 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     def decode(self, layer: RefreshLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
         state: RefreshState = layer.state
         state.full.append(key, value)
-        self._observe(state, query)
         if state.partial is None:  # K holds every token: a step of `full`, no second copy, no selection
             if state.full.length <= layer.budget + 1:
                 layer.record(1.0, state.full.attended_bytes())
@@ -211,9 +230,11 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         if need is True:
             layer.record(1.0, state.full.attended_bytes())
             return self._full_step(layer, query, scaling)
-        # Rows of the batch disagree: compute both and keep each row's own result.
+        # Rows of the batch disagree: compute both and keep each row's own result. A refreshed row carries the scores
+        # of C_p as it was before this step's token took a slot, as it would alone.
+        held = (state.partial.store.positions.clone(), state.partial.scores.clone())
         partial_out = self._partial_step(layer, query, key, value, scaling)
-        full_out = self._full_step(layer, query, scaling, rows=need)
+        full_out = self._full_step(layer, query, scaling, rows=need, held=held)
         layer.record(need.float().mean(), state.partial.nbytes() + state.full.attended_bytes())
         return torch.where(need.view(-1, 1, 1, 1), full_out, partial_out)
 
@@ -223,7 +244,6 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         answer is read from a selection made for the new question."""
         state: RefreshState = layer.state
         state.full.append(key, value)
-        self._observe(state, query)
         keys, values = state.full.view()
         valid = layer.valid_positions(state.full.length, keys.device)
         layer.record(1.0, state.full.attended_bytes())
@@ -232,9 +252,8 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             if state.full.length <= layer.budget + 1:
                 return output
             state.partial = SelectionState.empty_like(key, layer.budget + 1)
-        window = query[:, :, -self.window :] if state.recent is None else state.recent
-        probs = attention_probs(window, keys, scaling, valid, causal_tail=True)
-        self._refresh(layer, probs, valid, (keys, values))
+        probs = attention_probs(query[:, :, -self.window :], keys, scaling, valid, causal_tail=True)
+        self._refresh(layer, probs, valid, (keys, values), carry=False)
         if self.stride is None:
             state.anchor = self.compared_query(layer, query)
         return output
@@ -246,8 +265,6 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         if not isinstance(state.full, FullStore) or type(state.full).crop is not FullStore.crop:
             raise PolicyError(f"method '{self.name}' forgets tokens only with full_cache='dense'")
         state.full.crop(tokens)
-        if state.recent is not None:  # the window keeps the queries of the tokens that remain
-            state.recent = state.recent[:, :, : max(state.recent.shape[2] - tokens, 0)]
         partial = state.partial
         if partial is None:
             return
@@ -299,22 +316,19 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         store = partial.store
         return decode_attention(query, store.keys, store.values, scaling, partial.valid(layer.pads))
 
-    def _observe(self, state: RefreshState, query: Tensor) -> None:
-        """Slide the observation window over the new queries (each step's one, or a block's)."""
-        if state.recent is not None:
-            state.recent = torch.cat([state.recent, query], dim=2)[:, :, -self.window :]
-
-    def _full_step(self, layer: RefreshLayer, query: Tensor, scaling: Scaling, rows: Tensor | None = None) -> Tensor:
+    def _full_step(
+        self,
+        layer: RefreshLayer,
+        query: Tensor,
+        scaling: Scaling,
+        rows: Tensor | None = None,
+        held: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
         state: RefreshState = layer.state
         keys, values = state.full.view()
         valid = layer.valid_positions(state.full.length, keys.device)
-        if state.recent is None:
-            output, probs = attend_with_probs(query, keys, values, scaling, valid)
-            probs = probs.unsqueeze(3)
-        else:  # the window's last query is the current one: its probabilities give the output
-            probs = attention_probs(state.recent, keys, scaling, valid, causal_tail=True)
-            output = weighted_values(probs[:, :, :, -1], values)
-        self._refresh(layer, probs, valid, (keys, values), rows)
+        output, probs = attend_with_probs(query, keys, values, scaling, valid)
+        self._refresh(layer, probs.unsqueeze(3), valid, (keys, values), rows, held=held)
         if self.stride is None:
             current = self.compared_query(layer, query)
             if rows is not None and state.anchor is not None:  # the other rows keep theirs
@@ -329,6 +343,8 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         valid: Tensor | None,
         full_kv: tuple[Tensor, Tensor],
         rows: Tensor | None = None,
+        carry: bool = True,
+        held: tuple[Tensor, Tensor] | None = None,
     ) -> None:
         """Rebuild C_p from window probabilities (B, Hkv, G, w, n) over C_f's keys and values `full_kv` (read once
         per full step: a quantized C_f is dequantized once); only `rows` (B,) bool if given.
@@ -344,14 +360,19 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         keys, values = full_kv
         store = (partial.store.keys, partial.store.values, partial.store.positions, partial.scores)
         per_head = window_mean(probs)  # averaged once, whichever path scores it
+        carry_share = self.carry if carry else 0.0
         if rows is None and self.aggregation != "mean":
             window, first_only = pool_window(self.kernel, self.pooling), self.aggregation == "first"
-            if native_selection.refresh_partial(per_head, first_only, window, words, valid, k, keys, values, store):
+            if native_selection.refresh_partial(
+                per_head, first_only, window, words, valid, k, keys, values, store, (carry_share, APPENDED)
+            ):
                 partial.loaded(k)
                 return
         scores = selection_scores(per_head.unsqueeze(3), self.kernel, self.aggregation, self.pooling, words)
         if valid is not None:
             scores = scores.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
+        if carry_share > 0:
+            scores = carried(held or (partial.store.positions, partial.scores), scores, carry_share)
         index, kept = keep_top(scores, k)  # pads scored -inf: a top k, no entry -1
         refreshed = partial if rows is None else SelectionState.empty_like(keys, partial.store.slots)
         refreshed.load(keys, values, index, kept, ragged=False)
