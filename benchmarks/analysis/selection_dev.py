@@ -1,0 +1,129 @@
+"""Issue 47's tables: refreshkv's and recycled's old default selection (window 1, carry 0) against the new one
+(window 32, carry 1) beside full, the oracle, snapkv and quest, from the rows in docs/results/selection-dev/.
+
+    python benchmarks/analysis/selection_dev.py            # markdown tables on stdout
+
+Each cell is a mean over the examples of `refreshkv new` in its row (n; a column that has fewer says how many it
+has), so the columns compare example by example; perplexity is each method's mean over full's (as `refreshkv
+report`), with its 95% paired bootstrap interval. Rows of the candidates that were not adopted (a sliding window,
+other carries) are left out; their files' READMEs say what they hold.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+from pathlib import Path
+
+from refreshkv.eval import stats
+
+FOLDER = Path(__file__).resolve().parents[2] / "docs" / "results" / "selection-dev"
+STUDIES = {  # model: files, read in order (a repeated example keeps its first row)
+    "SmolLM2-135M-Instruct, 4K, chat": [
+        "smollm2.jsonl",
+        "smollm2-default.jsonl",
+        "smollm2-prefixed.jsonl",
+        "smollm2-new.jsonl",
+    ],
+    "Gemma 3 270M, 8K, base": ["gemma.jsonl", "gemma-new.jsonl"],
+    "Gemma 3 270M, 8K, multi-turn": ["multi-turn-gemma.jsonl", "multi-turn-gemma-new.jsonl"],
+    "Gemma 3 270M, 16K, K = 2048": ["gemma-16k-default.jsonl"],
+}
+COLUMNS = ["full", "oracle", "snapkv", "quest", "refreshkv old", "refreshkv new", "recycled old", "recycled new"]
+
+
+def column(row: dict) -> str | None:
+    """The table column of a row, or None for a candidate that was not adopted."""
+    method, params = row["method"], row["params"]
+    if method not in ("refreshkv", "recycled"):
+        return method if method in COLUMNS else None
+    window, carry = params.get("window", 1), params.get("carry", 0.0)
+    if "slide" in params:
+        return None
+    if window == 1 and carry == 0.0:
+        return f"{method} old"
+    if window == 32 and carry == 1.0:
+        return f"{method} new"
+    return None
+
+
+def budget(row: dict) -> str:
+    params = row["params"]
+    if "budget_ratio" in params:
+        return {0.0625: "L/16", 0.125: "L/8"}.get(params["budget_ratio"], str(params["budget_ratio"]))
+    return f"K={params['budget']}" if "budget" in params else "-"
+
+
+def form(row: dict) -> str:
+    return row["task_options"].get("question", "prefixed")
+
+
+def load(files: list[str]) -> dict:
+    """{(task, form): {column: {budget: {example: row}}}}; `full` under every budget."""
+    table: dict = collections.defaultdict(lambda: collections.defaultdict(lambda: collections.defaultdict(dict)))
+    for name in files:
+        path = FOLDER / name
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            label = column(row)
+            if label is not None:
+                cell = table[(row["task"], form(row))][label][budget(row)]
+                cell.setdefault(row["id"], row)
+    return table
+
+
+def generation_table(title: str, table: dict) -> list[str]:
+    lines = [
+        f"**{title}**: share right; n examples, those of `refreshkv new` (a column with fewer: its n after it)",
+        "",
+    ]
+    lines += ["| task | question | K | n | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 4) + "|"]
+    for (task, asked), columns in sorted(table.items()):
+        if task == "ppl":
+            continue
+        budgets = sorted({b for c in columns.values() for b in c if b != "-"}) or ["-"]
+        for k in budgets:
+            cells = {name: {**columns[name].get(k, {}), **columns[name].get("-", {})} for name in COLUMNS}
+            subject = cells["refreshkv new"] or cells["refreshkv old"]
+            if not subject:
+                continue
+            values = []
+            for name in COLUMNS:
+                shared = [i for i in subject if i in cells[name]]
+                mean = sum(cells[name][i]["score"] for i in shared) / len(shared) if shared else None
+                values.append(
+                    "" if mean is None else f"{mean:.2f}" + ("" if len(shared) == len(subject) else f" ({len(shared)})")
+                )
+            lines.append(f"| {task.split('/')[-1]} | {asked} | {k} | {len(subject)} | " + " | ".join(values) + " |")
+    return lines + [""]
+
+
+def perplexity_table(title: str, table: dict) -> list[str]:
+    columns = table.get(("ppl", "prefixed"))
+    if not columns or "full" not in columns:
+        return []
+    full = columns["full"]["-"]
+    lines = [f"**{title}**: perplexity over `full`'s [95% interval] (windows)", ""]
+    lines += ["| method | K | ratio | windows |", "|---|---|---|---|"]
+    for name in COLUMNS[1:]:
+        for k, rows in sorted(columns.get(name, {}).items()):
+            pairs = [(rows[i]["score"], full[i]["score"]) for i in rows if i in full]
+            estimate = stats.macro_ratio([pairs])
+            low, high = estimate.interval or (float("nan"), float("nan"))
+            lines.append(f"| {name} | {k} | {estimate.value:.3f} [{low:.3f}, {high:.3f}] | {len(pairs)} |")
+    return lines + [""]
+
+
+def main() -> None:
+    out = []
+    for title, files in STUDIES.items():
+        table = load(files)
+        out += generation_table(title, table) + perplexity_table(title, table)
+    sys.stdout.write("\n".join(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()
