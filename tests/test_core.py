@@ -617,7 +617,7 @@ def test_a_preset_gives_its_values_and_parameters_beside_it_override_them():
 
     paper = make_policy("refreshkv", preset="paper", kernel=15)
     assert (paper.kernel, paper.pooling, paper.window, paper.carry, paper.aggregation) == (15, "centered", 1, 0, "max")
-    assert (make_policy("refreshkv").window, make_policy("recycled").carry) == (32, 1.0)  # issue 47's defaults
+    assert (make_policy("refreshkv").window, make_policy("recycled").carry) == (32, 0.0)  # issue 47's defaults
     assert make_policy("snapkv", preset="paper").window == 1 and make_policy("snapkv").window == 32
     assert make_policy("recycled", preset="paper").stride == 10  # recycled's own schedule stays
     for name, cls in METHODS.items():  # every preset builds; a preset of one method is not another's

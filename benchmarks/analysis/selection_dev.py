@@ -1,12 +1,14 @@
-"""Issue 47's tables: refreshkv's and recycled's old default selection (window 1, carry 0) against the new one
-(window 32, carry 1) beside full, the oracle, snapkv and quest, from the rows in docs/results/selection-dev/.
+"""Issue 47's tables: refreshkv's and recycled's selection with the papers' window of 1 (the old default), with a
+window of 32 (the default) and with window 32 and carry 1, beside full, the oracle, snapkv and quest, from the rows
+in docs/results/selection-dev/.
 
     python benchmarks/analysis/selection_dev.py            # markdown tables on stdout
 
-Each cell is a mean over the examples of `refreshkv new` in its row (n; a column that has fewer says how many it
-has), so the columns compare example by example; perplexity is each method's mean over full's (as `refreshkv
-report`), with its 95% paired bootstrap interval. Rows of the candidates that were not adopted (a sliding window,
-other carries) are left out; their files' READMEs say what they hold.
+Each cell is a mean over the examples of its row (n: those of the refreshkv or recycled column with the most; a
+column with fewer says how many it has), so the columns compare example by example; perplexity is each method's
+mean over full's (as `refreshkv report`) on the windows every method of the table has, with its 95% paired
+bootstrap interval. Rows of the candidates that were not adopted (a sliding window, other carries) are left out;
+their files' READMEs say what they hold.
 """
 
 from __future__ import annotations
@@ -25,12 +27,17 @@ STUDIES = {  # model: files, read in order (a repeated example keeps its first r
         "smollm2-default.jsonl",
         "smollm2-prefixed.jsonl",
         "smollm2-new.jsonl",
+        "smollm2-carry.jsonl",
+        "smollm2-carry-ppl.jsonl",
+        "smollm2-carry-uuid.jsonl",
     ],
     "Gemma 3 270M, 8K, base": ["gemma.jsonl", "gemma-new.jsonl"],
     "Gemma 3 270M, 8K, multi-turn": ["multi-turn-gemma.jsonl", "multi-turn-gemma-new.jsonl"],
-    "Gemma 3 270M, 16K, K = 2048": ["gemma-16k-default.jsonl"],
+    "Gemma 3 270M, 16K, K = 2048": ["gemma-16k-default.jsonl", "gemma-16k-w32c0.jsonl"],
 }
-COLUMNS = ["full", "oracle", "snapkv", "quest", "refreshkv old", "refreshkv new", "recycled old", "recycled new"]
+SELECTIONS = {(1, 0.0): "w1", (32, 0.0): "w32", (32, 1.0): "w32 carry 1"}  # (window, carry): label
+COLUMNS = ["full", "oracle", "snapkv", "quest"]
+COLUMNS += [f"{method} {label}" for method in ("refreshkv", "recycled") for label in SELECTIONS.values()]
 
 
 def column(row: dict) -> str | None:
@@ -38,14 +45,11 @@ def column(row: dict) -> str | None:
     method, params = row["method"], row["params"]
     if method not in ("refreshkv", "recycled"):
         return method if method in COLUMNS else None
-    window, carry = params.get("window", 1), params.get("carry", 0.0)
-    if "slide" in params:
+    window, carry = params.get("window", 1), params.get("carry")
+    if window > 1 and carry is None:  # a window sliding with decoding (commits 751aa3e-bb21822): not adopted
         return None
-    if window == 1 and carry == 0.0:
-        return f"{method} old"
-    if window == 32 and carry == 1.0:
-        return f"{method} new"
-    return None
+    label = SELECTIONS.get((window, carry or 0.0))
+    return None if label is None else f"{method} {label}"
 
 
 def budget(row: dict) -> str:
@@ -77,7 +81,7 @@ def load(files: list[str]) -> dict:
 
 def generation_table(title: str, table: dict) -> list[str]:
     lines = [
-        f"**{title}**: share right; n examples, those of `refreshkv new` (a column with fewer: its n after it)",
+        f"**{title}**: share right; n examples (a column with fewer: its n after it)",
         "",
     ]
     lines += ["| task | question | K | n | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 4) + "|"]
@@ -87,7 +91,7 @@ def generation_table(title: str, table: dict) -> list[str]:
         budgets = sorted({b for c in columns.values() for b in c if b != "-"}) or ["-"]
         for k in budgets:
             cells = {name: {**columns[name].get(k, {}), **columns[name].get("-", {})} for name in COLUMNS}
-            subject = cells["refreshkv new"] or cells["refreshkv old"]
+            subject = max((cells[name] for name in COLUMNS[4:]), key=len)
             if not subject:
                 continue
             values = []
@@ -106,14 +110,14 @@ def perplexity_table(title: str, table: dict) -> list[str]:
     if not columns or "full" not in columns:
         return []
     full = columns["full"]["-"]
-    lines = [f"**{title}**: perplexity over `full`'s [95% interval] (windows)", ""]
-    lines += ["| method | K | ratio | windows |", "|---|---|---|---|"]
-    for name in COLUMNS[1:]:
-        for k, rows in sorted(columns.get(name, {}).items()):
-            pairs = [(rows[i]["score"], full[i]["score"]) for i in rows if i in full]
-            estimate = stats.macro_ratio([pairs])
-            low, high = estimate.interval or (float("nan"), float("nan"))
-            lines.append(f"| {name} | {k} | {estimate.value:.3f} [{low:.3f}, {high:.3f}] | {len(pairs)} |")
+    runs = [(name, k, rows) for name in COLUMNS[1:] for k, rows in sorted(columns.get(name, {}).items())]
+    windows = sorted(set(full).intersection(*[rows for _, _, rows in runs]))
+    lines = [f"**{title}**: perplexity over `full`'s [95% interval] on the {len(windows)} windows every row has", ""]
+    lines += ["| method | K | ratio |", "|---|---|---|"]
+    for name, k, rows in runs:
+        estimate = stats.macro_ratio([[(rows[i]["score"], full[i]["score"]) for i in windows]])
+        low, high = estimate.interval or (float("nan"), float("nan"))
+        lines.append(f"| {name} | {k} | {estimate.value:.3f} [{low:.3f}, {high:.3f}] |")
     return lines + [""]
 
 

@@ -7,10 +7,10 @@ recycled-attention.txt §2.3, §6):
   (`kernel`) and aggregated over the query heads of a GQA group (`aggregation`, max by default, A.3);
 - partial step: attend to C_p plus the new token, which takes the slot of the lowest-scored entry, so C_p keeps K
   entries besides the newest token;
-- full step: attend to all of C_f and rebuild C_p from the current query's attention, where each token C_p holds
-  scores at least `carry` x its score there (1 by default: a kept token keeps the best score it had; the papers' 0
-  rebuilds from the current query alone). Issue 47: one query selecting alone dropped the needle that the prefill's
-  window had found whenever the model wrote words before the answer (docs/results.md).
+- full step: attend to all of C_f and rebuild C_p from the current query's attention (as the papers); with `carry`
+  above 0 each token C_p holds scores at least `carry` x its score there (1: a kept token keeps the best score it
+  had). Issue 47 (docs/results.md): the window finds the needle of a question asked without an answer prefix; carry
+  1 also kept more multikey needles, but cost Gemma 3 270M 2.8% of perplexity at 16K, so it is not the default.
 C_f is read only at full steps, so it can be held in few bits or off the GPU (`full_cache`: dense, int8, int4, int2,
 offload; core/full_cache.py). Then a full step attends to the dequantized C_f and C_p is gathered from it; the
 prefill's selection uses the prompt's exact keys.
@@ -122,7 +122,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     `qc_stride` (10) steps between query checks and `threshold` (0.85; 0.95 for Qwen2) the cosine below which a
     layer refreshes (dynamic schedule); `kernel` (7) max-pooling kernel and `pooling` (span: centred, then whole
     words, engine/spans.py; centered: the papers'; forward: 1 token before a peak and kernel - 2 after), `window` (32)
-    last prompt tokens whose attention selects at prefill (a longer window takes the whole prompt), `carry` (1) the
+    last prompt tokens whose attention selects at prefill (a longer window takes the whole prompt), `carry` (0) the
     share of its score in C_p that a kept token keeps at a refresh, `aggregation` (max) over a GQA group; `query`
     (pre_rope) the space the check compares queries in; `full_cache` (dense) how C_f is held (int8/int4/int2,
     offload) and `group_size` (32) its quantization groups.
@@ -148,7 +148,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     kernel: int = 7
     pooling: str = "span"  # the papers' is "centered" (preset "paper"); span keeps whole words: issue 30
     window: int = 32  # the papers' is 1 (preset "paper"): issue 47
-    carry: float = 1.0  # the papers' is 0 (preset "paper"): issue 47
+    carry: float = 0.0  # 1 kept more multikey needles but cost perplexity at 16K: issue 47
     aggregation: str = "max"
     query: str = "pre_rope"
     full_cache: str = "dense"
