@@ -91,7 +91,7 @@ def test_cli_generate_json(embedded):
         "kv_bytes_attended_mean",
     ):
         assert key in result
-    assert result["new_tokens"] == 6 and result["prompt_tokens"] > 10
+    assert 0 < result["new_tokens"] <= 6 and result["prompt_tokens"] > 10  # the answer may end before 6
     assert (result["method"], compared["method"]) == ("refreshkv", "full")
     assert result["prefill_shared_by"] == compared["prefill_shared_by"] == 2  # one prefill for both
 

@@ -395,7 +395,7 @@ class Recycled(RefreshKV):
 
     Parameters: as `refreshkv` (`budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest
     prompt, 1/8 by default); `stride`; `qc_stride` and `threshold` unused unless `stride` is None;
-    `kernel`, `pooling`, `window`, `aggregation`, `query`, `full_cache`, `group_size`).
+    `kernel`, `pooling`, `window`, `carry`, `aggregation`, `query`, `full_cache`, `group_size`).
     """
 
     name = "recycled"
