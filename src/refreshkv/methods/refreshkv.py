@@ -232,7 +232,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             return self._full_step(layer, query, scaling)
         # Rows of the batch disagree: compute both and keep each row's own result. A refreshed row carries the scores
         # of C_p as it was before this step's token took a slot, as it would alone.
-        held = (state.partial.store.positions.clone(), state.partial.scores.clone())
+        held = (state.partial.store.positions.clone(), state.partial.scores.clone()) if self.carry > 0 else None
         partial_out = self._partial_step(layer, query, key, value, scaling)
         full_out = self._full_step(layer, query, scaling, rows=need, held=held)
         layer.record(need.float().mean(), state.partial.nbytes() + state.full.attended_bytes())
