@@ -145,7 +145,12 @@ def test_partial_step_evicts_the_lowest_scored_recycled_token(llama):
 
 @pytest.mark.parametrize(
     "method, params",
-    [("full", {}), ("refreshkv", {"budget": 12, "qc_stride": 3}), ("recycled", {"budget": 12, "stride": 3})],
+    [
+        ("full", {}),
+        ("refreshkv", {"budget": 12, "qc_stride": 3}),
+        ("refreshkv", {"budget": 12, "qc_stride": 3, "carry": 1.0}),  # refreshed rows carry C_p before the step
+        ("recycled", {"budget": 12, "stride": 3}),
+    ],
 )
 def test_batch_equals_rows(llama, method, params):
     rows = [random_prompt(40, seed=3)[0], random_prompt(25, seed=4)[0]]

@@ -13,17 +13,24 @@ from refreshkv.engine.cache_argument import with_cache
 
 NEW = 12
 ALL = sorted(METHODS)
+OPTIONS = {"refreshkv+carry": {"carry": 1.0}, "recycled+carry": {"carry": 1.0}}  # options off by default, held too
+CASES = ALL + sorted(OPTIONS)
 
 
-def small_budget(name: str) -> dict:
+def method(case: str) -> str:
+    """The registered method of a case (a method, or a method with an option of OPTIONS)."""
+    return case.split("+")[0]
+
+
+def small_budget(case: str) -> dict:
     """A budget well below the prompt, and windows that fit short prompts, for methods that take them."""
-    params = METHODS[name].parameters()
+    params = METHODS[method(case)].parameters()
     chosen = {"budget": 8} if "budget" in params else {}
     if "window" in params:
         chosen["window"] = 4
     if "page_size" in params:
         chosen["page_size"] = 4  # two pages of the budget
-    return chosen
+    return {**chosen, **OPTIONS.get(case, {})}
 
 
 def run(model, ids, method, mask=None, **params):
@@ -55,35 +62,35 @@ def two_layers():
     return tiny_model("llama", layers=2, seed=3)
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", CASES)
 def test_the_compiled_step_compiles_whole_and_equals_eager(two_layers, name):
     """`compile=True` compiles each decode step with fullgraph=True, so a host read or a graph break fails here;
     rows of different lengths; the default schedules of recycled and refreshkv reach a full step within NEW steps."""
     ids, mask = left_pad([random_prompt(40, seed=2)[0], random_prompt(34, seed=4)[0]])
-    eager = run(two_layers, ids, name, mask, **small_budget(name))
-    fused = run(two_layers, ids, name, mask, compile=True, **small_budget(name))
+    eager = run(two_layers, ids, method(name), mask, **small_budget(name))
+    fused = run(two_layers, ids, method(name), mask, compile=True, **small_budget(name))
     assert fused.tokens == eager.tokens
     assert fused.cache.stats.per_step(NEW - 1) == eager.cache.stats.per_step(NEW - 1)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", CASES)
 def test_keeping_everything_equals_full(request, family, name):
     model = request.getfixturevalue(family)
     ids = random_prompt(40, seed=3)
     full = run(model, ids, "full")
-    out = run(model, ids, name, **METHODS[name].keep_everything())
+    out = run(model, ids, method(name), **METHODS[method(name)].keep_everything(), **OPTIONS.get(name, {}))
     assert out.tokens == full.tokens
     assert max_diff(out.logits, full.logits) < 1e-4
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", CASES)
 def test_a_padded_batch_equals_its_rows(llama, name):
     rows = [random_prompt(47, seed=5)[0], random_prompt(33, seed=6)[0]]
     ids, mask = left_pad(rows)
-    batch = run(llama, ids, name, mask, **small_budget(name))
+    batch = run(llama, ids, method(name), mask, **small_budget(name))
     for i, row in enumerate(rows):
-        alone = run(llama, row[None], name, **small_budget(name))
+        alone = run(llama, row[None], method(name), **small_budget(name))
         assert batch.tokens[i] == alone.tokens[0]
         assert max_diff([logits[i] for logits in batch.logits], [logits[0] for logits in alone.logits]) < 1e-4
         pad = ids.shape[1] - len(row)
@@ -96,11 +103,11 @@ def test_a_padded_batch_equals_its_rows(llama, name):
             )
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", CASES)
 def test_kept_positions_bytes_and_full_step_fraction_are_consistent(llama, name):
     rows = [random_prompt(30, seed=7)[0], random_prompt(24, seed=8)[0]]
     ids, mask = left_pad(rows)
-    out = run(llama, ids, name, mask, **small_budget(name))
+    out = run(llama, ids, method(name), mask, **small_budget(name))
     pads = out.cache.pads
     for layer in out.cache.layers:
         kept = layer.state.kept(pads)
@@ -113,9 +120,9 @@ def test_kept_positions_bytes_and_full_step_fraction_are_consistent(llama, name)
     assert 0.0 <= out.cache.full_step_fraction() <= 1.0
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", CASES)
 def test_runs_in_bfloat16(bf16_llama, name):
-    out = run(bf16_llama, random_prompt(40, seed=9), name, **small_budget(name))
+    out = run(bf16_llama, random_prompt(40, seed=9), method(name), **small_budget(name))
     assert all(torch.isfinite(logits).all() for logits in out.logits)
     assert len(out.tokens[0]) == NEW
 
@@ -133,11 +140,11 @@ def greedy_steps(model, ids, cache):
         ).logits[:, -1]
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", CASES)
 def test_one_policy_object_serves_any_number_of_generations(llama, name):
-    policy = make_policy(name, **small_budget(name))
+    policy = make_policy(method(name), **small_budget(name))
     first, second = random_prompt(40, seed=10), random_prompt(36, seed=11)
-    fresh = [run(llama, ids, make_policy(name, **small_budget(name))).tokens[0] for ids in (first, second)]
+    fresh = [run(llama, ids, make_policy(method(name), **small_budget(name))).tokens[0] for ids in (first, second)]
     assert [run(llama, ids, policy).tokens[0] for ids in (first, second)] == fresh
     with torch.no_grad():
         caches = [PolicyCache(policy, llama, max_new_tokens=NEW) for _ in range(2)]
