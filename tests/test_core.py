@@ -5,6 +5,7 @@ import torch
 from conftest import random_prompt, tiny_model
 
 from refreshkv import PolicyCache, PolicyError, generate, make_policy
+from refreshkv.core import native_selection
 from refreshkv.core.attention_math import aggregate_group, pool, ranked, selection_scores, top_k
 from refreshkv.engine.cache_argument import with_cache
 
@@ -147,12 +148,15 @@ def test_partial_step_evicts_the_lowest_scored_recycled_token(llama):
     "method, params",
     [
         ("full", {}),
-        ("refreshkv", {"budget": 12, "qc_stride": 3}),
+        ("refreshkv", {"budget": 12, "qc_stride": 2}),  # rows disagree at 6 layer-steps: the C attends to one alone
         ("refreshkv", {"budget": 12, "qc_stride": 3, "carry": 1.0}),  # refreshed rows carry C_p before the step
         ("recycled", {"budget": 12, "stride": 3}),
     ],
 )
-def test_batch_equals_rows(llama, method, params):
+def test_batch_equals_rows(llama, method, params, monkeypatch):
+    attended = []  # refreshkv: the C's full step for the rows that refresh alone, where the rows disagree
+    original = native_selection.attend_rows
+    monkeypatch.setattr(native_selection, "attend_rows", lambda *a: attended.append(original(*a)) or attended[-1])
     rows = [random_prompt(40, seed=3)[0], random_prompt(25, seed=4)[0]]
     ids = torch.zeros(2, 40, dtype=torch.long)
     mask = torch.zeros(2, 40, dtype=torch.long)
@@ -162,6 +166,8 @@ def test_batch_equals_rows(llama, method, params):
     batched = generate(
         llama, ids, mask, method=method, max_new_tokens=NEW, return_logits=True, eos_token_id=[], **params
     )
+    if method == "refreshkv" and native_selection._compiler() is not None:
+        assert any(result is not None for result in attended)
     full_per_layer = []
     for i, row in enumerate(rows):
         alone = generate(

@@ -292,3 +292,59 @@ def test_a_refresh_carries_the_held_scores_in_c_as_in_pytorch(monkeypatch, carry
     layer = SimpleNamespace(state=SimpleNamespace(partial=SelectionState.empty_like(keys, slots)), prompt_spans=None)
     without._refresh(layer, second, None, (keys, values))
     assert not torch.equal(layer.state.partial.store.positions, held[0][0])  # the carry changed the selection
+
+
+@needs_compiler
+def test_c_attends_to_the_marked_rows_where_they_lie_as_pytorch_does(threads):
+    """A full step for some rows of a batch (those that refresh), read from a strided C_f with a padded row, in more
+    than one piece of positions: the marked rows' output and probabilities are PyTorch's."""
+    from refreshkv.core.attention_math import SoftCapped, attend_with_probs
+
+    generator = torch.Generator().manual_seed(7)
+    batch, kv_heads, group, dim, length = 3, 2, 3, 16, 2100
+    keys = torch.randn(batch, kv_heads, length + 9, dim, generator=generator)[:, :, :length]
+    values = torch.randn(batch, kv_heads, length + 9, dim, generator=generator)[:, :, :length]
+    query = torch.randn(batch, 1, kv_heads * group, dim, generator=generator).transpose(1, 2)  # as transformers'
+    valid = torch.arange(length) >= torch.tensor([0, 5, 17])[:, None]
+    expected_output, expected_probs = attend_with_probs(query, keys, values, 0.25, valid.view(batch, 1, 1, length))
+    for marked in ([True, False, True], [False, True, False]):
+        rows = torch.tensor(marked)
+        for count in (1, 2):
+            threads(count)
+            output, probs = native_selection.attend_rows(query, keys, values, 0.25, valid, rows)
+            torch.testing.assert_close(output[rows], expected_output[rows], rtol=0, atol=1e-6)
+            torch.testing.assert_close(probs[rows], expected_probs[rows], rtol=0, atol=1e-7)
+    rows = torch.tensor([True, False, True])
+    assert native_selection.attend_rows(query, keys, values, SoftCapped(0.25, 50.0), valid, rows) is None
+    assert native_selection.attend_rows(query, keys.bfloat16(), values.bfloat16(), 0.25, valid, rows) is None
+
+
+@needs_compiler
+def test_c_refreshes_only_the_marked_rows_as_the_pytorch_rows_path_does(monkeypatch):
+    """Rows that disagree at a query check: the rows that refresh get the C's selection, the others keep C_p as it
+    was, exactly as the PyTorch operators' row-by-row refresh."""
+    generator = torch.Generator().manual_seed(8)
+    batch, length, slots = 3, 300, 41
+    keys = torch.randn(batch, 3, length, 8, generator=generator)
+    values = torch.randn(batch, 3, length, 8, generator=generator)
+    first, second = (torch.rand(batch, 3, 2, 1, length, generator=generator) for _ in range(2))
+    rows = torch.tensor([False, True, True])
+    method = RefreshKV(budget=slots - 1, kernel=5, pooling="centered")
+    taken, original = [], native_selection.refresh_partial
+    monkeypatch.setattr(native_selection, "refresh_partial", lambda *a: taken.append(original(*a)) or taken[-1])
+    refreshed = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("REFRESHKV_NATIVE", native)
+        layer = SimpleNamespace(
+            state=SimpleNamespace(partial=SelectionState.empty_like(keys, slots)), prompt_spans=None
+        )
+        method._refresh(layer, first, None, (keys, values))
+        before = layer.state.partial.store.positions.clone()
+        method._refresh(layer, second, None, (keys, values), rows)
+        partial = layer.state.partial
+        refreshed.append((partial.store.keys, partial.store.positions, partial.scores, partial.filled, partial.empty))
+        assert torch.equal(partial.store.positions[0], before[0])  # the row that did not refresh
+        assert not torch.equal(partial.store.positions[1:], before[1:])
+    assert taken == [True, True, False, False]  # C, then PyTorch operators
+    for got, expected in zip(*refreshed):
+        assert torch.equal(got, expected) if isinstance(got, torch.Tensor) else got == expected

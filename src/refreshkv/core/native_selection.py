@@ -155,9 +155,14 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     library.gather_rows.argtypes += [pointer, pointer, status]
     library.refresh_partial.argtypes = [pointer, size, size, size, size, status, size, size, pointer, size, pointer]
     library.refresh_partial.argtypes += [size, pointer, pointer, BlockStrides, size, size, pointer, pointer, pointer]
-    library.refresh_partial.argtypes += [pointer, ctypes.c_float, ctypes.c_float, status]
+    library.refresh_partial.argtypes += [pointer, ctypes.c_float, ctypes.c_float, pointer, status]
     for function in (library.top_k_in_order, library.gather_rows, library.refresh_partial):
         function.restype = status
+    library.logits_rows.argtypes = [pointer, pointer, BlockStrides, size, size, size, size, size, ctypes.c_float]
+    library.logits_rows.argtypes += [pointer, pointer, pointer, status]
+    library.weigh_values_rows.argtypes = [pointer, pointer, BlockStrides, size, size, size, size, size, pointer]
+    library.weigh_values_rows.argtypes += [pointer, status]
+    library.logits_rows.restype = library.weigh_values_rows.restype = None
     return library
 
 
@@ -235,13 +240,15 @@ def refresh_partial(
     values: torch.Tensor,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     carry: tuple[float, float] = (0.0, 0.0),
+    rows: torch.Tensor | None = None,
 ) -> bool:
     """A partial cache refreshed in one C call: `attention_math.selection_scores` with max (or `first_only`)
     aggregation and pooling `window` (before, after), spread over `words` (B, L) when given, -inf where `valid`
     (broadcastable to (B, 1, 1, n)) is False, its top k in position order (`top_k`), and those tokens loaded into
     `store` = (keys, values, positions, scores) of a `SelectionState` as its `load` does, the slots from k on emptied;
     with `carry` = (share, below) and share > 0, each token the store holds with a score below `below` (the selected
-    ones, not the decoded ones) first scores at least share x its score there.
+    ones, not the decoded ones) first scores at least share x its score there. With `rows` ((B,) bool), only those
+    batch elements are refreshed; the others' store is left as it is.
     `per_head`: each query head's window-mean probabilities (B, Hkv, G, n), float32; keys and values (B, Hkv, n, D).
     False, with nothing written, where the C path is not available or a tensor lies otherwise."""
     key_out, value_out, positions, scores = store
@@ -252,6 +259,7 @@ def refresh_partial(
     ):
         return False
     batch, heads, _, n = per_head.shape
+    compiling = torch.compiler.is_compiling()
     fits = (
         0 < k <= n
         and _token_rows_fit(batch, heads, k, keys, values, key_out, value_out)
@@ -261,11 +269,86 @@ def refresh_partial(
         and scores.dtype == torch.float32
         and (words is None or (words.dim() == 2 and words.shape[0] == batch and words.shape[1] <= n))
         and (valid is None or (valid.dtype == torch.bool and valid.numel() == batch * n))
+        and (rows is None or (rows.dtype == torch.bool and rows.shape == (batch,) and not compiling))
     )
     if fits:
-        arguments = (per_head, first_only, *window, words, valid, k, keys, values, *store, *map(float, carry))
-        (_refresh_operator if torch.compiler.is_compiling() else _refresh)(*arguments)
+        share, below = float(carry[0]), float(carry[1])
+        arguments = (per_head, first_only, *window, words, valid, k, keys, values, *store, share, below)
+        if rows is not None:  # eager only: the rows that refresh were read on the host (RefreshKV._needs_full)
+            _refresh(*arguments, rows)
+        else:
+            (_refresh_operator if compiling else _refresh)(*arguments)
     return fits
+
+
+def attend_rows(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: object,
+    valid: torch.Tensor | None,
+    rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`attention_math.attend_with_probs` for the batch elements marked in `rows` ((B,) bool) only, their keys and
+    values (B, Hkv, n, D) read where they lie: the output (B, 1, Hq, D) and the float32 probabilities (B, Hkv, G, n),
+    whose unmarked rows hold nothing meaningful. Gathering the marked rows first would read and write them once more
+    than attending to them does. Eager float32 on the CPU, a plain float `scaling`, `valid` (bool, B x n elements)
+    or None; None where the C path is not available or a tensor lies otherwise."""
+    batch, kv_heads, n, dim = keys.shape
+    fits = (
+        isinstance(scaling, float)
+        and not torch.compiler.is_compiling()
+        and query.dim() == 4
+        and query.shape[0] == batch
+        and query.shape[2] == 1
+        and query.shape[1] % kv_heads == 0
+        and query.dtype == keys.dtype == values.dtype == torch.float32
+        and keys.shape == values.shape
+        and all(source.stride(3) == 1 and source.stride(2) == dim for source in (keys, values))
+        and rows.dtype == torch.bool
+        and rows.shape == (batch,)
+        and (valid is None or (valid.dtype == torch.bool and valid.numel() == batch * n))
+        and _on_cpu(query, keys, values, valid, rows)
+    )
+    if not fits:
+        return None
+    group = query.shape[1] // kv_heads
+    packed = query.reshape(batch, kv_heads, group, dim).contiguous()
+    marked = rows.to(torch.uint8).contiguous()
+    mask = None if valid is None else valid.reshape(batch, n).contiguous()
+    strides, threads = BlockStrides.of(keys, values), torch.get_num_threads()
+    logits = torch.empty(batch, kv_heads, group, n)
+    _kernels().logits_rows(
+        packed.data_ptr(),
+        keys.data_ptr(),
+        strides,
+        batch,
+        kv_heads,
+        group,
+        n,
+        dim,
+        scaling,
+        None if mask is None else mask.data_ptr(),
+        marked.data_ptr(),
+        logits.data_ptr(),
+        threads,
+    )
+    probs = logits.softmax(dim=-1)  # PyTorch's softmax, as attention_probs; the unmarked rows' are never read
+    output = torch.empty_like(packed)
+    _kernels().weigh_values_rows(
+        probs.data_ptr(),
+        values.data_ptr(),
+        strides,
+        batch,
+        kv_heads,
+        group,
+        n,
+        dim,
+        marked.data_ptr(),
+        output.data_ptr(),
+        threads,
+    )
+    return output.reshape(batch, 1, kv_heads * group, dim), probs
 
 
 # The C calls. Under torch.compile each is an operator of its own (torch.library), opaque to the compiler, so that a
@@ -345,11 +428,13 @@ def _refresh(
     scores,
     carry,
     carried_below,
+    rows=None,
 ):
     per_head = per_head.contiguous()
     batch, heads, group, n = per_head.shape
     words = None if words is None else words.to(torch.long).contiguous()
     valid = None if valid is None else valid.reshape(batch, n).contiguous()
+    marked = None if rows is None else rows.to(torch.uint8).contiguous()
     failed = _kernels().refresh_partial(
         per_head.data_ptr(),
         batch,
@@ -374,6 +459,7 @@ def _refresh(
         scores.data_ptr(),
         carry,
         carried_below,
+        None if marked is None else marked.data_ptr(),
         torch.get_num_threads(),
     )
     if failed:

@@ -7,10 +7,13 @@ Plain C11 with GCC/Clang builtins: it is compiled on the user's machine with the
 x86-64, GCC and Clang also make an AVX2 version of the loops over positions, which the loader picks where the CPU has
 AVX2 (nothing newer: no AVX-512 code, so that an AVX2 machine and one restricted to AVX2 run the same); the one
 intrinsic is SSE2's streaming store, which every x86-64 CPU has.
+`logits_rows` and `weigh_values_rows` are a full step's attention for some rows of a batch only, read where the rows
+lie in the cache (a batch whose rows disagree at a query check: only the rows that refresh read all of C_f).
 Where the loader builds it with OpenMP (only into a process whose PyTorch runs on the same OpenMP runtime, so that the
 loops run on PyTorch's own threads), the work of a call is split between `threads` threads: pieces of positions,
 rows, pieces of slots; each piece is computed as one thread would, so the results do not depend on the split.
 */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -287,15 +290,15 @@ int gather_rows(const char *keys, const char *values, BlockStrides strides, int6
    (top_k_of_keys) fill the first k of the store's `slots`: their positions (`positions`, batch x heads x slots),
    scores (`kept_scores`, likewise) and key and value rows (as gather_rows). The slots from k on are empty: position
    -1, score -inf, a copy of the last kept row.
-   Per batch element, five steps, each shared out between `threads` threads: the group's highest and the pooling in
-   pieces of positions, the spread in parts cut where words start, the top K by head, the gather in pieces of slots.
-   Returns 0, or -1 with nothing written if no scratch space could be had. */
+   Per batch element (only those marked in `rows`, batch bytes, where it is not NULL), five steps, each shared out
+   between `threads` threads: the group's highest and the pooling in pieces of positions, the spread in parts cut where
+   words start, the top K by head, the gather in pieces of slots. Returns 0, or -1 with nothing written if no scratch space could be had. */
 AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads, int64_t group, int64_t n,
                                int first_only, int64_t before, int64_t after, const int64_t *words, int64_t length,
                                const uint8_t *valid, int64_t k, const char *key_source, const char *value_source,
                                BlockStrides strides, int64_t row_bytes, int64_t slots, char *key_out, char *value_out,
                                int64_t *positions, float *kept_scores, float carry, float carried_below,
-                               int threads) {
+                               const uint8_t *rows, int threads) {
     /* per batch element: each head's k taken, its group's highest and its scores; per thread: order keys, candidates */
     size_t indices = (size_t)(heads * k) * sizeof(int64_t), floats = (size_t)(2 * heads * n) * sizeof(float);
     char *space = scratch(indices + floats + (size_t)(threads * 2 * n) * sizeof(uint32_t));
@@ -306,6 +309,7 @@ AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads,
     int64_t pieces = (n + PIECE - 1) / PIECE, slot_pieces = (slots + SLOT_PIECE - 1) / SLOT_PIECE;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     for (int64_t b = 0; b < batch; b++) {
+        if (rows && !rows[b]) continue; /* every thread skips it alike */
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < heads * pieces; task++) {
             Piece piece = piece_of(task, heads, n);
@@ -364,4 +368,68 @@ AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads,
         }
     }
     return 0;
+}
+
+/* The (batch, KV head) blocks of the batch elements marked in `rows` (batch bytes): their count, and `marked` filled. */
+static int64_t marked_blocks(const uint8_t *rows, int64_t batch, int64_t heads, int64_t *marked) {
+    int64_t count = 0;
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t h = 0; rows[b] && h < heads; h++) marked[count++] = b * heads + h;
+    return count;
+}
+
+/* A full step's logits for the batch elements marked in `rows` (batch bytes), the others not written: per (batch, KV
+   head), each of its `group` query heads' query (`query`: batch x heads x group x dim, contiguous) against each of the
+   first n keys (float32, their (batch, head) blocks `strides` apart, rows of dim values one after another), times
+   `scale`, the lowest float where `valid` (batch x n bytes, or NULL) is 0, into `logits` (batch x heads x group x n):
+   attention_math.logits_of and the mask of attention_probs. In pieces of positions shared out between `threads`
+   threads. */
+AVX2_CLONE void logits_rows(const float *query, const char *key_source, BlockStrides strides, int64_t batch,
+                            int64_t heads, int64_t group, int64_t n, int64_t dim, float scale, const uint8_t *valid,
+                            const uint8_t *rows, float *logits, int threads) {
+    int64_t marked[batch * heads], blocks = marked_blocks(rows, batch, heads, marked);
+    int64_t pieces = (n + PIECE - 1) / PIECE;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t task = 0; task < blocks * pieces; task++) {
+        int64_t block = marked[task / pieces], b = block / heads, h = block % heads;
+        int64_t lo = task % pieces * PIECE, hi = lo + PIECE < n ? lo + PIECE : n;
+        const float *keys = (const float *)(key_source + b * strides.key_batch + h * strides.key_head);
+        const float *q = query + block * group * dim;
+        float *out = logits + block * group * n;
+        for (int64_t i = lo; i < hi; i++)
+            for (int64_t g = 0; g < group; g++) {
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t d = 0; d < dim; d++) sum += q[g * dim + d] * keys[i * dim + d];
+                out[g * n + i] = valid && !valid[b * n + i] ? -FLT_MAX : sum * scale;
+            }
+    }
+}
+
+enum { LANES = 16 }; /* the floats of a value row that one task sums: one 64-byte cache line */
+
+/* A full step's output for the batch elements marked in `rows`, the others not written: per (batch, KV head), each
+   query head's probabilities (`probs`: batch x heads x group x n) times the first n values (float32, as the keys of
+   logits_rows), into `out` (batch x heads x group x dim): attention_math.weighted_values. In pieces of LANES floats of
+   the values shared out between `threads` threads. */
+AVX2_CLONE void weigh_values_rows(const float *probs, const char *value_source, BlockStrides strides, int64_t batch,
+                                  int64_t heads, int64_t group, int64_t n, int64_t dim, const uint8_t *rows,
+                                  float *out, int threads) {
+    int64_t marked[batch * heads], blocks = marked_blocks(rows, batch, heads, marked);
+    int64_t pieces = (dim + LANES - 1) / LANES;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t task = 0; task < blocks * pieces; task++) {
+        int64_t block = marked[task / pieces], b = block / heads, h = block % heads;
+        int64_t lo = task % pieces * LANES, hi = lo + LANES < dim ? lo + LANES : dim;
+        const float *values = (const float *)(value_source + b * strides.value_batch + h * strides.value_head);
+        const float *weights = probs + block * group * n;
+        float *sums = out + block * group * dim;
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t d = lo; d < hi; d++) sums[g * dim + d] = 0.0f;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t g = 0; g < group; g++) {
+                float weight = weights[g * n + i];
+                for (int64_t d = lo; d < hi; d++) sums[g * dim + d] += weight * values[i * dim + d];
+            }
+    }
 }

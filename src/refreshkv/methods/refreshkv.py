@@ -221,21 +221,23 @@ class RefreshKV(BudgetPolicy[RefreshState]):
                 )
             # more tokens came than were announced: from here on a partial cache, first filled by a full step
             state.partial = SelectionState.empty_like(key, layer.budget + 1)
-            layer.record(1.0, state.full.attended_bytes())
-            return self._full_step(layer, query, scaling)
+            output, read = self._full_step(layer, query, scaling)
+            layer.record(1.0, read)
+            return output
         need = self._needs_full(layer, query)
         if need is False:
             layer.record(0.0, state.partial.nbytes())
             return self._partial_step(layer, query, key, value, scaling)
         if need is True:
-            layer.record(1.0, state.full.attended_bytes())
-            return self._full_step(layer, query, scaling)
+            output, read = self._full_step(layer, query, scaling)
+            layer.record(1.0, read)
+            return output
         # Rows of the batch disagree: compute both and keep each row's own result. A refreshed row carries the scores
         # of C_p as it was before this step's token took a slot, as it would alone.
         held = (state.partial.store.positions.clone(), state.partial.scores.clone()) if self.carry > 0 else None
         partial_out = self._partial_step(layer, query, key, value, scaling)
-        full_out = self._full_step(layer, query, scaling, rows=need, held=held)
-        layer.record(need.float().mean(), state.partial.nbytes() + state.full.attended_bytes())
+        full_out, read = self._full_step(layer, query, scaling, rows=need, held=held)
+        layer.record(need.float().mean(), state.partial.nbytes() + read)
         return torch.where(need.view(-1, 1, 1, 1), full_out, partial_out)
 
     def extend(self, layer: RefreshLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
@@ -323,18 +325,25 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         scaling: Scaling,
         rows: Tensor | None = None,
         held: tuple[Tensor, Tensor] | None = None,
-    ) -> Tensor:
+    ) -> tuple[Tensor, int]:
+        """Attend over C_f and refresh C_p (only `rows`, (B,) bool, if given): the output and the bytes of C_f read.
+        Where the C can (eager, on the CPU), only the rows that refresh read C_f; elsewhere every row does."""
         state: RefreshState = layer.state
         keys, values = state.full.view()
         valid = layer.valid_positions(state.full.length, keys.device)
-        output, probs = attend_with_probs(query, keys, values, scaling, valid)
+        read, alone = state.full.attended_bytes(), None
+        if rows is not None:
+            alone = native_selection.attend_rows(query, keys, values, scaling, valid, rows)
+            if alone is not None:
+                read = read * int(rows.sum()) // rows.numel()
+        output, probs = alone or attend_with_probs(query, keys, values, scaling, valid)
         self._refresh(layer, probs.unsqueeze(3), valid, (keys, values), rows, held=held)
         if self.stride is None:
             current = self.compared_query(layer, query)
             if rows is not None and state.anchor is not None:  # the other rows keep theirs
                 current = torch.where(rows[:, None], current, state.anchor)
             state.anchor = current
-        return output
+        return output, read
 
     def _refresh(
         self,
@@ -361,12 +370,17 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         store = (partial.store.keys, partial.store.values, partial.store.positions, partial.scores)
         per_head = window_mean(probs)  # averaged once, whichever path scores it
         carry_share = self.carry if carry else 0.0
-        if rows is None and self.aggregation != "mean":
+        # The C refreshes some rows in place only where none carries: a refreshed row carries C_p as it was before
+        # the step's token (`held`), which the store no longer holds.
+        if self.aggregation != "mean" and (rows is None or held is None):
             window, first_only = pool_window(self.kernel, self.pooling), self.aggregation == "first"
             if native_selection.refresh_partial(
-                per_head, first_only, window, words, valid, k, keys, values, store, (carry_share, APPENDED)
+                per_head, first_only, window, words, valid, k, keys, values, store, (carry_share, APPENDED), rows
             ):
-                partial.loaded(k)
+                if rows is None:
+                    partial.loaded(k)
+                else:  # the other rows keep their slots; the refreshed ones' from k on are empty
+                    partial.filled = min(partial.filled, k)
                 return
         scores = selection_scores(per_head.unsqueeze(3), self.kernel, self.aggregation, self.pooling, words)
         if valid is not None:
