@@ -4,11 +4,11 @@ in docs/results/selection-dev/.
 
     python benchmarks/analysis/selection_dev.py            # markdown tables on stdout
 
-Each cell is a mean over the examples of its row (n: those of the refreshkv or recycled column with the most; a
-column with fewer says how many it has), so the columns compare example by example; perplexity is each method's
-mean over full's (as `refreshkv report`) on the windows every method of the table has, with its 95% paired
-bootstrap interval. Rows of the candidates that were not adopted (a sliding window, other carries) are left out;
-their files' READMEs say what they hold.
+Each cell is a mean over the examples of its row (n: those of the refreshkv or recycled column with the most that
+`full` has too; a column with fewer says how many it has), so the columns compare example by example; perplexity is
+each method's mean over full's (as `refreshkv report`) on the windows every method of the table has, with its 95%
+paired bootstrap interval. Rows of the candidates that were not adopted (a sliding window, other carries) are left
+out; their files' READMEs say what they hold.
 """
 
 from __future__ import annotations
@@ -30,9 +30,15 @@ STUDIES = {  # model: files, read in order (a repeated example keeps its first r
         "smollm2-carry.jsonl",
         "smollm2-carry-ppl.jsonl",
         "smollm2-carry-uuid.jsonl",
+        "smollm2-ppl-default.jsonl",
+        "smollm2-prefixed-default.jsonl",
     ],
-    "Gemma 3 270M, 8K, base": ["gemma.jsonl", "gemma-new.jsonl"],
-    "Gemma 3 270M, 8K, multi-turn": ["multi-turn-gemma.jsonl", "multi-turn-gemma-new.jsonl"],
+    "Gemma 3 270M, 8K, base": ["gemma.jsonl", "gemma-new.jsonl", "gemma-default.jsonl"],
+    "Gemma 3 270M, 8K, multi-turn": [
+        "multi-turn-gemma.jsonl",
+        "multi-turn-gemma-new.jsonl",
+        "multi-turn-gemma-default.jsonl",
+    ],
     "Gemma 3 270M, 16K, K = 2048": ["gemma-16k-default.jsonl", "gemma-16k-w32c0.jsonl"],
 }
 SELECTIONS = {(1, 0.0): "w1", (32, 0.0): "w32", (32, 1.0): "w32 carry 1"}  # (window, carry): label
@@ -92,6 +98,8 @@ def generation_table(title: str, table: dict) -> list[str]:
         for k in budgets:
             cells = {name: {**columns[name].get(k, {}), **columns[name].get("-", {})} for name in COLUMNS}
             subject = max((cells[name] for name in COLUMNS[4:]), key=len)
+            if cells["full"]:  # the examples `full` has, so that every column compares with it
+                subject = {i: row for i, row in subject.items() if i in cells["full"]}
             if not subject:
                 continue
             values = []
