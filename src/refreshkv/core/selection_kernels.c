@@ -292,7 +292,8 @@ int gather_rows(const char *keys, const char *values, BlockStrides strides, int6
    -1, score -inf, a copy of the last kept row.
    Per batch element (only those marked in `rows`, batch bytes, where it is not NULL), five steps, each shared out
    between `threads` threads: the group's highest and the pooling in pieces of positions, the spread in parts cut where
-   words start, the top K by head, the gather in pieces of slots. Returns 0, or -1 with nothing written if no scratch space could be had. */
+   words start, the top K by head, the gather in pieces of slots. Returns 0, or -1 with nothing written if no scratch
+   space could be had. */
 AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads, int64_t group, int64_t n,
                                int first_only, int64_t before, int64_t after, const int64_t *words, int64_t length,
                                const uint8_t *valid, int64_t k, const char *key_source, const char *value_source,
@@ -351,7 +352,8 @@ AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads,
                 for (int64_t slot = 0; slot < slots; slot++) {
                     int64_t at = positions[out + slot];
                     float previous = kept_scores[out + slot];
-                    if (at >= 0 && at < n && previous < carried_below) scores[at] = higher(carry * previous, scores[at]);
+                    if (at >= 0 && at < n && previous < carried_below)
+                        scores[at] = higher(carry * previous, scores[at]);
                 }
             for (int64_t i = 0; i < n; i++) keys[i] = order_key(scores[i]);
             top_k_of_keys(keys, n, k, taken + h * k, keys + n);
@@ -370,7 +372,7 @@ AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads,
     return 0;
 }
 
-/* The (batch, KV head) blocks of the batch elements marked in `rows` (batch bytes): their count, and `marked` filled. */
+/* The (batch, KV head) blocks of the batch elements marked in `rows` (batch bytes): their count, `marked` filled. */
 static int64_t marked_blocks(const uint8_t *rows, int64_t batch, int64_t heads, int64_t *marked) {
     int64_t count = 0;
     for (int64_t b = 0; b < batch; b++)
