@@ -295,13 +295,14 @@ def test_a_refresh_carries_the_held_scores_in_c_as_in_pytorch(monkeypatch, carry
 
 
 @needs_compiler
-def test_c_attends_to_the_marked_rows_where_they_lie_as_pytorch_does(threads):
+@pytest.mark.parametrize("dim", [16, 40])  # 40: two whole pieces of 16 value floats and a part of one
+def test_c_attends_to_the_marked_rows_where_they_lie_as_pytorch_does(threads, dim):
     """A full step for some rows of a batch (those that refresh), read from a strided C_f with a padded row, in more
     than one piece of positions: the marked rows' output and probabilities are PyTorch's."""
     from refreshkv.core.attention_math import SoftCapped, attend_with_probs
 
     generator = torch.Generator().manual_seed(7)
-    batch, kv_heads, group, dim, length = 3, 2, 3, 16, 2100
+    batch, kv_heads, group, length = 3, 2, 3, 2100
     keys = torch.randn(batch, kv_heads, length + 9, dim, generator=generator)[:, :, :length]
     values = torch.randn(batch, kv_heads, length + 9, dim, generator=generator)[:, :, :length]
     query = torch.randn(batch, 1, kv_heads * group, dim, generator=generator).transpose(1, 2)  # as transformers'

@@ -408,12 +408,23 @@ AVX2_CLONE void logits_rows(const float *query, const char *key_source, BlockStr
     }
 }
 
-enum { LANES = 16 }; /* the floats of a value row that one task sums: one 64-byte cache line */
+enum { LANES = 16, SPAN = 256 }; /* LANES: the floats of a value row that one task sums (one 64-byte cache line);
+                                    SPAN: positions whose LANES stay in the L1 cache while each query head reads them */
+
+/* Adds probs[i] x values[i * dim + d] for i in first .. last - 1 to sums[d], d < width, in that order: `sums` a local
+   array, so that the compiler keeps it in registers (through the loop of LANES, when width is that constant). */
+INLINE void add_weighted(float *sums, const float *probs, const float *values, int64_t dim, int64_t first,
+                         int64_t last, int64_t width) {
+    for (int64_t i = first; i < last; i++) {
+        float weight = probs[i];
+        for (int64_t d = 0; d < width; d++) sums[d] += weight * values[i * dim + d];
+    }
+}
 
 /* A full step's output for the batch elements marked in `rows`, the others not written: per (batch, KV head), each
    query head's probabilities (`probs`: batch x heads x group x n) times the first n values (float32, as the keys of
    logits_rows), into `out` (batch x heads x group x dim): attention_math.weighted_values. In pieces of LANES floats of
-   the values shared out between `threads` threads. */
+   the values shared out between `threads` threads; each sum runs over the positions in order. */
 AVX2_CLONE void weigh_values_rows(const float *probs, const char *value_source, BlockStrides strides, int64_t batch,
                                   int64_t heads, int64_t group, int64_t n, int64_t dim, const uint8_t *rows,
                                   float *out, int threads) {
@@ -422,16 +433,22 @@ AVX2_CLONE void weigh_values_rows(const float *probs, const char *value_source, 
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t task = 0; task < blocks * pieces; task++) {
         int64_t block = marked[task / pieces], b = block / heads, h = block % heads;
-        int64_t lo = task % pieces * LANES, hi = lo + LANES < dim ? lo + LANES : dim;
-        const float *values = (const float *)(value_source + b * strides.value_batch + h * strides.value_head);
+        int64_t lo = task % pieces * LANES, width = lo + LANES < dim ? LANES : dim - lo;
+        const float *values = (const float *)(value_source + b * strides.value_batch + h * strides.value_head) + lo;
         const float *weights = probs + block * group * n;
-        float *sums = out + block * group * dim;
-        for (int64_t g = 0; g < group; g++)
-            for (int64_t d = lo; d < hi; d++) sums[g * dim + d] = 0.0f;
-        for (int64_t i = 0; i < n; i++)
+        float *sums = out + block * group * dim + lo;
+        for (int64_t g = 0; g < group; g++) memset(sums + g * dim, 0, width * sizeof(float));
+        for (int64_t first = 0; first < n; first += SPAN) {
+            int64_t last = first + SPAN < n ? first + SPAN : n;
             for (int64_t g = 0; g < group; g++) {
-                float weight = weights[g * n + i];
-                for (int64_t d = lo; d < hi; d++) sums[g * dim + d] += weight * values[i * dim + d];
+                float partial[LANES];
+                memcpy(partial, sums + g * dim, width * sizeof(float));
+                if (width == LANES)
+                    add_weighted(partial, weights + g * n, values, dim, first, last, LANES);
+                else
+                    add_weighted(partial, weights + g * n, values, dim, first, last, width);
+                memcpy(sums + g * dim, partial, width * sizeof(float));
             }
+        }
     }
 }
