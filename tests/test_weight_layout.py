@@ -1,4 +1,4 @@
-"""Weight layout (weight_layout.py) and one profiled decode step (profile_step.py)."""
+"""Weight layouts (weight_layout.py, packed_linear.py) and one profiled decode step (profile_step.py)."""
 
 import json
 
@@ -8,8 +8,10 @@ from conftest import random_prompt, tiny_model
 from test_bad_input import WordTokenizer, assert_one_line_error, cli, no_model, tiny_loader  # noqa: F401  (fixtures)
 
 from refreshkv import generate, make_policy
+from refreshkv.measure.bench import weight_bytes, weight_bytes_read
 from refreshkv.measure.profile_step import profile_step
 from refreshkv.runtime import weight_layout
+from refreshkv.runtime.packed_linear import PackedLinear, packing_problem
 
 
 def lies_transposed(weight: torch.Tensor) -> bool:
@@ -60,7 +62,7 @@ def test_the_real_timing_runs_on_tiny_weights():
 
 def test_bad_weight_layout_is_one_line_before_loading(no_model, monkeypatch, capsys):
     code, _, err = cli(monkeypatch, capsys, "generate", "--prompt", "hello", "--weight-layout", "fast")
-    assert_one_line_error(code, err, "unknown weight layout 'fast'; choose from: stored, fastest")
+    assert_one_line_error(code, err, "unknown weight layout 'fast'; choose from: stored, fastest, packed")
 
 
 def test_profile_step_records_the_asked_step():
@@ -109,3 +111,59 @@ def test_profile_cli_prints_json(tiny_loader, monkeypatch, capsys):
 def test_profile_bad_input_is_one_line_before_loading(args, message, no_model, monkeypatch, capsys):
     code, _, err = cli(monkeypatch, capsys, "profile", "--method", "recycled", *args)
     assert_one_line_error(code, err, message)
+
+
+def test_packed_layout_gives_the_stored_layouts_tokens_for_one_row_and_a_batch():
+    model = tiny_model("llama", layers=2, tie_word_embeddings=True)
+    rows = random_prompt(30, batch=2)
+    stored = [
+        generate(model, ids, method="refreshkv", max_new_tokens=8, eos_token_id=[], return_logits=True)
+        for ids in (rows[:1], rows)
+    ]
+    read_before = weight_bytes_read(model)
+    chosen = weight_layout.set_weight_layout(model, "packed")
+    assert chosen == {"64x64": "packed", "32x64": "packed", "128x64": "packed", "64x128": "packed"}
+    assert all(not isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert isinstance(model.lm_head, PackedLinear) and model.lm_head.weight.is_mkldnn
+    # the embedding lookup keeps its dense table; the output projection reads a packed copy of it
+    assert not model.model.embed_tokens.weight.is_mkldnn
+    assert weight_bytes_read(model) == read_before < weight_bytes(model)
+    packed = [
+        generate(model, ids, method="refreshkv", max_new_tokens=8, eos_token_id=[], return_logits=True)
+        for ids in (rows[:1], rows)
+    ]
+    for before, after in zip(stored, packed):
+        assert after.tokens == before.tokens
+        for a, b in zip(after.logits, before.logits):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_packed_linear_takes_bias_and_batched_prompts():
+    linear = torch.nn.Linear(24, 40)
+    x = torch.randn(3, 7, 24).transpose(0, 1)  # not contiguous
+    torch.testing.assert_close(PackedLinear(linear)(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bfloat16 kernels here")
+def test_packed_layout_in_bfloat16_is_the_stored_product():
+    linear = torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16)
+    x = torch.randn(4, 1, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(PackedLinear(linear)(x), linear(x), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "device, dtype, compile, message",
+    [
+        ("cuda", torch.float32, False, "the packed weight layout is for the CPU (oneDNN), not cuda"),
+        ("cpu", torch.float16, False, "takes float32 or bfloat16 weights, not torch.float16"),
+        ("cpu", torch.float32, True, "the packed weight layout runs eager: drop --compile"),
+    ],
+)
+def test_packing_problems_are_named(device, dtype, compile, message):
+    assert message in packing_problem(device, dtype, compile)
+    assert packing_problem("cpu", torch.float32, False) is None
+
+
+def test_packed_layout_with_compile_is_one_line_before_loading(no_model, monkeypatch, capsys):
+    code, _, err = cli(monkeypatch, capsys, "generate", "--prompt", "hi", "--weight-layout", "packed", "--compile")
+    assert_one_line_error(code, err, "the packed weight layout runs eager")

@@ -44,8 +44,8 @@ ThreadsOpt = Annotated[
 WeightLayoutOpt = Annotated[
     str,
     typer.Option(
-        help="stored (as the checkpoint lies) or fastest (each weight shape's layout timed on this machine; "
-        "see runtime/weight_layout.py)."
+        help="stored (as the checkpoint lies), fastest (each weight shape's layout timed on this machine; "
+        "see runtime/weight_layout.py) or packed (oneDNN's layout, CPU only; runtime/packed_linear.py)."
     ),
 ]
 CompileOpt = Annotated[

@@ -101,8 +101,17 @@ def machine_facts(model) -> dict:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the weights a decode step reads (tied embeddings counted once)."""
+    """Bytes of the weights held (a tensor that two modules share counted once)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def weight_bytes_read(model) -> int:
+    """Bytes of the weights a decode step reads: those held, less the input embedding table unless it is also the
+    output projection's weight (the lookup reads a row per sequence; a packed layout gives the projection a copy)."""
+    table = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is table
+    return weight_bytes(model) - (0 if tied else table.numel() * table.element_size())
 
 
 def bench_prompt(tokenizer, length: int, rows: int = 1) -> torch.Tensor:
@@ -500,6 +509,7 @@ def run_bench(
     device = model.device
     bandwidth = memory_bandwidth(device)
     weights = weight_bytes(model)
+    weights_read = weight_bytes_read(model)
     peak = PeakMemory(device)
     prompts = {  # each ends at `length`
         (length, batch): bench_prompt(tokenizer, length - new_tokens, prefilled_rows(batch, distinct_rows)).to(device)
@@ -532,7 +542,9 @@ def run_bench(
         groups = [units[length]] if memory_cap is not None else [[unit] for unit in units[length]]
         for group in groups:
             summaries = [
-                summarize(runs[length, batch, name], weights, bandwidth) for batch, unit, _ in group for name in unit
+                summarize(runs[length, batch, name], weights_read, bandwidth)
+                for batch, unit, _ in group
+                for name in unit
             ]
             compare_with_full(summaries)
             rows.extend(summaries)
@@ -542,6 +554,7 @@ def run_bench(
             **machine_facts(model),
             "memory_bandwidth_gb_s": bandwidth / 1e9,
             "weight_bytes": weights,
+            "weight_bytes_read": weights_read,
             "compile": compile,
             "peak_memory": peak.how(),
         },

@@ -64,7 +64,10 @@ def _cell(value, fmt: str) -> str:
 
 
 def layout_note(layout: str | dict) -> str:
-    """ "stored weight layout", or how many weight shapes `fastest` transposed (weight_layout.py)."""
+    """ "stored weight layout", "packed weight layout", or how many weight shapes `fastest` transposed
+    (weight_layout.py)."""
+    if isinstance(layout, dict) and "packed" in layout.values():
+        return "packed weight layout"
     if isinstance(layout, dict):
         moved = sum(choice == "transposed" for choice in layout.values())
         return f"fastest weight layout ({moved} of {len(layout)} shapes transposed)"

@@ -13,6 +13,7 @@ import os
 import torch
 
 from .compiled import check_compile_works
+from .packed_linear import packing_problem
 from .weight_layout import check_weight_layout, set_weight_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -47,6 +48,8 @@ def check_runtime(
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but no CUDA GPU is available")
     check_weight_layout(weight_layout)
+    if weight_layout == "packed" and (problem := packing_problem(device, DTYPES[dtype], compile)) is not None:
+        raise ValueError(problem)
     if threads is not None and not 1 <= threads <= usable_cores():
         raise ValueError(f"threads must be 1 to {usable_cores()} (the CPU cores this process may use), got {threads}")
     if compile:
