@@ -167,3 +167,11 @@ def test_packing_problems_are_named(device, dtype, compile, message):
 def test_packed_layout_with_compile_is_one_line_before_loading(no_model, monkeypatch, capsys):
     code, _, err = cli(monkeypatch, capsys, "generate", "--prompt", "hi", "--weight-layout", "packed", "--compile")
     assert_one_line_error(code, err, "the packed weight layout runs eager")
+
+
+def test_a_step_reads_the_output_projection_not_an_untied_input_table():
+    model = tiny_model("llama", layers=1, tie_word_embeddings=False)
+    table = model.model.embed_tokens.weight
+    assert weight_bytes_read(model) == weight_bytes(model) - table.numel() * table.element_size()
+    tied = tiny_model("llama", layers=1, tie_word_embeddings=True)
+    assert weight_bytes_read(tied) == weight_bytes(tied)

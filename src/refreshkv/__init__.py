@@ -7,6 +7,7 @@ from .engine.cache_argument import with_cache
 from .methods import load_methods
 from .runtime.generate import GenerationOutput, GenerationSettings, generate, generate_many
 from .runtime.loading import load_model
+from .runtime.packed_linear import pack_linear_weights
 from .runtime.weight_layout import fastest_layout
 
 load_methods()
@@ -23,5 +24,6 @@ __all__ = [
     "generate_many",
     "load_model",
     "make_policy",
+    "pack_linear_weights",
     "with_cache",
 ]
