@@ -9,7 +9,7 @@ import torch
 from refreshkv.core import native_selection
 from refreshkv.core.attention_math import spread_over_spans, top_k
 from refreshkv.core.kvstore import gather_tokens
-from refreshkv.core.selection import SelectionState
+from refreshkv.core.selection import APPENDED, SelectionState
 from refreshkv.methods.refreshkv import RefreshKV
 
 needs_compiler = pytest.mark.skipif(native_selection._compiler() is None, reason="no C compiler on this machine")
@@ -267,7 +267,6 @@ def test_a_compiled_selection_calls_the_same_c_as_eager(monkeypatch):
 @pytest.mark.parametrize("carry", [0.3, 1.0])
 def test_a_refresh_carries_the_held_scores_in_c_as_in_pytorch(monkeypatch, carry):
     """Two refreshes in a row, a decoded token and an empty slot in C_p between them: the same C_p either way."""
-    from refreshkv.core.selection import APPENDED
 
     generator = torch.Generator().manual_seed(6)
     batch, length, slots = 2, 300, 41
@@ -321,31 +320,38 @@ def test_c_attends_to_the_marked_rows_where_they_lie_as_pytorch_does(threads, di
 
 
 @needs_compiler
-def test_c_refreshes_only_the_marked_rows_as_the_pytorch_rows_path_does(monkeypatch):
-    """Rows that disagree at a query check: the rows that refresh get the C's selection, the others keep C_p as it
-    was, exactly as the PyTorch operators' row-by-row refresh."""
+@pytest.mark.parametrize("carry", [0.0, 0.5])
+def test_c_refreshes_only_the_marked_rows_as_the_pytorch_rows_path_does(monkeypatch, carry):
+    """Rows that disagree at a query check: the rows that refresh get the C's selection, carrying C_p as it was
+    before the step's token took a slot (`held`), the others keep C_p as it is, exactly as the PyTorch operators'
+    row-by-row refresh and as a refresh of C_p without that token."""
     generator = torch.Generator().manual_seed(8)
     batch, length, slots = 3, 300, 41
     keys = torch.randn(batch, 3, length, 8, generator=generator)
     values = torch.randn(batch, 3, length, 8, generator=generator)
     first, second = (torch.rand(batch, 3, 2, 1, length, generator=generator) for _ in range(2))
     rows = torch.tensor([False, True, True])
-    method = RefreshKV(budget=slots - 1, kernel=5, pooling="centered")
+    method = RefreshKV(budget=slots - 1, kernel=5, pooling="centered", carry=carry)
     taken, original = [], native_selection.refresh_partial
     monkeypatch.setattr(native_selection, "refresh_partial", lambda *a: taken.append(original(*a)) or taken[-1])
     refreshed = []
-    for native in ("1", "0"):
+    for native, step_token in (("1", True), ("0", True), ("1", False)):
         monkeypatch.setenv("REFRESHKV_NATIVE", native)
         layer = SimpleNamespace(
             state=SimpleNamespace(partial=SelectionState.empty_like(keys, slots)), prompt_spans=None
         )
         method._refresh(layer, first, None, (keys, values))
-        before = layer.state.partial.store.positions.clone()
-        method._refresh(layer, second, None, (keys, values), rows)
         partial = layer.state.partial
+        held = (partial.store.positions.clone(), partial.scores.clone())
+        if step_token:  # the step's token took the slot of a selected one, as a partial step's does
+            partial.store.positions[:, :, 3], partial.scores[:, :, 3] = length - 1, APPENDED + 1
+        before = partial.store.positions.clone()
+        method._refresh(layer, second, None, (keys, values), rows, held=held)
         refreshed.append((partial.store.keys, partial.store.positions, partial.scores, partial.filled, partial.empty))
         assert torch.equal(partial.store.positions[0], before[0])  # the row that did not refresh
         assert not torch.equal(partial.store.positions[1:], before[1:])
-    assert taken == [True, True, False, False]  # C, then PyTorch operators
-    for got, expected in zip(*refreshed):
+    assert taken == [True, True, False, False, True, True]  # C, then PyTorch operators, then C
+    for got, expected, alone in zip(*refreshed):
         assert torch.equal(got, expected) if isinstance(got, torch.Tensor) else got == expected
+        if isinstance(got, torch.Tensor):  # the refreshed rows: as if the step's token had never been in C_p
+            assert torch.equal(got[1:], alone[1:])

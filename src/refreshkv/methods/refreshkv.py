@@ -370,9 +370,12 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         store = (partial.store.keys, partial.store.values, partial.store.positions, partial.scores)
         per_head = window_mean(probs)  # averaged once, whichever path scores it
         carry_share = self.carry if carry else 0.0
-        # The C refreshes some rows in place only where none carries: a refreshed row carries C_p as it was before
-        # the step's token (`held`), which the store no longer holds.
-        if self.aggregation != "mean" and (rows is None or held is None):
+        if rows is not None and held is not None and carry_share > 0:
+            # A refreshed row carries C_p as it was before the step's token took a slot (`held`): its positions and
+            # scores go back into the store, which the refresh rewrites whole, so the C reads the carry from there.
+            for target, source in zip((partial.store.positions, partial.scores), held):
+                target.copy_(torch.where(rows.view(-1, 1, 1), source, target))
+        if self.aggregation != "mean":
             window, first_only = pool_window(self.kernel, self.pooling), self.aggregation == "first"
             if native_selection.refresh_partial(
                 per_head, first_only, window, words, valid, k, keys, values, store, (carry_share, APPENDED), rows
@@ -386,7 +389,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         if valid is not None:
             scores = scores.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
         if carry_share > 0:
-            scores = carried(held or (partial.store.positions, partial.scores), scores, carry_share)
+            scores = carried((partial.store.positions, partial.scores), scores, carry_share)
         index, kept = keep_top(scores, k)  # pads scored -inf: a top k, no entry -1
         refreshed = partial if rows is None else SelectionState.empty_like(keys, partial.store.slots)
         refreshed.load(keys, values, index, kept, ragged=False)
