@@ -628,7 +628,8 @@ def test_a_preset_gives_its_values_and_parameters_beside_it_override_them():
 
     paper = make_policy("refreshkv", preset="paper", kernel=15)
     assert (paper.kernel, paper.pooling, paper.window, paper.carry, paper.aggregation) == (15, "centered", 1, 0, "max")
-    assert (make_policy("refreshkv").window, make_policy("recycled").carry) == (32, 0.0)  # issue 47's defaults
+    defaults = make_policy("refreshkv"), make_policy("recycled")
+    assert [(p.window, p.carry) for p in defaults] == [(32, 0.5), (32, 0.0)]  # issue 47's defaults
     assert make_policy("snapkv", preset="paper").window == 1 and make_policy("snapkv").window == 32
     assert make_policy("recycled", preset="paper").stride == 10  # recycled's own schedule stays
     for name, cls in METHODS.items():  # every preset builds; a preset of one method is not another's
@@ -651,3 +652,14 @@ def test_a_full_step_of_the_papers_selection_selects_as_a_prompt_of_those_tokens
         llama(longer, **with_cache(llama, cache))
     at_prefill = cache.layers[1].state.partial.store.positions[..., :12]
     assert torch.equal(refreshed.sort(-1).values, at_prefill.sort(-1).values)
+
+
+def test_the_window_mean_leaves_out_a_padded_rows_pad_queries():
+    from refreshkv.core.attention_math import window_mean
+
+    probs = torch.rand(2, 1, 2, 4, 6)
+    queries_valid = torch.tensor([[True] * 4, [False, False, True, True]])
+    averaged = window_mean(probs, queries_valid)
+    torch.testing.assert_close(averaged[0], probs[0].mean(dim=2))
+    torch.testing.assert_close(averaged[1], probs[1, :, :, 2:].mean(dim=2))
+    assert torch.equal(window_mean(probs[:, :, :, :1], queries_valid[:, :1]), probs[:, :, :, 0])

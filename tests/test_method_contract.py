@@ -13,7 +13,7 @@ from refreshkv.engine.cache_argument import with_cache
 
 NEW = 12
 ALL = sorted(METHODS)
-OPTIONS = {"refreshkv+carry": {"carry": 1.0}, "recycled+carry": {"carry": 1.0}}  # options off by default, held too
+OPTIONS = {"refreshkv+carry": {"carry": 1.0}, "recycled+carry": {"carry": 0.5}}  # values not the default, held too
 CASES = ALL + sorted(OPTIONS)
 
 

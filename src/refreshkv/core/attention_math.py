@@ -191,9 +191,18 @@ def pool_window(kernel: int, pooling: str) -> tuple[int, int]:
     return before, kernel - 1 - before
 
 
-def window_mean(probs: torch.Tensor) -> torch.Tensor:
-    """(B, Hkv, G, w, n) -> (B, Hkv, G, n): each query head's probabilities averaged over the observation window."""
-    return probs[:, :, :, 0] if probs.shape[3] == 1 else probs.mean(dim=3)  # a decode step's one query: a view
+def window_mean(probs: torch.Tensor, queries_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, Hkv, G, w, n) -> (B, Hkv, G, n): each query head's probabilities averaged over the observation window.
+    With `queries_valid` ((B, w) bool), over a row's real queries only: a left-padded row's pad queries see nothing
+    but pads, so their probabilities are uniform, which would add to every token's score and shrink the row's real
+    ones (ranks unchanged, but a score carried to a later refresh would not be the row's own)."""
+    if probs.shape[3] == 1:
+        return probs[:, :, :, 0]  # a decode step's one query: a view
+    if queries_valid is None:
+        return probs.mean(dim=3)
+    weights = queries_valid.to(probs.dtype)
+    weights = weights / weights.sum(dim=-1, keepdim=True)  # a row's last query is its newest token, never a pad
+    return (probs * weights[:, None, None, :, None]).sum(dim=3)
 
 
 def aggregate_group(scores: torch.Tensor, how: str) -> torch.Tensor:

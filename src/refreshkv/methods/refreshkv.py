@@ -7,10 +7,12 @@ recycled-attention.txt §2.3, §6):
   (`kernel`) and aggregated over the query heads of a GQA group (`aggregation`, max by default, A.3);
 - partial step: attend to C_p plus the new token, which takes the slot of the lowest-scored entry, so C_p keeps K
   entries besides the newest token;
-- full step: attend to all of C_f and rebuild C_p from the current query's attention (as the papers); with `carry`
-  above 0 each token C_p holds scores at least `carry` x its score there (1: a kept token keeps the best score it
-  had). Issue 47 (docs/results.md): the window finds the needle of a question asked without an answer prefix; carry
-  1 also kept more multikey needles, but cost Gemma 3 270M 2.8% of perplexity at 16K, so it is not the default.
+- full step: attend to all of C_f and rebuild C_p from the current query's attention (as the papers), where each
+  token C_p holds scores at least `carry` x its score there (0.5 by default; the papers' 0 selects from the one
+  query alone, 1 keeps a kept token's best score). Issue 47 (docs/results.md): the window finds the needle of a
+  question asked without an answer prefix, and carry 0.5 keeps it through a refresh in the middle of the answer
+  (SmolLM2 multikey 16 of 30 against 11) at the same perplexity; carry 1 cost Gemma 3 270M 2.8% of perplexity at
+  16K. `recycled` keeps 0: its fixed schedule was not measured with a carry of 0.5.
 C_f is read only at full steps, so it can be held in few bits or off the GPU (`full_cache`: dense, int8, int4, int2,
 offload; core/full_cache.py). Then a full step attends to the dequantized C_f and C_p is gathered from it; the
 prefill's selection uses the prompt's exact keys.
@@ -122,7 +124,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     `qc_stride` (10) steps between query checks and `threshold` (0.85; 0.95 for Qwen2) the cosine below which a
     layer refreshes (dynamic schedule); `kernel` (7) max-pooling kernel and `pooling` (span: centred, then whole
     words, engine/spans.py; centered: the papers'; forward: 1 token before a peak and kernel - 2 after), `window` (32)
-    last prompt tokens whose attention selects at prefill (a longer window takes the whole prompt), `carry` (0) the
+    last prompt tokens whose attention selects at prefill (a longer window takes the whole prompt), `carry` (0.5) the
     share of its score in C_p that a kept token keeps at a refresh, `aggregation` (max) over a GQA group; `query`
     (pre_rope) the space the check compares queries in; `full_cache` (dense) how C_f is held (int8/int4/int2,
     offload) and `group_size` (32) its quantization groups.
@@ -148,7 +150,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     kernel: int = 7
     pooling: str = "span"  # the papers' is "centered" (preset "paper"); span keeps whole words: issue 30
     window: int = 32  # the papers' is 1 (preset "paper"): issue 47
-    carry: float = 0.0  # 1 kept more multikey needles but cost perplexity at 16K: issue 47
+    carry: float = 0.5  # the papers' is 0 (preset "paper"): issue 47; 1 cost perplexity at 16K
     aggregation: str = "max"
     query: str = "pre_rope"
     full_cache: str = "dense"
@@ -368,7 +370,8 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         words = layer.prompt_spans if self.pooling == "span" else None
         keys, values = full_kv
         store = (partial.store.keys, partial.store.values, partial.store.positions, partial.scores)
-        per_head = window_mean(probs)  # averaged once, whichever path scores it
+        queries_valid = None if valid is None else valid.reshape(valid.shape[0], -1)[:, -probs.shape[3] :]
+        per_head = window_mean(probs, queries_valid)  # averaged once, whichever path scores it
         carry_share = self.carry if carry else 0.0
         if rows is not None and held is not None and carry_share > 0:
             # A refreshed row carries C_p as it was before the step's token took a slot (`held`): its positions and
@@ -412,10 +415,11 @@ class Recycled(RefreshKV):
 
     Parameters: as `refreshkv` (`budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest
     prompt, 1/8 by default); `stride`; `qc_stride` and `threshold` unused unless `stride` is None;
-    `kernel`, `pooling`, `window`, `carry`, `aggregation`, `query`, `full_cache`, `group_size`).
+    `kernel`, `pooling`, `window`, `carry` (0 here), `aggregation`, `query`, `full_cache`, `group_size`).
     """
 
     name = "recycled"
     summary = "Recycled Attention: refreshkv with a full step every `stride` steps for all layers"
 
     stride: int | None = 10
+    carry: float = 0.0  # refreshkv's 0.5 was measured on the dynamic schedule only (issue 47)
