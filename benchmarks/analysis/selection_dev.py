@@ -33,15 +33,26 @@ STUDIES = {  # model: files, read in order (a repeated example keeps its first r
         "smollm2-ppl-default.jsonl",
         "smollm2-prefixed-default.jsonl",
     ],
-    "Gemma 3 270M, 8K, base": ["gemma.jsonl", "gemma-new.jsonl", "gemma-default.jsonl"],
+    "Gemma 3 270M, 8K, base": ["gemma.jsonl", "gemma-new.jsonl", "gemma-default.jsonl", "gemma-w32c05.jsonl"],
     "Gemma 3 270M, 8K, multi-turn": [
         "multi-turn-gemma.jsonl",
         "multi-turn-gemma-new.jsonl",
         "multi-turn-gemma-default.jsonl",
+        "multi-turn-gemma-w32c05.jsonl",
     ],
-    "Gemma 3 270M, 16K, K = 2048": ["gemma-16k-default.jsonl", "gemma-16k-w32c0.jsonl"],
+    "Gemma 3 270M, 16K, K = 2048": [
+        "gemma-16k-default.jsonl",
+        "gemma-16k-w32c0.jsonl",
+        "gemma-16k-w32c05.rank0.jsonl",
+        "gemma-16k-w32c05.rank1.jsonl",
+    ],
 }
-SELECTIONS = {(1, 0.0): "w1", (32, 0.0): "w32", (32, 1.0): "w32 carry 1"}  # (window, carry): label
+SELECTIONS = {
+    (1, 0.0): "w1",
+    (32, 0.0): "w32",
+    (32, 0.5): "w32 carry 0.5",
+    (32, 1.0): "w32 carry 1",
+}  # (window, carry): label
 COLUMNS = ["full", "oracle", "snapkv", "quest"]
 COLUMNS += [f"{method} {label}" for method in ("refreshkv", "recycled") for label in SELECTIONS.values()]
 
@@ -91,6 +102,7 @@ def generation_table(title: str, table: dict) -> list[str]:
         "",
     ]
     lines += ["| task | question | K | n | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 4) + "|"]
+    header = len(lines)
     for (task, asked), columns in sorted(table.items()):
         if task == "ppl":
             continue
@@ -110,7 +122,7 @@ def generation_table(title: str, table: dict) -> list[str]:
                     "" if mean is None else f"{mean:.2f}" + ("" if len(shared) == len(subject) else f" ({len(shared)})")
                 )
             lines.append(f"| {task.split('/')[-1]} | {asked} | {k} | {len(subject)} | " + " | ".join(values) + " |")
-    return lines + [""]
+    return lines + [""] if len(lines) > header else []  # a study of perplexity only has no generation table
 
 
 def perplexity_table(title: str, table: dict) -> list[str]:
