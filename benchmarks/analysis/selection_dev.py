@@ -32,6 +32,7 @@ STUDIES = {  # model: files, read in order (a repeated example keeps its first r
         "smollm2-carry-uuid.jsonl",
         "smollm2-ppl-default.jsonl",
         "smollm2-prefixed-default.jsonl",
+        "smollm2-prefixed-w32c05.jsonl",
     ],
     "Gemma 3 270M, 8K, base": ["gemma.jsonl", "gemma-new.jsonl", "gemma-default.jsonl", "gemma-w32c05.jsonl"],
     "Gemma 3 270M, 8K, multi-turn": [
