@@ -13,7 +13,7 @@ the input embedding gets a packed copy of its own, since the embedding lookup st
 weights held grow by that table (SmolLM2 108 MB, Gemma 3 270M 640 MB), the weights a step reads do not.
 
 CPU only, float32 or bfloat16 (the latter where oneDNN has bfloat16 kernels), eager: torch.compile and autograd do
-not go through it. Values are the same, but the products are summed in another order, so logits move by ~1e-5 and
+not go through it. Values are the same, but the products are summed in another order, so logits move by ~1e-4 and
 greedy tokens can differ from the stored layout's on near ties, as with `fastest`.
 """
 
