@@ -103,6 +103,25 @@ def test_a_padded_batch_equals_its_rows(llama, name):
             )
 
 
+@pytest.fixture(scope="module")
+def packed_two_layers():
+    from refreshkv.runtime.packed_linear import pack_linear_weights
+
+    model = tiny_model("llama", layers=2, seed=3)
+    pack_linear_weights(model)
+    return model
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_packed_weights_decode_what_the_stored_ones_do(two_layers, packed_two_layers, name):
+    """`--weight-layout packed` swaps every linear module; a method reads no weight itself, so its tokens stay."""
+    ids, mask = left_pad([random_prompt(40, seed=2)[0], random_prompt(34, seed=4)[0]])
+    stored = run(two_layers, ids, method(name), mask, **small_budget(name))
+    packed = run(packed_two_layers, ids, method(name), mask, **small_budget(name))
+    assert packed.tokens == stored.tokens
+    assert max_diff(packed.logits, stored.logits) < 1e-4
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_kept_positions_bytes_and_full_step_fraction_are_consistent(llama, name):
     rows = [random_prompt(30, seed=7)[0], random_prompt(24, seed=8)[0]]

@@ -363,7 +363,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         Every selection of this method (prefill, full step, a conversation's next turn) scores tokens alike:
         pooled, aggregated, spread over words (`selection_scores`). On the CPU, one call of C does all of it, the
         top K and the load of C_p (core/native_selection.py: a dozen PyTorch operators per layer fewer); elsewhere,
-        for `mean` aggregation and for some rows only, PyTorch operators, with the same result."""
+        for `mean` aggregation and for some rows under torch.compile, PyTorch operators, with the same result."""
         partial = layer.state.partial
         assert partial is not None  # a refresh rebuilds C_p
         k = min(partial.store.slots - 1, probs.shape[-1])
