@@ -1,11 +1,19 @@
 """A full cache in few bits (core/quantized_store.py, core/full_cache.py) and `refreshkv`/`recycled` over it."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import tiny_model
 
 from refreshkv import PolicyError, generate, make_policy
+from refreshkv.core import native_selection
+from refreshkv.core.attention_math import SoftCapped, attend_with_probs
 from refreshkv.core.quantized_store import QuantizedFullStore, pack, quantize, unpack
+from refreshkv.core.selection import SelectionState
+from refreshkv.methods.refreshkv import RefreshKV
+
+needs_compiler = pytest.mark.skipif(native_selection._compiler() is None, reason="no C compiler on this machine")
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -75,6 +83,109 @@ def test_bytes_reported_are_the_sum_of_every_tensor_held():
         steps = 2 * 2 * keys.numel() // 8 * 4
         assert store.attended_bytes() == codes + steps + 2 * 2 * 3 * 8 * 16 * 4
         assert store.attended_bytes() < dense
+
+
+def _held_store(bits, length=77, dim=32, seed=4):
+    """A quantized C_f of 3 rows, 2 KV heads and `length` tokens: whole groups of 8 from a prompt, then one token at a
+    time (77 tokens: 9 groups and 5 in the residual)."""
+    g = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(3, 2, length, dim, generator=g), torch.randn(3, 2, length, dim, generator=g)
+    store = QuantizedFullStore(keys[:, :, :1], capacity=40, bits=bits, group_size=8)
+    store.append(keys[:, :, :70], values[:, :, :70])
+    for t in range(70, length):
+        store.append(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+    return store
+
+
+@needs_compiler
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_a_full_step_reads_the_codes_where_they_lie_as_attention_over_the_dequantized_cache(bits):
+    """`attend` (the C over the codes, the residual dense) gives what attending to `view()` gives, up to the order of
+    float sums, for the rows asked for, whatever the threads; pads get no attention."""
+    store = _held_store(bits)
+    assert (store.groups, store.pending) == (9, 5)
+    query = torch.randn(3, 6, 1, 32, generator=torch.Generator().manual_seed(5))
+    valid = torch.ones(3, 1, 1, 77, dtype=torch.bool)
+    valid[1, ..., :10] = False  # a left-padded row
+    expected_output, expected_probs = attend_with_probs(query, *store.view(), 0.17, valid)
+    before = torch.get_num_threads()
+    try:
+        for rows, count in ((None, 1), (torch.tensor([False, True, True]), 2)):
+            torch.set_num_threads(count)
+            output, probs = store.attend(query, 0.17, valid, rows)
+            marked = torch.ones(3, dtype=torch.bool) if rows is None else rows
+            torch.testing.assert_close(output[marked], expected_output[marked], rtol=0, atol=2e-5)
+            torch.testing.assert_close(probs[marked], expected_probs[marked], rtol=0, atol=1e-6)
+            assert probs[1, ..., :10].max() == 0
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_compiler
+def test_a_full_step_over_codes_steps_aside_where_the_c_cannot(monkeypatch):
+    store, query = _held_store(4), torch.randn(3, 6, 1, 32)
+    assert store.attend(query, SoftCapped(0.17, 50.0), None) is None  # Gemma 2's soft-capping
+    assert _held_store(4, dim=24).attend(torch.randn(3, 6, 1, 24), 0.17, None) is None  # not a multiple of 16
+    monkeypatch.setenv("REFRESHKV_NATIVE", "0")
+    assert store.attend(query, 0.17, None) is None
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_gather_reads_the_tokens_asked_for_exactly_as_view_does(bits):
+    store = _held_store(bits)
+    index = torch.randint(0, 77, (3, 2, 11), generator=torch.Generator().manual_seed(6))
+    index[0, 0, :3] = torch.tensor([0, 71, 76])  # the first token and two of the residual
+    keys, values = store.gather(index)
+    whole_keys, whole_values = store.view()
+    rows = index[..., None].expand(-1, -1, -1, 32)
+    assert torch.equal(keys, whole_keys.gather(2, rows)) and torch.equal(values, whole_values.gather(2, rows))
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [None, (False, True, True)])
+def test_a_refresh_from_a_quantized_cache_loads_what_a_refresh_from_its_dequantized_tokens_loads(rows):
+    """The tokens selected from C_f in codes are dequantized alone (`gather`) into C_p: the same slots, positions,
+    scores, keys and values as a refresh reading the whole dequantized C_f, for the rows that refresh."""
+    store = _held_store(4)
+    probs = torch.rand(3, 2, 3, 1, 77, generator=torch.Generator().manual_seed(7))
+    marked = None if rows is None else torch.tensor(rows)
+    method = RefreshKV(budget=20, kernel=3, pooling="centered", carry=0.5)
+    refreshed = []
+    for source in (store, store.view()):
+        layer = SimpleNamespace(state=SimpleNamespace(partial=SelectionState.empty_like(store.residual_keys, 21)))
+        layer.prompt_spans = None
+        method._refresh(layer, probs, None, source, marked)
+        partial = layer.state.partial
+        refreshed.append((partial.store.keys, partial.store.values, partial.store.positions, partial.scores))
+    for from_codes, from_view in zip(*refreshed):
+        assert torch.equal(from_codes, from_view)
+
+
+@needs_compiler
+def test_refreshkv_over_an_int4_cache_decodes_as_over_its_dequantized_tokens(monkeypatch):
+    """The whole method: full steps over the codes (the C) against full steps over `view()` (the PyTorch operators):
+    the same tokens, logits within float rounding, on a left-padded batch whose rows once disagree at a check."""
+    model = tiny_model("llama", layers=2, seed=5)
+    ids = torch.randint(3, 128, (2, 90), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    results, calls, attend = [], [], QuantizedFullStore.attend
+
+    def counted(store, query, scaling, valid, rows=None):
+        calls.append((rows, attend(store, query, scaling, valid, rows)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(QuantizedFullStore, "attend", counted)
+    for native in ("1", "0"):
+        monkeypatch.setenv("REFRESHKV_NATIVE", native)
+        policy = make_policy("refreshkv", budget=24, qc_stride=2, threshold=0.5, full_cache="int4", group_size=8)
+        out = generate(model, ids, mask, method=policy, max_new_tokens=10, eos_token_id=[], return_logits=True)
+        results.append((out.tokens, torch.stack(out.logits)))
+        if native == "1":  # every full step read the codes, one of them for one row of the two
+            assert calls and all(result is not None for _, result in calls)
+            assert any(rows is not None and rows.tolist() == [False, True] for rows, _ in calls)
+    assert results[0][0] == results[1][0]
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=1e-4)
 
 
 def _decode(model, method, ids, steps=12):

@@ -163,6 +163,10 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     library.weigh_values_rows.argtypes = [pointer, pointer, BlockStrides, size, size, size, size, size, pointer]
     library.weigh_values_rows.argtypes += [pointer, status]
     library.logits_rows.restype = library.weigh_values_rows.restype = None
+    quantized = [pointer, QuantizedCache, size, size, size, size, size]
+    library.quantized_logits_rows.argtypes = [*quantized, ctypes.c_float, pointer, pointer, pointer, status]
+    library.quantized_weigh_rows.argtypes = [*quantized, pointer, pointer, status]
+    library.quantized_logits_rows.restype, library.quantized_weigh_rows.restype = None, status
     return library
 
 
@@ -349,6 +353,105 @@ def attend_rows(
         threads,
     )
     return output.reshape(batch, 1, kv_heads * group, dim), probs
+
+
+class QuantizedPart(ctypes.Structure):
+    """The C's QuantizedPart: where a quantized C_f's codes, scales and minimums of keys (or values) lie."""
+
+    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("minimums", ctypes.c_void_p)]
+
+
+class QuantizedCache(ctypes.Structure):
+    """The C's QuantizedCache: a quantized C_f's keys and values, its groups (held, filled), quant and bits."""
+
+    _fields_ = [("keys", QuantizedPart), ("values", QuantizedPart)]
+    _fields_ += [(name, ctypes.c_int64) for name in ("stored", "groups", "quant", "bits")]
+
+
+def attend_quantized_rows(
+    query: torch.Tensor,
+    key_parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    value_parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    groups: int,
+    bits: int,
+    scaling: object,
+    valid: torch.Tensor | None,
+    rows: torch.Tensor,
+    tail: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`attend_rows` over a C_f held in codes (`quantized_store.QuantizedFullStore`: its keys' and values' (codes,
+    scales, minimums) and its `groups` filled groups, then `tail` = the residual's keys and values (B, Hkv, r, D)),
+    read from the codes instead of dequantized first: 32 / bits times fewer bytes than the dense keys and values.
+    The sums differ from the dequantized attention's in order only. Eager float32 on the CPU; None where the C path is
+    not available or a tensor lies otherwise."""
+    (key_codes, key_scales, key_minimums), (value_codes, value_scales, value_minimums) = key_parts, value_parts
+    batch, kv_heads, stored, byte_rows, dim = key_codes.shape
+    tail_keys, tail_values = tail
+    quant = byte_rows * 8 // bits
+    n = groups * quant + tail_keys.shape[2]
+    fits = (
+        isinstance(scaling, float)
+        and not torch.compiler.is_compiling()
+        and query.dim() == 4
+        and query.shape[0] == batch
+        and query.shape[2] == 1
+        and query.shape[1] % kv_heads == 0
+        and query.dtype == key_scales.dtype == value_scales.dtype == tail_keys.dtype == torch.float32
+        and all(part.is_contiguous() for part in (*key_parts, *value_parts))
+        and value_codes.shape == key_codes.shape
+        and dim % 16 == 0  # the C sums LANES floats side by side
+        and key_scales.shape == key_minimums.shape == (batch, kv_heads, stored, 1, dim)
+        and value_scales.shape == value_minimums.shape == (batch, kv_heads, stored * quant, dim // quant, 1)
+        and rows.dtype == torch.bool
+        and rows.shape == (batch,)
+        and (valid is None or (valid.dtype == torch.bool and valid.numel() == batch * n))
+        and _on_cpu(query, key_codes, valid, rows)
+    )
+    if not fits:
+        return None
+    assert isinstance(scaling, float)  # in `fits`
+    members = query.shape[1] // kv_heads
+    packed = query.reshape(batch, kv_heads, members, dim).contiguous()
+    marked = rows.to(torch.uint8).contiguous()
+    mask = None if valid is None else valid.reshape(batch, n).contiguous()
+    cache = QuantizedCache(
+        QuantizedPart(*(part.data_ptr() for part in key_parts)),
+        QuantizedPart(*(part.data_ptr() for part in value_parts)),
+        stored,
+        groups,
+        quant,
+        bits,
+    )
+    threads, quantized = torch.get_num_threads(), groups * quant
+    logits = torch.empty(batch, kv_heads, members, n)
+    _kernels().quantized_logits_rows(
+        packed.data_ptr(),
+        cache,
+        batch,
+        kv_heads,
+        members,
+        n,
+        dim,
+        scaling,
+        None if mask is None else mask.data_ptr(),
+        marked.data_ptr(),
+        logits.data_ptr(),
+        threads,
+    )
+    if n > quantized:  # the residual's few tokens, dense
+        recent = torch.matmul(packed, tail_keys.transpose(2, 3)) * scaling
+        if mask is not None:
+            recent.masked_fill_(~mask[:, None, None, quantized:], torch.finfo(torch.float32).min)
+        logits[..., quantized:] = recent
+    probs = logits.softmax(dim=-1)  # the unmarked rows' are never read
+    output = torch.empty_like(packed)
+    if _kernels().quantized_weigh_rows(
+        probs.data_ptr(), cache, batch, kv_heads, members, n, dim, marked.data_ptr(), output.data_ptr(), threads
+    ):
+        raise MemoryError(f"attention over a quantized cache: no scratch space for {batch} x {kv_heads} blocks")
+    if n > quantized:
+        output += torch.matmul(probs[..., quantized:], tail_values)
+    return output.reshape(batch, 1, kv_heads * members, dim), probs
 
 
 # The C calls. Under torch.compile each is an operator of its own (torch.library), opaque to the compiler, so that a

@@ -8,13 +8,16 @@ The newest tokens wait in full precision until `group_size` of them fill a key g
 quantized once, whole groups at a time. Codes are packed 8 / bits to a byte (`pack`).
 
 What is counted (`nbytes`): the packed codes, the scales and minimums (in the model's dtype) and the residual; the
-buffers grow by doubling like `FullStore`'s. `view` dequantizes everything held: a full step's read.
+buffers grow by doubling like `FullStore`'s. `view` dequantizes everything held. A full step of refreshkv reads the
+codes where they lie instead (`attend`, on the CPU) and dequantizes only the K tokens it selects (`gather`): at 8K with
+43 rows, dequantizing first had made each full step take 50 times a partial one (docs/benchmark.md).
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import native_selection
 from .kvstore import LayerState, _bytes, every_position
 
 QUANTIZED_BITS = {"int8": 8, "int4": 4, "int2": 2}
@@ -168,6 +171,50 @@ class QuantizedFullStore(LayerState):
         unpack_into(self.value_codes[:, :, first:last], self.bits, values.view(batch, heads, -1, self.group, dim), 3)
         values = values.view(batch, heads, n, dim // self.group, self.group)
         values.mul_(self.value_scale[:, :, tokens]).add_(self.value_min[:, :, tokens])
+
+    def attend(
+        self, query: torch.Tensor, scaling: object, valid: torch.Tensor | None, rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`attention_math.attend_with_probs` of one query token over every token held, for the batch elements marked
+        in `rows` ((B,) bool; all by default; the others' results hold nothing meaningful), computed from the codes
+        (native_selection.attend_quantized_rows). None where the C cannot: then attend over `view()`."""
+        marked = torch.ones(query.shape[0], dtype=torch.bool) if rows is None else rows
+        tail = (self.residual_keys[:, :, : self.pending], self.residual_values[:, :, : self.pending])
+        return native_selection.attend_quantized_rows(
+            query,
+            (self.key_codes, self.key_scale, self.key_min),
+            (self.value_codes, self.value_scale, self.value_min),
+            self.groups,
+            self.bits,
+            scaling,
+            valid,
+            marked.to(query.device),
+            tail,
+        )
+
+    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, H, k, D) of the tokens at `index` (B, H, k), read back exactly as `view()` reads them."""
+        batch, heads, _, dim = self.residual_keys.shape
+        quantized, per_byte = self.groups * self.group, 8 // self.bits
+        byte_rows = self.group // per_byte
+        coded = index.clamp(max=max(quantized - 1, 0))
+        group, token = coded // self.group, coded % self.group
+        row, shift = token % byte_rows, (token // byte_rows * self.bits).to(torch.uint8)[..., None]
+        b = torch.arange(batch, device=index.device)[:, None, None]
+        h = torch.arange(heads, device=index.device)[None, :, None]
+        mask = 2**self.bits - 1
+        dtype = self.residual_keys.dtype
+        key_codes = ((self.key_codes[b, h, group, row] >> shift) & mask).to(dtype)
+        keys = key_codes.mul_(self.key_scale[b, h, group, 0]).add_(self.key_min[b, h, group, 0])
+        value_codes = ((self.value_codes[b, h, group, row] >> shift) & mask).to(dtype)
+        values = value_codes.view(batch, heads, -1, dim // self.group, self.group)
+        values = values.mul_(self.value_scale[b, h, coded]).add_(self.value_min[b, h, coded]).view(keys.shape)
+        recent = (index >= quantized)[..., None]
+        if bool(recent.any()):
+            late = (index - quantized).clamp(min=0)
+            keys = torch.where(recent, self.residual_keys[b, h, late], keys)
+            values = torch.where(recent, self.residual_values[b, h, late], values)
+        return keys, values
 
     def _held(self) -> list[torch.Tensor]:
         tokens = self.groups * self.group

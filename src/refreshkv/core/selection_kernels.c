@@ -452,3 +452,147 @@ AVX2_CLONE void weigh_values_rows(const float *probs, const char *value_source, 
         }
     }
 }
+
+/* A C_f held in `bits` bits (core/quantized_store.py) as this file sees it: per (batch, KV head) block, `stored`
+   groups of `quant` tokens, of which the first `groups` are filled. Keys: codes (stored x quant * bits / 8 x dim
+   bytes; byte row j of a group holds, in its r-th `bits` bits, token r * rows + j, rows = quant * bits / 8), a scale and a
+   minimum per channel and group (stored x dim floats). Values: the same codes; a scale and a minimum per token and
+   `quant` channels (stored * quant x dim / quant floats). A code c reads back as c x scale + minimum. */
+typedef struct {
+    const uint8_t *codes;
+    const float *scales, *minimums;
+} QuantizedPart;
+
+typedef struct {
+    QuantizedPart keys, values;
+    int64_t stored, groups, quant, bits;
+} QuantizedCache;
+
+/* The codes of byte row `row` (dim bytes) as floats: codes[r * dim + d], the r-th `bits` bits of byte d. */
+INLINE void decode_row(const uint8_t *row, int64_t dim, int64_t per_byte, int64_t bits, float *codes) {
+    int mask = (1 << bits) - 1;
+    for (int64_t r = 0; r < per_byte; r++) {
+        int shift = (int)(r * bits);
+        for (int64_t d = 0; d < dim; d++) codes[r * dim + d] = (float)((row[d] >> shift) & mask);
+    }
+}
+
+/* a . b over dim floats (a multiple of LANES), summed in LANES lanes that stay in registers, then across them. */
+INLINE float lanes_dot(const float *a, const float *b, int64_t dim) {
+    float lanes[LANES] = {0.0f}, sum = 0.0f;
+    for (int64_t d = 0; d < dim; d += LANES)
+        for (int64_t l = 0; l < LANES; l++) lanes[l] += a[d + l] * b[d + l];
+#pragma omp simd reduction(+ : sum)
+    for (int64_t l = 0; l < LANES; l++) sum += lanes[l];
+    return sum;
+}
+
+enum { GROUP_PIECE = 16 }; /* groups of positions of a block that one thread takes at a time (logits) */
+
+/* A full step's logits over the quantized groups of C_f, for the batch elements marked in `rows` (batch bytes), as
+   logits_rows computes them over the dequantized keys, in another order of sums: per group, q . (c x s + m) as
+   (q x s) . c + q . m. `query`: batch x heads x members x dim, dim a multiple of LANES; `logits`: batch x heads x
+   members x n, n >= groups * quant (its positions past them not written). The dot products of a byte row's tokens
+   with each query head are summed in LANES lanes (`lanes_dot`), not one after another. */
+AVX2_CLONE void quantized_logits_rows(const float *query, QuantizedCache cache, int64_t batch, int64_t heads,
+                                      int64_t members, int64_t n, int64_t dim, float scale, const uint8_t *valid,
+                                      const uint8_t *rows, float *logits, int threads) {
+    int64_t marked[batch * heads], blocks = marked_blocks(rows, batch, heads, marked);
+    int64_t pieces = (cache.groups + GROUP_PIECE - 1) / GROUP_PIECE, per_byte = 8 / cache.bits;
+    int64_t byte_rows = cache.quant / per_byte;
+    int64_t code_block = cache.stored * byte_rows * dim, scale_block = cache.stored * dim;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t task = 0; task < blocks * pieces; task++) {
+        int64_t block = marked[task / pieces], b = block / heads;
+        int64_t first = task % pieces * GROUP_PIECE;
+        int64_t last = first + GROUP_PIECE < cache.groups ? first + GROUP_PIECE : cache.groups;
+        const float *q = query + block * members * dim;
+        float *out = logits + block * members * n;
+        float scaled[members * dim], offset[members], codes[per_byte * dim];
+        for (int64_t g = first; g < last; g++) {
+            const float *s = cache.keys.scales + block * scale_block + g * dim;
+            const float *m = cache.keys.minimums + block * scale_block + g * dim;
+            for (int64_t h = 0; h < members; h++) {
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t d = 0; d < dim; d++) {
+                    scaled[h * dim + d] = q[h * dim + d] * s[d];
+                    sum += q[h * dim + d] * m[d];
+                }
+                offset[h] = sum;
+            }
+            const uint8_t *group_codes = cache.keys.codes + block * code_block + g * byte_rows * dim;
+            for (int64_t j = 0; j < byte_rows; j++) {
+                decode_row(group_codes + j * dim, dim, per_byte, cache.bits, codes);
+                for (int64_t r = 0; r < per_byte; r++) {
+                    int64_t i = g * cache.quant + r * byte_rows + j;
+                    for (int64_t h = 0; h < members; h++) {
+                        float sum = lanes_dot(scaled + h * dim, codes + r * dim, dim);
+                        out[h * n + i] = valid && !valid[b * n + i] ? -FLT_MAX : (sum + offset[h]) * scale;
+                    }
+                }
+            }
+        }
+    }
+}
+
+enum { GROUP_SPAN = 64 }; /* groups of positions whose weighted values one task sums (a fixed split: see below) */
+
+/* A full step's output over the quantized groups of C_f, for the batch elements marked in `rows`: per (batch, KV head)
+   and query head, the probabilities (`probs`: batch x heads x members x n) of the first groups x quant positions
+   times their values, c x s + m summed as (p x s) . c + p . m, into `out` (batch x heads x members x dim, written
+   whole for the marked blocks). Each task sums a span of GROUP_SPAN groups of one block into its own partial sums,
+   which are then added in span order: the split does not depend on `threads`. 0, or 1 without scratch space. */
+AVX2_CLONE int quantized_weigh_rows(const float *probs, QuantizedCache cache, int64_t batch, int64_t heads,
+                                    int64_t members, int64_t n, int64_t dim, const uint8_t *rows, float *out,
+                                    int threads) {
+    int64_t marked[batch * heads], blocks = marked_blocks(rows, batch, heads, marked);
+    int64_t spans = (cache.groups + GROUP_SPAN - 1) / GROUP_SPAN, per_byte = 8 / cache.bits;
+    int64_t byte_rows = cache.quant / per_byte, channel_groups = dim / cache.quant;
+    int64_t code_block = cache.stored * byte_rows * dim, scale_block = cache.stored * cache.quant * channel_groups;
+    int64_t partial_size = members * (dim + channel_groups);
+    float *partials = malloc((size_t)(blocks * spans * partial_size + 1) * sizeof(float));
+    if (!partials) return 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t task = 0; task < blocks * spans; task++) {
+        int64_t block = marked[task / spans];
+        int64_t first = task % spans * GROUP_SPAN;
+        int64_t last = first + GROUP_SPAN < cache.groups ? first + GROUP_SPAN : cache.groups;
+        float *sums = partials + task * partial_size, *offsets = sums + members * dim, codes[per_byte * dim];
+        memset(sums, 0, (size_t)partial_size * sizeof(float));
+        const float *weights = probs + block * members * n;
+        for (int64_t g = first; g < last; g++) {
+            const uint8_t *group_codes = cache.values.codes + block * code_block + g * byte_rows * dim;
+            for (int64_t j = 0; j < byte_rows; j++) {
+                decode_row(group_codes + j * dim, dim, per_byte, cache.bits, codes);
+                for (int64_t r = 0; r < per_byte; r++) {
+                    int64_t i = g * cache.quant + r * byte_rows + j;
+                    const float *s = cache.values.scales + block * scale_block + i * channel_groups;
+                    const float *m = cache.values.minimums + block * scale_block + i * channel_groups;
+                    for (int64_t h = 0; h < members; h++) {
+                        float p = weights[h * n + i];
+                        for (int64_t c = 0; c < channel_groups; c++) {
+                            float w = p * s[c], *row = sums + h * dim + c * cache.quant;
+                            const float *code = codes + r * dim + c * cache.quant;
+#pragma omp simd
+                            for (int64_t d = 0; d < cache.quant; d++) row[d] += w * code[d];
+                            offsets[h * channel_groups + c] += p * m[c];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t k = 0; k < blocks; k++) {
+        float *target = out + marked[k] * members * dim;
+        memset(target, 0, (size_t)(members * dim) * sizeof(float));
+        for (int64_t span = 0; span < spans; span++) {
+            const float *sums = partials + (k * spans + span) * partial_size, *offsets = sums + members * dim;
+            for (int64_t h = 0; h < members; h++)
+                for (int64_t d = 0; d < dim; d++)
+                    target[h * dim + d] += sums[h * dim + d] + offsets[h * channel_groups + d / cache.quant];
+        }
+    }
+    free(partials);
+    return 0;
+}

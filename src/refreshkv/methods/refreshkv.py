@@ -65,6 +65,7 @@ from ..core.policy import (
     is_number,
     register,
 )
+from ..core.quantized_store import QuantizedFullStore
 from ..core.rope import unrotate
 from ..core.selection import APPENDED, SelectionState, keep_top  # APPENDED: decoded tokens outrank recycled ones
 
@@ -331,15 +332,26 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         """Attend over C_f and refresh C_p (only `rows`, (B,) bool, if given): the output and the bytes of C_f read.
         Where the C can (eager, on the CPU), only the rows that refresh read C_f; elsewhere every row does."""
         state: RefreshState = layer.state
-        keys, values = state.full.view()
-        valid = layer.valid_positions(state.full.length, keys.device)
-        read, alone = state.full.attended_bytes(), None
-        if rows is not None:
-            alone = native_selection.attend_rows(query, keys, values, scaling, valid, rows)
-            if alone is not None:
-                read = read * int(rows.sum()) // rows.numel()
-        output, probs = alone or attend_with_probs(query, keys, values, scaling, valid)
-        self._refresh(layer, probs.unsqueeze(3), valid, (keys, values), rows, held=held)
+        full = state.full
+        valid = layer.valid_positions(full.length, query.device)
+        # A quantized C_f is read from its codes, a dense one where it lies; each, where the C can, for `rows` alone.
+        source: QuantizedFullStore | tuple[Tensor, Tensor]
+        attended = None
+        if isinstance(full, QuantizedFullStore):
+            source, attended = full, full.attend(query, scaling, valid, rows)
+        read_rows = rows
+        if attended is None:
+            keys, values = source = full.view()
+            if rows is not None:
+                attended = native_selection.attend_rows(query, keys, values, scaling, valid, rows)
+            if attended is None:
+                read_rows = None  # every row read C_f
+                attended = attend_with_probs(query, keys, values, scaling, valid)
+        read = full.attended_bytes()
+        if read_rows is not None:
+            read = read * int(read_rows.sum()) // read_rows.numel()
+        output, probs = attended
+        self._refresh(layer, probs.unsqueeze(3), valid, source, rows, held=held)
         if self.stride is None:
             current = self.compared_query(layer, query)
             if rows is not None and state.anchor is not None:  # the other rows keep theirs
@@ -352,13 +364,14 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         layer: RefreshLayer,
         probs: Tensor,
         valid: Tensor | None,
-        full_kv: tuple[Tensor, Tensor],
+        full_kv: QuantizedFullStore | tuple[Tensor, Tensor],
         rows: Tensor | None = None,
         carry: bool = True,
         held: tuple[Tensor, Tensor] | None = None,
     ) -> None:
         """Rebuild C_p from window probabilities (B, Hkv, G, w, n) over C_f's keys and values `full_kv` (read once
-        per full step: a quantized C_f is dequantized once); only `rows` (B,) bool if given.
+        per full step), or over a quantized C_f whose selected tokens alone are dequantized; only `rows` (B,) bool if
+        given.
 
         Every selection of this method (prefill, full step, a conversation's next turn) scores tokens alike:
         pooled, aggregated, spread over words (`selection_scores`). On the CPU, one call of C does all of it, the
@@ -368,7 +381,6 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         assert partial is not None  # a refresh rebuilds C_p
         k = min(partial.store.slots - 1, probs.shape[-1])
         words = layer.prompt_spans if self.pooling == "span" else None
-        keys, values = full_kv
         store = (partial.store.keys, partial.store.values, partial.store.positions, partial.scores)
         queries_valid = None if valid is None else valid.reshape(valid.shape[0], -1)[:, -probs.shape[3] :]
         per_head = window_mean(probs, queries_valid)  # averaged once, whichever path scores it
@@ -378,7 +390,8 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             # scores go back into the store, which the refresh rewrites whole, so the C reads the carry from there.
             for target, source in zip((partial.store.positions, partial.scores), held):
                 target.copy_(torch.where(rows.view(-1, 1, 1), source, target))
-        if self.aggregation != "mean":
+        if self.aggregation != "mean" and isinstance(full_kv, tuple):
+            keys, values = full_kv
             window, first_only = pool_window(self.kernel, self.pooling), self.aggregation == "first"
             if native_selection.refresh_partial(
                 per_head, first_only, window, words, valid, k, keys, values, store, (carry_share, APPENDED), rows
@@ -394,8 +407,13 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         if carry_share > 0:
             scores = carried((partial.store.positions, partial.scores), scores, carry_share)
         index, kept = keep_top(scores, k)  # pads scored -inf: a top k, no entry -1
-        refreshed = partial if rows is None else SelectionState.empty_like(keys, partial.store.slots)
-        refreshed.load(keys, values, index, kept, ragged=False)
+        refreshed = partial if rows is None else SelectionState.empty_like(partial.store.keys, partial.store.slots)
+        if isinstance(full_kv, tuple):
+            refreshed.load(*full_kv, index, kept, ragged=False)
+        else:
+            selected = full_kv.gather(index)
+            in_order = torch.arange(k, device=index.device).expand_as(index)
+            refreshed.load(*selected, in_order, kept, ragged=False, positions=index)
         if rows is None:
             return
         for target, source in (
