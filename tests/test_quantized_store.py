@@ -130,15 +130,20 @@ def test_a_full_step_over_codes_steps_aside_where_the_c_cannot(monkeypatch):
     assert store.attend(query, 0.17, None) is None
 
 
+@needs_compiler
 @pytest.mark.parametrize("bits", [8, 4, 2])
-def test_gather_reads_the_tokens_asked_for_exactly_as_view_does(bits):
+def test_gather_reads_the_tokens_asked_for_exactly_as_view_does_into_the_first_slots(bits):
     store = _held_store(bits)
     index = torch.randint(0, 77, (3, 2, 11), generator=torch.Generator().manual_seed(6))
     index[0, 0, :3] = torch.tensor([0, 71, 76])  # the first token and two of the residual
-    keys, values = store.gather(index)
+    slots = (torch.full((3, 2, 14, 32), 7.0), torch.full((3, 2, 14, 32), 7.0))
+    assert store.gather(index, slots)
     whole_keys, whole_values = store.view()
     rows = index[..., None].expand(-1, -1, -1, 32)
-    assert torch.equal(keys, whole_keys.gather(2, rows)) and torch.equal(values, whole_values.gather(2, rows))
+    assert torch.equal(slots[0][:, :, :11], whole_keys.gather(2, rows))
+    assert torch.equal(slots[1][:, :, :11], whole_values.gather(2, rows))
+    assert (slots[0][:, :, 11:] == 7).all() and (slots[1][:, :, 11:] == 7).all()
+    assert not store.gather(index, (slots[0].bfloat16(), slots[1].bfloat16()))  # another type: nothing written
 
 
 @needs_compiler
@@ -156,9 +161,10 @@ def test_a_refresh_from_a_quantized_cache_loads_what_a_refresh_from_its_dequanti
         layer.prompt_spans = None
         method._refresh(layer, probs, None, source, marked)
         partial = layer.state.partial
-        refreshed.append((partial.store.keys, partial.store.values, partial.store.positions, partial.scores))
+        kept = partial.store.keys[:, :, :20], partial.store.values[:, :, :20]  # K = 20: the 21st slot is empty
+        refreshed.append((*kept, partial.store.positions, partial.scores, partial.filled, partial.empty))
     for from_codes, from_view in zip(*refreshed):
-        assert torch.equal(from_codes, from_view)
+        assert torch.equal(from_codes, from_view) if isinstance(from_codes, torch.Tensor) else from_codes == from_view
 
 
 @needs_compiler

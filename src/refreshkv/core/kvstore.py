@@ -166,7 +166,7 @@ class SlotStore(LayerState):
         Every slot is gathered in place (the slots past n repeat the last index and are marked empty), without
         gathering rows first and copying them into the slots: a refresh on an AVX2 CPU spent 4.7 ms of a 154 ms
         step at 8K on that copy (docs/benchmark.md). The gathered keys and values must not lie in this store."""
-        kept, pad = index.shape[-1], self.slots - index.shape[-1]
+        pad = self.slots - index.shape[-1]
         # On the CPU one copy per row, the padding slots included (core/native_selection.py); else PyTorch's gather.
         if not native_selection.gather_rows_into(index, keys, values, self.keys, self.values):
             self.keys, self.values = gather_tokens(
@@ -175,8 +175,19 @@ class SlotStore(LayerState):
                 values,
                 out=(self.keys, self.values),
             )
-        self.positions[..., :kept] = positions
-        self.positions[..., kept:] = -1
+        self.hold(positions)
+
+    def hold(self, positions: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """The first positions.shape[-1] slots hold the tokens at `positions` (their keys and values written there);
+        the rest are empty. Only in the batch elements marked in `rows` ((B,) bool) if given."""
+        kept = positions.shape[-1]
+        if rows is None:
+            self.positions[..., :kept] = positions
+            self.positions[..., kept:] = -1
+            return
+        marked = rows.view(-1, 1, 1)
+        self.positions[..., :kept] = torch.where(marked, positions, self.positions[..., :kept])
+        self.positions[..., kept:].masked_fill_(marked, -1)
 
     def grow(self, extra: int) -> None:
         """Add `extra` empty slots (a store sized for fewer decoded tokens than are coming)."""

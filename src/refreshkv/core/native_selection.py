@@ -167,6 +167,9 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     library.quantized_logits_rows.argtypes = [*quantized, ctypes.c_float, pointer, pointer, pointer, status]
     library.quantized_weigh_rows.argtypes = [*quantized, pointer, pointer, status]
     library.quantized_logits_rows.restype, library.quantized_weigh_rows.restype = None, status
+    library.dequantize_rows.argtypes = [QuantizedCache, pointer, pointer, pointer, size, size, size, size, size]
+    library.dequantize_rows.argtypes += [pointer, pointer, pointer, status]
+    library.dequantize_rows.restype = None
     return library
 
 
@@ -452,6 +455,75 @@ def attend_quantized_rows(
     if n > quantized:
         output += torch.matmul(probs[..., quantized:], tail_values)
     return output.reshape(batch, 1, kv_heads * members, dim), probs
+
+
+def dequantize_rows(
+    index: torch.Tensor,
+    key_parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    value_parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    groups: int,
+    bits: int,
+    residual: tuple[torch.Tensor, torch.Tensor],
+    out: tuple[torch.Tensor, torch.Tensor],
+    rows: torch.Tensor | None = None,
+) -> bool:
+    """The keys and values of the tokens at `index` (B, Hkv, k) of a C_f held in codes (as `attend_quantized_rows`
+    takes it; `residual`: its residual's whole buffers, (B, Hkv, quant, D)), each read back exactly as
+    `QuantizedFullStore.view` reads it, into the first k slots of `out` (B, Hkv, slots, D), in one pass; only for the
+    batch elements marked in `rows` ((B,) bool) if given. Eager float32 on the CPU; False, with nothing written, where
+    the C path is not available or a tensor lies otherwise."""
+    key_codes, key_scales = key_parts[0], key_parts[1]
+    batch, kv_heads, stored, byte_rows, dim = key_codes.shape
+    residual_keys, residual_values = residual
+    quant = byte_rows * 8 // bits
+    fits = (
+        not torch.compiler.is_compiling()
+        and index.dim() == 3
+        and index.shape[:2] == (batch, kv_heads)
+        and index.dtype == torch.long
+        and key_scales.dtype == value_parts[1].dtype == residual_keys.dtype == torch.float32
+        and all(part.is_contiguous() for part in (*key_parts, *value_parts, residual_keys, residual_values))
+        and residual_keys.shape == residual_values.shape == (batch, kv_heads, quant, dim)
+        and all(
+            target.dtype == torch.float32
+            and target.is_contiguous()
+            and target.shape[:2] == (batch, kv_heads)
+            and target.shape[2] >= index.shape[2]
+            and target.shape[3] == dim
+            for target in out
+        )
+        and out[0].shape == out[1].shape
+        and (rows is None or (rows.dtype == torch.bool and rows.shape == (batch,)))
+        and _on_cpu(index, key_codes, *out, rows)
+    )
+    if not fits:
+        return False
+    cache = QuantizedCache(
+        QuantizedPart(*(part.data_ptr() for part in key_parts)),
+        QuantizedPart(*(part.data_ptr() for part in value_parts)),
+        stored,
+        groups,
+        quant,
+        bits,
+    )
+    index, (keys, values) = index.contiguous(), out
+    marked = None if rows is None else rows.to(torch.uint8).contiguous()
+    _kernels().dequantize_rows(
+        cache,
+        residual_keys.data_ptr(),
+        residual_values.data_ptr(),
+        index.data_ptr(),
+        batch,
+        kv_heads,
+        index.shape[2],
+        dim,
+        keys.shape[2],
+        None if marked is None else marked.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return True
 
 
 # The C calls. Under torch.compile each is an operator of its own (torch.library), opaque to the compiler, so that a

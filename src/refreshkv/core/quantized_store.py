@@ -192,29 +192,15 @@ class QuantizedFullStore(LayerState):
             tail,
         )
 
-    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (B, H, k, D) of the tokens at `index` (B, H, k), read back exactly as `view()` reads them."""
-        batch, heads, _, dim = self.residual_keys.shape
-        quantized, per_byte = self.groups * self.group, 8 // self.bits
-        byte_rows = self.group // per_byte
-        coded = index.clamp(max=max(quantized - 1, 0))
-        group, token = coded // self.group, coded % self.group
-        row, shift = token % byte_rows, (token // byte_rows * self.bits).to(torch.uint8)[..., None]
-        b = torch.arange(batch, device=index.device)[:, None, None]
-        h = torch.arange(heads, device=index.device)[None, :, None]
-        mask = 2**self.bits - 1
-        dtype = self.residual_keys.dtype
-        key_codes = ((self.key_codes[b, h, group, row] >> shift) & mask).to(dtype)
-        keys = key_codes.mul_(self.key_scale[b, h, group, 0]).add_(self.key_min[b, h, group, 0])
-        value_codes = ((self.value_codes[b, h, group, row] >> shift) & mask).to(dtype)
-        values = value_codes.view(batch, heads, -1, dim // self.group, self.group)
-        values = values.mul_(self.value_scale[b, h, coded]).add_(self.value_min[b, h, coded]).view(keys.shape)
-        recent = (index >= quantized)[..., None]
-        if bool(recent.any()):
-            late = (index - quantized).clamp(min=0)
-            keys = torch.where(recent, self.residual_keys[b, h, late], keys)
-            values = torch.where(recent, self.residual_values[b, h, late], values)
-        return keys, values
+    def gather(
+        self, index: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor | None = None
+    ) -> bool:
+        """The keys and values of the tokens at `index` (B, H, k) into the first k slots of `out` (B, H, slots, D),
+        read back exactly as `view()` reads them, in one pass of C; only the batch elements marked in `rows` ((B,)
+        bool) if given. False, with nothing written, where the C cannot (then gather from `view()`)."""
+        parts = (self.key_codes, self.key_scale, self.key_min), (self.value_codes, self.value_scale, self.value_min)
+        residual = (self.residual_keys, self.residual_values)
+        return native_selection.dequantize_rows(index, *parts, self.groups, self.bits, residual, out, rows)
 
     def _held(self) -> list[torch.Tensor]:
         tokens = self.groups * self.group

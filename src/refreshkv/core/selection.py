@@ -27,6 +27,7 @@ from .attention_math import Scaling, attend_with_probs, decode_attention, top_k
 from .contract import MethodLayer
 from .kvstore import LayerState, SlotStore
 from .policy import BudgetPolicy, PolicyError
+from .quantized_store import QuantizedFullStore
 
 APPENDED = 2.0  # above any attention probability: decoded tokens outrank prompt tokens unless a method says otherwise
 
@@ -125,12 +126,34 @@ class SelectionState(LayerState):
         `positions`: the tokens' positions, where `index` counts rows of another store (-1 = none: that entry is
         held empty); by default `index` itself (keys/values are the prompt's).
         `ragged=False`: the caller knows no entry is -1 (a top-k), so the host need not read the index."""
-        kept = index.shape[-1]
         positions = index if positions is None else positions
+        self.store.load(keys, values, index.clamp(min=0) if ragged else index, positions)
+        self._scored(positions, scores, ragged)
+
+    def load_quantized(
+        self, full: QuantizedFullStore, index: Tensor, scores: Tensor, rows: Tensor | None = None
+    ) -> bool:
+        """`load` of the tokens at `index` (a top k: no entry -1) of a quantized C_f, dequantized straight into the
+        slots (`QuantizedFullStore.gather`); only in the batch elements marked in `rows` ((B,) bool) if given, the
+        others' slots left as they are. False, with nothing changed, where that cannot be done."""
+        if not full.gather(index, (self.store.keys, self.store.values), rows):
+            return False
+        self.store.hold(index, rows)
+        if rows is None:
+            self._scored(index, scores, ragged=False)
+            return True
+        kept, marked = index.shape[-1], rows.view(-1, 1, 1)
+        self.scores[..., :kept] = torch.where(marked, scores.float(), self.scores[..., :kept])
+        self.scores[..., kept:].masked_fill_(marked, float("-inf"))
+        self.filled = min(self.filled, kept)  # the refreshed rows' slots from k on are empty
+        return True
+
+    def _scored(self, positions: Tensor, scores: Tensor, ragged: bool) -> None:
+        """The scores of the tokens just loaded at `positions`; the slots after them empty."""
+        kept = positions.shape[-1]
         scores = scores.float()
         if ragged:
             scores = scores.masked_fill(positions < 0, float("-inf"))
-        self.store.load(keys, values, index.clamp(min=0) if ragged else index, positions)
         self.scores[..., :kept] = scores
         self.scores[..., kept:] = float("-inf")
         # With ragged heads (some entry -1), mask until every slot has been written once.

@@ -596,3 +596,46 @@ AVX2_CLONE int quantized_weigh_rows(const float *probs, QuantizedCache cache, in
     free(partials);
     return 0;
 }
+
+/* The keys and values of the tokens at `index` (batch x heads x k positions, each below groups x quant + the
+   `pending` tokens of the residual) into the first k of `slots` rows of `key_out` and `value_out` (batch x heads x
+   slots x dim), for the batch elements marked in `rows` (batch bytes, or NULL: all), read back as
+   quantized_store.view reads them: c x scale, then + minimum (two roundings, as there), or copied from the residual
+   (`residual_keys`, `residual_values`: batch x heads x quant x dim). In pieces of tokens shared out between threads. */
+AVX2_CLONE void dequantize_rows(QuantizedCache cache, const float *residual_keys, const float *residual_values,
+                                const int64_t *index, int64_t batch, int64_t heads, int64_t k, int64_t dim,
+                                int64_t slots, const uint8_t *rows, float *key_out, float *value_out,
+                                int threads) {
+    int64_t per_byte = 8 / cache.bits, byte_rows = cache.quant / per_byte, mask = (1 << cache.bits) - 1;
+    int64_t channel_groups = dim / cache.quant, quantized = cache.groups * cache.quant;
+    int64_t code_block = cache.stored * byte_rows * dim, key_scale_block = cache.stored * dim;
+    int64_t value_scale_block = cache.stored * cache.quant * channel_groups, residual_block = cache.quant * dim;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t row = 0; row < batch * heads * k; row++) {
+        int64_t block = row / k, i = index[row], slot = block * slots + row % k;
+        if (rows && !rows[block / heads]) continue;
+        float *key = key_out + slot * dim, *value = value_out + slot * dim;
+        if (i >= quantized) {
+            memcpy(key, residual_keys + block * residual_block + (i - quantized) * dim, (size_t)dim * sizeof(float));
+            memcpy(value, residual_values + block * residual_block + (i - quantized) * dim, (size_t)dim * sizeof(float));
+            continue;
+        }
+        int64_t g = i / cache.quant, token = i % cache.quant;
+        int shift = (int)(token / byte_rows * cache.bits);
+        const uint8_t *key_codes = cache.keys.codes + block * code_block + (g * byte_rows + token % byte_rows) * dim;
+        const uint8_t *value_codes = cache.values.codes + block * code_block + (g * byte_rows + token % byte_rows) * dim;
+        const float *s = cache.keys.scales + block * key_scale_block + g * dim;
+        const float *m = cache.keys.minimums + block * key_scale_block + g * dim;
+        for (int64_t d = 0; d < dim; d++) {
+            float scaled = (float)((key_codes[d] >> shift) & mask) * s[d];
+            key[d] = scaled + m[d];
+        }
+        const float *vs = cache.values.scales + block * value_scale_block + i * channel_groups;
+        const float *vm = cache.values.minimums + block * value_scale_block + i * channel_groups;
+        for (int64_t c = 0; c < channel_groups; c++)
+            for (int64_t d = c * cache.quant; d < (c + 1) * cache.quant; d++) {
+                float scaled = (float)((value_codes[d] >> shift) & mask) * vs[c];
+                value[d] = scaled + vm[c];
+            }
+    }
+}

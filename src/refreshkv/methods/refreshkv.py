@@ -407,13 +407,11 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         if carry_share > 0:
             scores = carried((partial.store.positions, partial.scores), scores, carry_share)
         index, kept = keep_top(scores, k)  # pads scored -inf: a top k, no entry -1
-        refreshed = partial if rows is None else SelectionState.empty_like(partial.store.keys, partial.store.slots)
-        if isinstance(full_kv, tuple):
-            refreshed.load(*full_kv, index, kept, ragged=False)
-        else:
-            selected = full_kv.gather(index)
-            in_order = torch.arange(k, device=index.device).expand_as(index)
-            refreshed.load(*selected, in_order, kept, ragged=False, positions=index)
+        if not isinstance(full_kv, tuple) and partial.load_quantized(full_kv, index, kept, rows):
+            return
+        keys, values = full_kv if isinstance(full_kv, tuple) else full_kv.view()
+        refreshed = partial if rows is None else SelectionState.empty_like(keys, partial.store.slots)
+        refreshed.load(keys, values, index, kept, ragged=False)
         if rows is None:
             return
         for target, source in (
