@@ -370,6 +370,13 @@ class QuantizedCache(ctypes.Structure):
     _fields_ = [("keys", QuantizedPart), ("values", QuantizedPart)]
     _fields_ += [(name, ctypes.c_int64) for name in ("stored", "groups", "quant", "bits")]
 
+    @classmethod
+    def of(cls, key_parts, value_parts, groups: int, bits: int) -> QuantizedCache:
+        """Where the (codes, scales, minimums) of keys and of values lie, `groups` of them filled."""
+        stored, byte_rows = key_parts[0].shape[2], key_parts[0].shape[3]
+        pointers = [QuantizedPart(*(part.data_ptr() for part in parts)) for parts in (key_parts, value_parts)]
+        return cls(*pointers, stored, groups, byte_rows * 8 // bits, bits)
+
 
 def attend_quantized_rows(
     query: torch.Tensor,
@@ -417,14 +424,7 @@ def attend_quantized_rows(
     packed = query.reshape(batch, kv_heads, members, dim).contiguous()
     marked = rows.to(torch.uint8).contiguous()
     mask = None if valid is None else valid.reshape(batch, n).contiguous()
-    cache = QuantizedCache(
-        QuantizedPart(*(part.data_ptr() for part in key_parts)),
-        QuantizedPart(*(part.data_ptr() for part in value_parts)),
-        stored,
-        groups,
-        quant,
-        bits,
-    )
+    cache = QuantizedCache.of(key_parts, value_parts, groups, bits)
     threads, quantized = torch.get_num_threads(), groups * quant
     logits = torch.empty(batch, kv_heads, members, n)
     _kernels().quantized_logits_rows(
@@ -498,14 +498,7 @@ def dequantize_rows(
     )
     if not fits:
         return False
-    cache = QuantizedCache(
-        QuantizedPart(*(part.data_ptr() for part in key_parts)),
-        QuantizedPart(*(part.data_ptr() for part in value_parts)),
-        stored,
-        groups,
-        quant,
-        bits,
-    )
+    cache = QuantizedCache.of(key_parts, value_parts, groups, bits)
     index, (keys, values) = index.contiguous(), out
     marked = None if rows is None else rows.to(torch.uint8).contiguous()
     _kernels().dequantize_rows(
