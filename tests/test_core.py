@@ -491,10 +491,15 @@ def test_threshold_default_follows_the_model_family(llama, qwen2):
 
     assert default_threshold(PolicyCache(make_policy("full"), llama).model_type) == 0.85
     assert default_threshold(PolicyCache(make_policy("full"), qwen2).model_type) == 0.95
+    assert default_threshold(PolicyCache(make_policy("full"), tiny_model("gemma3", layers=2)).model_type) == 0.9
     from refreshkv import METHODS
 
     shown = METHODS["refreshkv"].parameters()
-    assert shown["qc_stride"] == 10 and "0.95 for qwen2" in shown["threshold"]
+    assert (
+        shown["qc_stride"] == 10
+        and "0.95 for qwen2" in shown["threshold"]
+        and "0.9 for gemma3_text" in shown["threshold"]
+    )
 
 
 def test_gather_tokens_equals_gather_on_store_slices_and_any_layout():

@@ -1,6 +1,6 @@
 """Issue 47's tables: refreshkv's and recycled's selection with the papers' window of 1 (the old default), with a
-window of 32 (the default) and with window 32 and carry 1, beside full, the oracle, snapkv and quest, from the rows
-in docs/results/selection-dev/.
+window of 32 (the default), with window 32 and carry 1, and on Gemma 3 with the query-check threshold 0.9 (the earlier
+rows ran at 0.85), beside full, the oracle, snapkv and quest, from the rows in docs/results/selection-dev/.
 
     python benchmarks/analysis/selection_dev.py            # markdown tables on stdout
 
@@ -34,18 +34,26 @@ STUDIES = {  # model: files, read in order (a repeated example keeps its first r
         "smollm2-prefixed-default.jsonl",
         "smollm2-prefixed-w32c05.jsonl",
     ],
-    "Gemma 3 270M, 8K, base": ["gemma.jsonl", "gemma-new.jsonl", "gemma-default.jsonl", "gemma-w32c05.jsonl"],
+    "Gemma 3 270M, 8K, base": [
+        "gemma.jsonl",
+        "gemma-new.jsonl",
+        "gemma-default.jsonl",
+        "gemma-w32c05.jsonl",
+        "gemma-t09.jsonl",
+    ],
     "Gemma 3 270M, 8K, multi-turn": [
         "multi-turn-gemma.jsonl",
         "multi-turn-gemma-new.jsonl",
         "multi-turn-gemma-default.jsonl",
         "multi-turn-gemma-w32c05.jsonl",
+        "multi-turn-gemma-t09.jsonl",
     ],
     "Gemma 3 270M, 16K, K = 2048": [
         "gemma-16k-default.jsonl",
         "gemma-16k-w32c0.jsonl",
         "gemma-16k-w32c05.rank0.jsonl",
         "gemma-16k-w32c05.rank1.jsonl",
+        "gemma-16k-t09.jsonl",
     ],
 }
 SELECTIONS = {
@@ -54,8 +62,10 @@ SELECTIONS = {
     (32, 0.5): "w32 carry 0.5",
     (32, 1.0): "w32 carry 1",
 }  # (window, carry): label
+THRESHOLD = 0.9  # Gemma 3's query-check threshold (methods/refreshkv.py); rows without one ran at 0.85
 COLUMNS = ["full", "oracle", "snapkv", "quest"]
 COLUMNS += [f"{method} {label}" for method in ("refreshkv", "recycled") for label in SELECTIONS.values()]
+COLUMNS.insert(COLUMNS.index("refreshkv w32 carry 0.5") + 1, f"refreshkv w32 carry 0.5 threshold {THRESHOLD}")
 
 
 def column(row: dict) -> str | None:
@@ -67,7 +77,10 @@ def column(row: dict) -> str | None:
     if window > 1 and carry is None:  # a window sliding with decoding (commits 751aa3e-bb21822): not adopted
         return None
     label = SELECTIONS.get((window, carry or 0.0))
-    return None if label is None else f"{method} {label}"
+    if label is not None and params.get("threshold") is not None:
+        label += f" threshold {params['threshold']}"
+    name = None if label is None else f"{method} {label}"
+    return name if name in COLUMNS else None
 
 
 def budget(row: dict) -> str:

@@ -70,8 +70,11 @@ from ..core.rope import unrotate
 from ..core.selection import APPENDED, SelectionState, keep_top  # APPENDED: decoded tokens outrank recycled ones
 
 DEFAULT_QC_STRIDE = 10
-LLAMA_THRESHOLD = 0.85  # A.4: chosen for Llama-3.1-8B; used for every family the paper did not tune
-FAMILY_THRESHOLDS = {"qwen2": 0.95}  # A.4: chosen for Qwen2-7B
+LLAMA_THRESHOLD = 0.85  # A.4: chosen for Llama-3.1-8B; used for every family without a value of its own
+# A.4: 0.95 chosen for Qwen2-7B. Gemma 3 (not in the paper), chosen here as A.4 chose, per family: its normalized
+# queries stay closer to the last full step's, and at 0.85 a global layer kept reading its prefill selection while a
+# number was read (issue 47; docs/failure-analysis.md); 0.9 kept perplexity at 16K level and cost 1% per token at 8K.
+FAMILY_THRESHOLDS = {"qwen2": 0.95, "gemma3_text": 0.9}
 QUERY_SPACES = ("pre_rope", "post_rope")
 
 
@@ -122,7 +125,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
 
     Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
     default); `stride` a full step every S decode steps (fixed schedule; excludes the next two);
-    `qc_stride` (10) steps between query checks and `threshold` (0.85; 0.95 for Qwen2) the cosine below which a
+    `qc_stride` (10) steps between query checks and `threshold` (0.85; Qwen2 0.95, Gemma 3 0.9) the cosine below which a
     layer refreshes (dynamic schedule); `kernel` (7) max-pooling kernel and `pooling` (span: centred, then whole
     words, engine/spans.py; centered: the papers'; forward: 1 token before a peak and kernel - 2 after), `window` (32)
     last prompt tokens whose attention selects at prefill (a longer window takes the whole prompt), `carry` (0.5) the
