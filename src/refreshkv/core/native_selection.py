@@ -288,6 +288,39 @@ def refresh_partial(
     return fits
 
 
+def _one_query_rows(
+    query: torch.Tensor,
+    scaling: object,
+    shape: tuple[int, int, int, int],
+    valid: torch.Tensor | None,
+    rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """What the C attention of marked rows needs beside the cache of `shape` (B, Hkv, n, D): one float32 query token
+    (B, Hq, 1, D), a plain float `scaling`, `rows` (B,) bool and `valid` (bool, B x n elements) or None, eager on the
+    CPU. Returns the query packed per KV head (B, Hkv, G, D), the rows as bytes and the mask (B, n) or None, all
+    contiguous; None where they do not fit."""
+    batch, kv_heads, n, dim = shape
+    fits = (
+        isinstance(scaling, float)
+        and not torch.compiler.is_compiling()
+        and query.dim() == 4
+        and query.shape[0] == batch
+        and query.shape[2] == 1
+        and query.shape[3] == dim
+        and query.shape[1] % kv_heads == 0
+        and query.dtype == torch.float32
+        and rows.dtype == torch.bool
+        and rows.shape == (batch,)
+        and (valid is None or (valid.dtype == torch.bool and valid.numel() == batch * n))
+        and _on_cpu(query, valid, rows)
+    )
+    if not fits:
+        return None
+    packed = query.reshape(batch, kv_heads, query.shape[1] // kv_heads, dim).contiguous()
+    mask = None if valid is None else valid.reshape(batch, n).contiguous()
+    return packed, rows.to(torch.uint8).contiguous(), mask
+
+
 def attend_rows(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -303,26 +336,16 @@ def attend_rows(
     or None; None where the C path is not available or a tensor lies otherwise."""
     batch, kv_heads, n, dim = keys.shape
     fits = (
-        isinstance(scaling, float)
-        and not torch.compiler.is_compiling()
-        and query.dim() == 4
-        and query.shape[0] == batch
-        and query.shape[2] == 1
-        and query.shape[1] % kv_heads == 0
-        and query.dtype == keys.dtype == values.dtype == torch.float32
+        keys.dtype == values.dtype == torch.float32
         and keys.shape == values.shape
         and all(source.stride(3) == 1 and source.stride(2) == dim for source in (keys, values))
-        and rows.dtype == torch.bool
-        and rows.shape == (batch,)
-        and (valid is None or (valid.dtype == torch.bool and valid.numel() == batch * n))
-        and _on_cpu(query, keys, values, valid, rows)
+        and _on_cpu(keys, values)
     )
-    if not fits:
+    prepared = _one_query_rows(query, scaling, (batch, kv_heads, n, dim), valid, rows) if fits else None
+    if prepared is None:
         return None
-    group = query.shape[1] // kv_heads
-    packed = query.reshape(batch, kv_heads, group, dim).contiguous()
-    marked = rows.to(torch.uint8).contiguous()
-    mask = None if valid is None else valid.reshape(batch, n).contiguous()
+    packed, marked, mask = prepared
+    group = packed.shape[2]
     strides, threads = BlockStrides.of(keys, values), torch.get_num_threads()
     logits = torch.empty(batch, kv_heads, group, n)
     _kernels().logits_rows(
@@ -400,30 +423,20 @@ def attend_quantized_rows(
     quant = byte_rows * 8 // bits
     n = groups * quant + tail_keys.shape[2]
     fits = (
-        isinstance(scaling, float)
-        and not torch.compiler.is_compiling()
-        and query.dim() == 4
-        and query.shape[0] == batch
-        and query.shape[2] == 1
-        and query.shape[1] % kv_heads == 0
-        and query.dtype == key_scales.dtype == value_scales.dtype == tail_keys.dtype == torch.float32
+        key_scales.dtype == value_scales.dtype == tail_keys.dtype == torch.float32
         and all(part.is_contiguous() for part in (*key_parts, *value_parts))
         and value_codes.shape == key_codes.shape
         and dim % 16 == 0  # the C sums LANES floats side by side
         and key_scales.shape == key_minimums.shape == (batch, kv_heads, stored, 1, dim)
         and value_scales.shape == value_minimums.shape == (batch, kv_heads, stored * quant, dim // quant, 1)
-        and rows.dtype == torch.bool
-        and rows.shape == (batch,)
-        and (valid is None or (valid.dtype == torch.bool and valid.numel() == batch * n))
-        and _on_cpu(query, key_codes, valid, rows)
+        and _on_cpu(key_codes)
     )
-    if not fits:
+    prepared = _one_query_rows(query, scaling, (batch, kv_heads, n, dim), valid, rows) if fits else None
+    if prepared is None:
         return None
-    assert isinstance(scaling, float)  # in `fits`
-    members = query.shape[1] // kv_heads
-    packed = query.reshape(batch, kv_heads, members, dim).contiguous()
-    marked = rows.to(torch.uint8).contiguous()
-    mask = None if valid is None else valid.reshape(batch, n).contiguous()
+    assert isinstance(scaling, float)  # checked by _one_query_rows
+    packed, marked, mask = prepared
+    members = packed.shape[2]
     cache = QuantizedCache.of(key_parts, value_parts, groups, bits)
     threads, quantized = torch.get_num_threads(), groups * quant
     logits = torch.empty(batch, kv_heads, members, n)

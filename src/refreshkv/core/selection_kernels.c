@@ -9,6 +9,8 @@ AVX2 (nothing newer: no AVX-512 code, so that an AVX2 machine and one restricted
 intrinsic is SSE2's streaming store, which every x86-64 CPU has.
 `logits_rows` and `weigh_values_rows` are a full step's attention for some rows of a batch only, read where the rows
 lie in the cache (a batch whose rows disagree at a query check: only the rows that refresh read all of C_f).
+`quantized_logits_rows`, `quantized_weigh_rows` and `dequantize_rows` are the same full step over a C_f held in codes:
+attention read from the codes, and the selected tokens alone dequantized into C_p.
 Where the loader builds it with OpenMP (only into a process whose PyTorch runs on the same OpenMP runtime, so that the
 loops run on PyTorch's own threads), the work of a call is split between `threads` threads: pieces of positions,
 rows, pieces of slots; each piece is computed as one thread would, so the results do not depend on the split.
@@ -455,9 +457,9 @@ AVX2_CLONE void weigh_values_rows(const float *probs, const char *value_source, 
 
 /* A C_f held in `bits` bits (core/quantized_store.py) as this file sees it: per (batch, KV head) block, `stored`
    groups of `quant` tokens, of which the first `groups` are filled. Keys: codes (stored x quant * bits / 8 x dim
-   bytes; byte row j of a group holds, in its r-th `bits` bits, token r * rows + j, rows = quant * bits / 8), a scale and a
-   minimum per channel and group (stored x dim floats). Values: the same codes; a scale and a minimum per token and
-   `quant` channels (stored * quant x dim / quant floats). A code c reads back as c x scale + minimum. */
+   bytes; byte row j of a group holds, in its r-th `bits` bits, token r * rows + j, rows = quant * bits / 8), a scale
+   and a minimum per channel and group (stored x dim floats). Values: the same codes; a scale and a minimum per token
+   and `quant` channels (stored * quant x dim / quant floats). A code c reads back as c x scale + minimum. */
 typedef struct {
     const uint8_t *codes;
     const float *scales, *minimums;
@@ -617,13 +619,14 @@ AVX2_CLONE void dequantize_rows(QuantizedCache cache, const float *residual_keys
         float *key = key_out + slot * dim, *value = value_out + slot * dim;
         if (i >= quantized) {
             memcpy(key, residual_keys + block * residual_block + (i - quantized) * dim, (size_t)dim * sizeof(float));
-            memcpy(value, residual_values + block * residual_block + (i - quantized) * dim, (size_t)dim * sizeof(float));
+            memcpy(value, residual_values + block * residual_block + (i - quantized) * dim,
+                   (size_t)dim * sizeof(float));
             continue;
         }
         int64_t g = i / cache.quant, token = i % cache.quant;
         int shift = (int)(token / byte_rows * cache.bits);
-        const uint8_t *key_codes = cache.keys.codes + block * code_block + (g * byte_rows + token % byte_rows) * dim;
-        const uint8_t *value_codes = cache.values.codes + block * code_block + (g * byte_rows + token % byte_rows) * dim;
+        int64_t line = block * code_block + (g * byte_rows + token % byte_rows) * dim;
+        const uint8_t *key_codes = cache.keys.codes + line, *value_codes = cache.values.codes + line;
         const float *s = cache.keys.scales + block * key_scale_block + g * dim;
         const float *m = cache.keys.minimums + block * key_scale_block + g * dim;
         for (int64_t d = 0; d < dim; d++) {
