@@ -196,12 +196,15 @@ class SlotStore(LayerState):
             setattr(self, name, torch.cat([old, old.new_zeros(*old.shape[:2], extra, old.shape[3])], dim=2))
         self.positions = torch.cat([self.positions, self.positions.new_full((*self.positions.shape[:2], extra), -1)], 2)
 
-    def put(self, slot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:
-        """Write one token (keys/values of shape (B, H, 1, D)) into the per-head slots `slot` (B, H)."""
+    def put(self, slot: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: int | torch.Tensor) -> None:
+        """Write one token (keys/values of shape (B, H, 1, D)) into the per-head slots `slot` (B, H); `position` an
+        int or a one-element tensor (a step replayed from a CUDA graph reads it from the device)."""
         index = slot.unsqueeze(-1)
         for store, token in ((self.keys, keys), (self.values, values)):
             as_bits(store).scatter_(2, index.unsqueeze(-1).expand_as(token), as_bits(token))
-        self.positions.scatter_(2, index, torch.full_like(index, position))  # a tensor: torch.compile takes it
+        # a tensor either way: torch.compile takes it
+        held = position.expand_as(index) if isinstance(position, torch.Tensor) else torch.full_like(index, position)
+        self.positions.scatter_(2, index, held)
 
     def put_at(self, slot: int, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:
         """Write one token (B, H, 1, D) into slot `slot` of every row and head (a plain copy, no scatter)."""

@@ -291,6 +291,7 @@ class PolicyCache(Cache):
     """
 
     layer_type = PolicyLayer  # a subclass may watch each layer's attention (measure/trace.py)
+    counting_on_device = False  # True while decode steps count tokens on the device (runtime/static_decode.py)
 
     def __init__(self, policy: Policy, model_or_config, max_new_tokens: int | None = None, tokenizer=None):
         if not isinstance(policy, Policy):

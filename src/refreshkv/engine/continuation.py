@@ -9,7 +9,8 @@ each forward through the cache and refuses, in one line and before anything chan
 is not where the cache's tokens end: the cache must be `reset()` (or a new one made) for a new prompt.
 
 The positions are read on the host. To keep decoding on a GPU free of a wait per step, a one-token forward is checked
-only where reading costs nothing (the CPU); a forward of several tokens (a prompt, a question) always is.
+only where reading costs nothing (the CPU); a forward of several tokens (a prompt, a question) always is. Steps
+that count tokens on the device (runtime/static_decode.py) are not checked: their host count stands still.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class ContinuationCheck:
         if cache is None or positions is None or kwargs.get(NEW_NAME, kwargs.get(OLD_NAME)) is not cache:
             return
         held = cache.get_seq_length()
-        if held == 0 or (positions.shape[-1] == 1 and positions.device.type != "cpu"):
+        if held == 0 or cache.counting_on_device or (positions.shape[-1] == 1 and positions.device.type != "cpu"):
             return
         expected = cache.positions(held + 1, positions.device)  # each row's next position: held tokens less its pads
         first = positions.reshape(-1, positions.shape[-1])[:, 0]

@@ -303,18 +303,23 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         runs QC steps eagerly on a CPU (`decides_on_host`). Compiled (on a GPU) the decision is not read: a QC step
         computes both paths at every layer and each row keeps its own, which keeps the step one graph without a host
         sync (on the CPU that made a QC step cost 2-3x `full`'s step; docs/benchmark.md)."""
-        state: RefreshState = layer.state
         if not self._scheduled(layer.step):  # a branch, not a value: under torch.compile a guard
             return False
         if self.stride is not None:
             return True
-        assert state.anchor is not None  # the dynamic schedule keeps one
-        threshold = default_threshold(layer.model_type) if self.threshold is None else self.threshold
-        need = F.cosine_similarity(self.compared_query(layer, query), state.anchor.float(), dim=-1) < threshold
+        need = self.drifted(layer, query)
         if torch.compiler.is_compiling():
             return need
         count = int(need.sum())
         return True if count == need.numel() else False if count == 0 else need
+
+    def drifted(self, layer: RefreshLayer, query: Tensor) -> Tensor:
+        """(B,) bool: the rows whose compared query has drifted from their last full step's (cosine below the
+        threshold), the dynamic schedule's decision at a QC step."""
+        anchor = layer.state.anchor
+        assert anchor is not None  # the dynamic schedule keeps one
+        threshold = default_threshold(layer.model_type) if self.threshold is None else self.threshold
+        return F.cosine_similarity(self.compared_query(layer, query), anchor.float(), dim=-1) < threshold
 
     def _partial_step(self, layer: RefreshLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
         partial = layer.state.partial
