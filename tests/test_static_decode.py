@@ -128,13 +128,19 @@ for where, valid in (
     reference, reference_probs = attend_with_probs(query, keys, values, 0.25, valid)
     assert torch.allclose(out[rows], reference[rows], atol=1e-5), where.keys()
     assert torch.allclose(probs[rows], reference_probs[rows], atol=1e-6), where.keys()
+# compiled, the kernel is an operator that torch.compile calls as it is
+length = torch.tensor([257])
+compiled = torch.compile(
+    lambda q, k, v: triton_decode.one_query_attention(q, k, v, 0.25, length=length)[0] * 2, fullgraph=True
+)
+assert torch.equal(compiled(query, keys, values), triton_decode.one_query_attention(query, keys, values, 0.25, length=length)[0] * 2)
 print("same")
 """
 
 
 def test_triton_kernel_attends_as_pytorch():
     """The split-K kernel against PyTorch's attention in float32, by length and by slot positions, with rows chosen
-    by a flag, keeping the probabilities: on the CPU through Triton's interpreter, which must be on before Triton
+    by a flag, keeping the probabilities, and under torch.compile: on the CPU through Triton's interpreter, which must be on before Triton
     is imported (a process of its own). Skipped where Triton is not installed (it is not a dependency)."""
     pytest.importorskip("triton")
     environment = {**os.environ, "TRITON_INTERPRET": "1"}

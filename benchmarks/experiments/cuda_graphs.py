@@ -16,7 +16,9 @@ to OUT/*.jsonl as soon as they are measured, so a run cut at its time limit keep
 - `steps.jsonl`: per shape, length and batch, each method from one prefill: median replayed step by kind, ms per
   step over its schedule, tokens/s, the share of layer-steps that read C_f, KV bytes per row and the HBM floor
   (weights + KV read, over the copy bandwidth measured here); stock transformers (StaticCache, the step captured as
-  a graph, not compiled) beside them.
+  a graph, not compiled) beside them. A run that fails writes its whole traceback to `errors.txt`.
+- `--compiled`: the same steps compiled (torch.compile, fullgraph), then captured, each after the same method
+  uncompiled, tokens compared.
 """
 
 import argparse
@@ -25,6 +27,7 @@ import inspect
 import json
 import statistics
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -401,6 +404,8 @@ def run_steps(
             except Exception as error:
                 row = {**base, "method": name, "compiled": compiled, "error": f"{type(error).__name__}: {error}"[:300]}
                 rows.write("steps", row)
+                with open(rows.out / "errors.txt", "a") as file:  # the whole of it: a worker's cause comes last
+                    file.write(f"{json.dumps(row)}\n{traceback.format_exc()}\n")
                 torch.cuda.empty_cache()
                 continue
             ms, medians = schedule_ms(out)

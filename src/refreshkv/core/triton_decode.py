@@ -207,7 +207,27 @@ def one_query_attention(
     """`query` (B, Hq, 1, D) over `keys`/`values` (B, Hkv, n, D), contiguous, of which the first `length` (a
     one-element int64 tensor) count, or the slots whose `positions` (B, Hkv, n) are >= 0. Returns the output
     (B, 1, Hq, D) and, with `keep_logits`, the float32 probabilities (B, Hkv, G, n) (0 where an entry does not count).
-    With `rows`, only rows whose flag is `expect` are written."""
+    With `rows`, only rows whose flag is `expect` are written.
+
+    A custom operator, so that torch.compile calls it as it is and fuses the work around it (inductor's own
+    compilation of the kernels failed on an H200 with torch 2.11 and Triton 3.6: docs/results/cuda-h200/graphs/)."""
+    output, probs = _attention_op(query, keys, values, scaling, length, positions, rows, expect, keep_logits)
+    return output, probs if keep_logits else None
+
+
+@torch.library.custom_op("refreshkv::one_query_attention", mutates_args=())
+def _attention_op(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    length: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    rows: torch.Tensor | None,
+    expect: bool,
+    keep_logits: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`one_query_attention`'s launch; without `keep_logits` the second result is empty."""
     batch, query_heads, _, head_dim = query.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = query_heads // kv_heads
@@ -280,7 +300,7 @@ def one_query_attention(
     )
     output = output.view(batch, query_heads, 1, head_dim).transpose(1, 2)
     if logits is None:
-        return output, None
+        return output, log_sums.new_empty(0)
     probs = torch.exp(logits - log_sums[..., None])
     if length is not None:
         counts = torch.arange(slots, device=device) < length
@@ -288,3 +308,12 @@ def one_query_attention(
         assert positions is not None  # one of the two, checked above
         counts = positions[:, :, None] >= 0
     return output, probs.masked_fill(~counts, 0.0)
+
+
+@_attention_op.register_fake
+def _(query, keys, values, scaling, length, positions, rows, expect, keep_logits):
+    batch, query_heads, _, head_dim = query.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    output = query.new_empty(batch, query_heads, 1, head_dim).transpose(1, 2)
+    shape = (batch, kv_heads, query_heads // kv_heads, slots) if keep_logits else (0,)
+    return output, query.new_empty(shape, dtype=torch.float32)

@@ -251,6 +251,7 @@ class StaticDecoder:
         if self.kept_logits is not None:
             self.kept_logits.index_copy_(0, counters.step, logits.float()[None])
 
+    @torch.inference_mode()
     def run(self, graphs: bool = True) -> StaticOutput:
         """Decode; with `graphs` (CUDA only) each kind of step is run once eagerly (to warm it), captured after, and
         replayed from then on."""
