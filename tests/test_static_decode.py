@@ -51,6 +51,29 @@ def test_static_steps_decode_as_eager(model, name, params, one_thread):
     assert set(out.kinds) == kinds.get(name, {"partial", "check"})
 
 
+def state_tensors(state, found=None) -> dict[str, int]:
+    """Where each tensor of a layer state lies (name -> data pointer), nested states included."""
+    found = {} if found is None else found
+    for name, value in vars(state).items():
+        if isinstance(value, torch.Tensor):
+            found[f"{id(state)}.{name}"] = value.data_ptr()
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            state_tensors(value, found)
+    return found
+
+
+@pytest.mark.parametrize("name, params", METHODS)
+def test_static_steps_write_every_state_in_place(model, name, params, one_thread):
+    """A step replayed from a CUDA graph writes into the memory it was captured with: a state tensor that a step
+    replaced by a new one (instead of writing into it) would be read stale by every later replay."""
+    cache = StaticCache(make_policy(name, **params), model, max_new_tokens=NEW)
+    with torch.inference_mode():
+        logits, _ = prefill(model, random_prompt(96, batch=2), torch.ones(2, 96, dtype=torch.long), cache)
+    before = [state_tensors(layer.state) for layer in cache.layers]
+    StaticDecoder(model, cache, logits, NEW).run(graphs=False)
+    assert [state_tensors(layer.state) for layer in cache.layers] == before
+
+
 def test_rows_decide_apart_at_a_query_check(model, one_thread):
     """With a high threshold some QC steps refresh one row and not the other (the case `torch.where` joins)."""
     name, params = METHODS[-1]

@@ -150,7 +150,8 @@ class StaticLayer(PolicyLayer):
         policy._refresh(self, probs.unsqueeze(3), valid.reshape(-1, 1, 1, n), (full.keys, full.values), rows, held=held)
         if policy.stride is None:
             current = policy.compared_query(self, query)
-            state.anchor = current if rows is None else torch.where(rows[:, None], current, state.anchor)
+            # in place, as every state a step changes: a graph replays into the memory it was captured with
+            state.anchor.copy_(current if rows is None else torch.where(rows[:, None], current, state.anchor))
         if rows is None:
             self._record(1.0)
             return output
