@@ -11,6 +11,7 @@ import torch
 from conftest import random_prompt, tiny_model
 
 from refreshkv import generate, make_policy
+from refreshkv.core.kvstore import FullStore
 from refreshkv.core.policy import PolicyError
 from refreshkv.runtime.generate import DecodeSettings, decode, prefill
 from refreshkv.runtime.static_decode import StaticCache, StaticDecoder
@@ -34,6 +35,11 @@ def static_run(model, name, params, prompt, new_tokens=NEW, **options):
     cache = StaticCache(make_policy(name, **params), model, max_new_tokens=new_tokens)
     with torch.inference_mode():
         logits, _ = prefill(model, prompt, torch.ones_like(prompt), cache)
+        for layer in cache.layers:  # what a reused allocation may hold where no token was written yet
+            full = getattr(layer.state, "full", layer.state)
+            if isinstance(full, FullStore):
+                full.keys[:, :, full.length :] = float("nan")
+                full.values[:, :, full.length :] = float("nan")
         out = StaticDecoder(model, cache, logits, new_tokens, keep_logits=True, **options).run(graphs=False)
     return cache, out
 

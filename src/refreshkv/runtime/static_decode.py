@@ -226,6 +226,12 @@ class StaticDecoder:
             torch.full((1,), cache.step, dtype=torch.long, device=device),
         )
         self.first_step = cache.step
+        for layer in cache.layers:  # attention over the whole buffer weighs unwritten entries by 0: 0 x NaN is NaN
+            full = layer.state.full if isinstance(layer.state, RefreshState) else layer.state
+            if isinstance(full, FullStore):
+                with torch.inference_mode():  # the prefill's stores are inference tensors when it ran in that mode
+                    full.keys[:, :, full.length :].zero_()
+                    full.values[:, :, full.length :].zero_()
         # on the device beforehand: a copy from the host cannot be captured
         cache.rope_inv_freq = [None if f is None else f.to(device) for f in cache.rope_inv_freq]
         cache.full_shares = [torch.zeros(cache.step + new_tokens, device=device) for _ in cache.layers]
