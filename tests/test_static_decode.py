@@ -14,7 +14,7 @@ from refreshkv import generate, make_policy
 from refreshkv.core.kvstore import FullStore
 from refreshkv.core.policy import PolicyError
 from refreshkv.runtime.generate import DecodeSettings, decode, prefill
-from refreshkv.runtime.static_decode import StaticCache, StaticDecoder
+from refreshkv.runtime.static_decode import StaticCache, StaticDecoder, only_if
 
 NEW = 20
 METHODS = [
@@ -107,6 +107,13 @@ def test_the_cache_goes_on_eagerly_after_static_steps(model, name, params, one_t
             False,
         )
     assert out.tokens[0][:-1] + rest.tokens[0] == whole.tokens[0]
+
+
+def test_a_refresh_runs_only_where_a_row_drifted():
+    ran = []
+    for flag in (False, True):
+        only_if(torch.tensor(flag), lambda flag=flag: ran.append(flag), conditional=True)
+    assert ran == [True]
 
 
 def test_compiled_static_steps_decode_as_eager(model, one_thread):

@@ -16,7 +16,9 @@ to OUT/*.jsonl as soon as they are measured, so a run cut at its time limit keep
 - `steps.jsonl`: per shape, length and batch, each method from one prefill: median replayed step by kind, ms per
   step over its schedule, tokens/s, the share of layer-steps that read C_f, KV bytes per row and the HBM floor
   (weights + KV read, over the copy bandwidth measured here); stock transformers (StaticCache, the step captured as
-  a graph, not compiled) beside them. A run that fails writes its whole traceback to `errors.txt`.
+  a graph, not compiled) beside them; at 128K also `refreshkv` with its refresh as a conditional graph node, and
+  with a threshold that no query falls below (what a query check costs where nothing drifts), each both ways. A
+  run that fails writes its whole traceback to `errors.txt`.
 - `--compiled`: the same steps compiled (torch.compile, fullgraph), then captured, each after the same method
   uncompiled, tokens compared.
 """
@@ -84,17 +86,30 @@ SHAPES = {
     ),
 }
 BUDGET = 2048  # the paper's K (refreshkv.txt: Llama-3.1-8B at 16K)
+SELECTION = {"budget": BUDGET, "pooling": "centered"}  # no tokenizer beside random weights: no word spans
+# label: (method, its parameters, StaticDecoder's options)
 METHODS = {
-    "full": {},
-    "refreshkv": {"budget": BUDGET, "pooling": "centered"},  # no tokenizer beside random weights: no word spans
-    "recycled": {"budget": BUDGET, "pooling": "centered"},
-    "snapkv": {"budget": BUDGET, "pooling": "centered"},
+    "full": ("full", {}, {}),
+    "refreshkv": ("refreshkv", SELECTION, {}),
+    "recycled": ("recycled", SELECTION, {}),
+    "snapkv": ("snapkv", SELECTION, {}),
+    # a query check's refresh as a conditional graph node, skipped on the device where no row drifted; on random
+    # weights every check drifts, so also a threshold no query falls below (the check step with nothing to refresh)
+    "refreshkv-conditional": ("refreshkv", SELECTION, {"conditional": True}),
+    "refreshkv-no-drift-conditional": ("refreshkv", {**SELECTION, "threshold": -1.0}, {"conditional": True}),
+    "refreshkv-no-drift": ("refreshkv", {**SELECTION, "threshold": -1.0}, {}),
 }
+PAPER_METHODS = ["full", "refreshkv", "recycled", "snapkv"]
 # (shape, length, batch), most wanted first: the issue's targets are full at 32K and refreshkv at 128K
-EVERY = ["transformers", *METHODS]
+EVERY = ["transformers", *PAPER_METHODS]
 RUNS = [
     ("llama-3.1-8b", 32768, 1, EVERY),
-    ("llama-3.1-8b", 131072, 1, EVERY),
+    (
+        "llama-3.1-8b",
+        131072,
+        1,
+        [*EVERY, "refreshkv-conditional", "refreshkv-no-drift", "refreshkv-no-drift-conditional"],
+    ),
     ("llama-3.1-8b", 16384, 1, EVERY),
     ("llama-3.1-8b", 32768, 8, EVERY),
     ("llama-3.1-8b", 16384, 8, EVERY),
@@ -235,14 +250,15 @@ def check_kernel(rows: Rows, device: str) -> None:
 def decode_static(
     model, name: str, prompt: torch.Tensor, batch: int, new_tokens: int, graphs: bool, compile: bool = False
 ):
-    cache = StaticCache(make_policy(name, **METHODS[name]), model, max_new_tokens=new_tokens)
+    method, params, options = METHODS[name]
+    cache = StaticCache(make_policy(method, **params), model, max_new_tokens=new_tokens)
     with torch.inference_mode():
         logits, prefill_s = prefill(model, prompt, torch.ones_like(prompt), cache)
         if batch > prompt.shape[0]:  # copies of the prompt's rows, each its own tensors
             copies = torch.arange(batch, device=prompt.device) % prompt.shape[0]
             cache.batch_select_indices(copies)
             logits = logits[copies]
-        decoder = StaticDecoder(model, cache, logits, new_tokens, keep_logits=not graphs, compile=compile)
+        decoder = StaticDecoder(model, cache, logits, new_tokens, keep_logits=not graphs, compile=compile, **options)
         out = decoder.run(graphs=graphs)
     kv_bytes = sum(cache.nbytes_per_layer()) // batch
     return out, prefill_s, kv_bytes
@@ -253,14 +269,14 @@ def check_tokens(rows: Rows, device: str, compile: bool = False) -> None:
     model = build("llama-3.1-8b", device, layers=4)
     generator = torch.Generator().manual_seed(2)
     prompt = torch.randint(100, model.config.vocab_size - 100, (2, 4096), generator=generator).to(device)
-    for name in METHODS:
+    for name in [*PAPER_METHODS, "refreshkv-conditional"]:
         replayed, _, _ = decode_static(model, name, prompt, 2, 40, graphs=device == "cuda", compile=compile)
         stepped, _, _ = decode_static(model, name, prompt, 2, 40, graphs=False)
         with torch.inference_mode():
             eager = generate(
                 model,
                 prompt,
-                method=make_policy(name, **METHODS[name]),
+                method=make_policy(METHODS[name][0], **METHODS[name][1]),
                 max_new_tokens=40,
                 return_logits=True,
                 eos_token_id=[],

@@ -11,7 +11,8 @@ mask elsewhere). The next token is chosen inside the step (greedy), so a replay 
 `StaticDecoder` then decodes from it. Per method one graph per kind of step, chosen on the host from the step
 number alone: `full` and the eviction methods one; `recycled` a partial and a full step; `refreshkv` a partial step
 and a query-check step, in which each layer decides per row on the device: the rows that drifted attend over C_f and
-refresh C_p, the others attend over C_p (on a GPU only each row's own path reads its cache). What it runs:
+refresh C_p, the others attend over C_p (on a GPU only each row's own path reads its cache; with `conditional` the
+refresh is a conditional graph node, skipped on the device where no row drifted). What it runs:
 `full`, `refreshkv` and `recycled` with a dense C_f, and the eviction methods that evict by their stored scores
 (snapkv, streamingllm, pyramidkv, ...); rows without padding, no sliding-window layer, at most the announced new
 tokens. The stores are the prefill's own: after `run` the cache holds the generation, its host counters advanced.
@@ -20,6 +21,7 @@ tokens. The stores are the prefill's own: after `run` the cache holds the genera
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -119,44 +121,42 @@ class StaticLayer(PolicyLayer):
     def _refresh_step(self, policy: RefreshKV, state: RefreshState, query, key, value, scaling: float) -> Tensor:
         """refreshkv / recycled: the new token into C_f; then C_p (a partial step), C_f and a refreshed C_p (a full
         step), or each row its own of the two (a query check), as the method decides eagerly."""
-        counters, kind = self.cache.counters, self.cache.kind
-        full, partial = state.full, state.partial
+        counters, kind, partial = self.cache.counters, self.cache.kind, state.partial
         position = counters.seen - 1
-        _write(full, key, value, position)
-        score = (APPENDED + counters.step).float()
-        if kind == "partial":
-            self._record(0.0)
-            put(partial, key, value, position, score)
-            return attend(query, partial.store.keys, partial.store.values, scaling, positions=partial.store.positions)[
-                0
-            ]
+        _write(state.full, key, value, position)
+        if kind == "full":  # every row refreshes (recycled's stride)
+            self._record(1.0)
+            return self._full_attention(policy, state, query, scaling)
         rows = policy.drifted(self, query) if kind == "check" else None
-        held = None
-        if rows is not None:
-            held = (partial.store.positions.clone(), partial.scores.clone()) if policy.carry > 0 else None
-            put(partial, key, value, position, score)
-            kept, _ = attend(
-                query,
-                partial.store.keys,
-                partial.store.values,
-                scaling,
-                positions=partial.store.positions,
-                rows=rows,
-                expect=False,
-            )
-        output, probs = attend(query, full.keys, full.values, scaling, length=counters.seen, rows=rows, keep_probs=True)
-        n = full.keys.shape[2]
-        valid = (torch.arange(n, device=key.device) < counters.seen).expand(key.shape[0], n)
-        policy._refresh(self, probs.unsqueeze(3), valid.reshape(-1, 1, 1, n), (full.keys, full.values), rows, held=held)
+        # a refreshed row carries C_p as it was before this step's token took a slot, as it would eagerly
+        held = (partial.store.positions.clone(), partial.scores.clone()) if rows is not None and policy.carry else None
+        put(partial, key, value, position, (APPENDED + counters.step).float())
+        store = partial.store
+        output, _ = attend(query, store.keys, store.values, scaling, positions=store.positions, rows=rows, expect=False)
+        if rows is None:
+            self._record(0.0)
+            return output
+        self._record(rows.float().mean())
+
+        def refresh() -> None:  # the rows that drifted: attention over C_f into `output`, C_p refreshed
+            drifted = self._full_attention(policy, state, query, scaling, rows, held)
+            output.copy_(torch.where(rows.view(-1, 1, 1, 1), drifted, output))
+
+        only_if(rows.any(), refresh, self.cache.conditional)
+        return output
+
+    def _full_attention(self, policy: RefreshKV, state: RefreshState, query, scaling: float, rows=None, held=None):
+        """Attention over C_f (for `rows` only, where the kernel can) and C_p rebuilt from it, the anchor moved."""
+        full, seen = state.full, self.cache.counters.seen
+        output, probs = attend(query, full.keys, full.values, scaling, length=seen, rows=rows, keep_probs=True)
+        batch, n = query.shape[0], full.keys.shape[2]
+        valid = (torch.arange(n, device=query.device) < seen).expand(batch, n).reshape(batch, 1, 1, n)
+        policy._refresh(self, probs.unsqueeze(3), valid, (full.keys, full.values), rows, held=held)
         if policy.stride is None:
             current = policy.compared_query(self, query)
             # in place, as every state a step changes: a graph replays into the memory it was captured with
             state.anchor.copy_(current if rows is None else torch.where(rows[:, None], current, state.anchor))
-        if rows is None:
-            self._record(1.0)
-            return output
-        self._record(rows.float().mean())
-        return torch.where(rows.view(-1, 1, 1, 1), output, kept)
+        return output
 
     def _record(self, share: float | Tensor) -> None:
         """The share of rows that attended fully at this step, in the cache's per-layer device record."""
@@ -165,6 +165,23 @@ class StaticLayer(PolicyLayer):
             record.index_copy_(0, index, share.view(1))
         else:
             record.index_fill_(0, index, share)
+
+
+def only_if(flag: Tensor, body: Callable[[], None], conditional: bool) -> None:
+    """Run `body` where `flag` (a one-element bool tensor) holds. Eagerly the flag is read on the host; in a CUDA
+    graph being captured, with `conditional`, the body becomes a conditional node that the graph skips on the device
+    (torch.cuda.CUDAGraph.begin_capture_to_if_node), else it always runs, as it does under torch.compile. Skipping
+    changes nothing: the body only writes the rows whose flags are set."""
+    capturing = flag.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing and conditional:
+        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+        graph.begin_capture_to_if_node(flag)
+        try:
+            body()
+        finally:
+            graph.end_capture_to_conditional_node()
+    elif capturing or torch.compiler.is_compiling() or bool(flag):
+        body()
 
 
 def _write(full: FullStore, key: Tensor, value: Tensor, position: Tensor) -> None:
@@ -178,6 +195,7 @@ class StaticCache(PolicyCache):
 
     layer_type = StaticLayer
     kind = "partial"  # the kind of step being run or captured (host side, fixed per graph)
+    conditional = False  # a query check's refresh as a conditional graph node (`only_if`)
     counters: Counters
     full_shares: list[Tensor]  # per layer, (steps,) share of rows that attended fully
 
@@ -213,9 +231,11 @@ class StaticDecoder:
         new_tokens: int,
         keep_logits: bool = False,
         compile: bool = False,
+        conditional: bool = False,
     ):
         check_static(cache, new_tokens)
         self.model, self.cache, self.new_tokens = model, cache, new_tokens
+        cache.conditional = conditional
         # compiled: each kind of step its own graph (dynamo guards on `cache.kind`), its small operators fused
         self.forward = compiled_forward(model) if compile else model
         device = logits.device
