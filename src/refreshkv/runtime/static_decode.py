@@ -14,7 +14,7 @@ and a query-check step, in which each layer decides per row on the device: the r
 refresh C_p, the others attend over C_p (on a GPU only each row's own path reads its cache; with `conditional` the
 refresh is a conditional graph node, skipped on the device where no row drifted). What it runs:
 `full`, `refreshkv` and `recycled` with a dense C_f, and the eviction methods that evict by their stored scores
-(snapkv, streamingllm, pyramidkv, ...); rows without padding, no sliding-window layer, at most the announced new
+(snapkv, pyramidkv, dynamickv, refreekv, keydiff); rows without padding, no sliding-window layer, at most the announced new
 tokens. The stores are the prefill's own: after `run` the cache holds the generation, its host counters advanced.
 """
 
