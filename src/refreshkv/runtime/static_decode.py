@@ -12,9 +12,9 @@ mask elsewhere). The next token is chosen inside the step (greedy), so a replay 
 number alone: `full` and the eviction methods one; `recycled` a partial and a full step; `refreshkv` a partial step
 and a query-check step, in which each layer decides per row on the device: the rows that drifted attend over C_f and
 refresh C_p, the others attend over C_p (on a GPU only each row's own path reads its cache; with `conditional` the
-refresh is a conditional graph node, skipped on the device where no row drifted). What it runs:
-`full`, `refreshkv` and `recycled` with a dense C_f, and the eviction methods that evict by their stored scores
-(snapkv, pyramidkv, dynamickv, refreekv, keydiff); rows without padding, no sliding-window layer, at most the announced new
+refresh is a conditional graph node, skipped on the device where no row drifted). What it runs: `full`,
+`refreshkv` and `recycled` with a dense C_f, and the eviction methods that evict by their stored scores (snapkv,
+pyramidkv, dynamickv, refreekv, keydiff); rows without padding, no sliding-window layer, at most the announced new
 tokens. The stores are the prefill's own: after `run` the cache holds the generation, its host counters advanced.
 """
 
