@@ -12,7 +12,8 @@ unwritten): a step whose rows decide on the device between two paths reads each 
 `keep_logits`: also the float32 probabilities (B, Hkv, G, n) over the whole buffer (0 where an entry does not count),
 which a refresh scores tokens with.
 
-Used only where Triton runs (a CUDA device, or `TRITON_INTERPRET=1` in tests); `available` says whether it does.
+Used only where Triton runs (a CUDA device, or `TRITON_INTERPRET=1` in tests) and the heads fit; `available` says
+whether they do.
 """
 
 from __future__ import annotations
@@ -43,11 +44,13 @@ class Tuning:
 TUNING = Tuning()
 
 
-def available(tensor: torch.Tensor) -> bool:
-    """Whether the kernels run for tensors like `tensor`."""
-    if triton is None:
+def available(query: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether the kernels run for this query (B, Hq, 1, D) over these keys (B, Hkv, n, D): Triton is there, and the
+    head size is a power of two and a KV head has at most BLOCK_G query heads."""
+    if triton is None or not (query.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
-    return tensor.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    head_dim = query.shape[-1]
+    return query.shape[1] // keys.shape[1] <= BLOCK_G and head_dim & (head_dim - 1) == 0
 
 
 if triton is not None:

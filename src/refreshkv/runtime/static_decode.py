@@ -64,10 +64,10 @@ def attend(
     keep_probs: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """One query token over a whole fixed-size store, of which the first `length` entries count or the slots whose
-    `positions` are >= 0. On a GPU with Triton only the rows whose `rows` flag is `expect` are computed; elsewhere
-    every row is (the caller keeps the ones it wants). Returns the output (B, 1, Hq, D) and, with `keep_probs`, the
-    float32 probabilities (B, Hkv, G, n)."""
-    if triton_decode.available(query):
+    `positions` are >= 0. Where the Triton kernel runs only the rows whose `rows` flag is `expect` are computed;
+    elsewhere every row is (the caller keeps the ones it wants). Returns the output (B, 1, Hq, D) and, with
+    `keep_probs`, the float32 probabilities (B, Hkv, G, n)."""
+    if triton_decode.available(query, keys):
         return triton_decode.one_query_attention(
             query, keys, values, scaling, length, positions, rows, expect, keep_probs
         )
