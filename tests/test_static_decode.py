@@ -156,6 +156,8 @@ query = torch.randn(batch, query_heads, 1, 16)
 keys, values = torch.randn(batch, kv_heads, n, 16), torch.randn(batch, kv_heads, n, 16)
 positions = torch.where(torch.rand(batch, kv_heads, n) < 0.3, -1, 7)
 rows = torch.tensor([True, False, True])
+assert triton_decode.available(query, keys)
+assert not triton_decode.available(torch.zeros(1, 4, 1, 96), torch.zeros(1, 2, 8, 96))  # head size: PyTorch's path
 for where, valid in (
     ({"length": torch.tensor([257])}, (torch.arange(n) < 257).view(1, 1, n)),
     ({"positions": positions}, positions >= 0),
