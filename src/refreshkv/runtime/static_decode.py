@@ -21,6 +21,7 @@ tokens. The stores are the prefill's own: after `run` the cache holds the genera
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 
 import torch
@@ -369,16 +370,13 @@ class _Timer:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.start.record()
         else:
-            import time
-
-            self.clock = time.perf_counter
-            self.started = self.clock()
+            self.started = time.perf_counter()
 
     def stop(self) -> None:
         if self.cuda:
             self.end.record()
         else:
-            self.seconds = self.clock() - self.started
+            self.seconds = time.perf_counter() - self.started
 
     def ms(self) -> float:
         if self.cuda:
