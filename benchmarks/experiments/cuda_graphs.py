@@ -39,7 +39,8 @@ from refreshkv import generate, make_policy
 from refreshkv.core import triton_decode
 from refreshkv.core.attention_math import attend_with_probs
 from refreshkv.engine.cache_argument import with_cache
-from refreshkv.runtime.generate import prefill
+from refreshkv.measure.bench import memory_bandwidth
+from refreshkv.runtime.generate import StepTimer, prefill
 from refreshkv.runtime.static_decode import StaticCache, StaticDecoder
 
 SHAPES = {
@@ -157,33 +158,15 @@ def build(shape: str, device: str, layers: int | None = None, **sizes):
     return model.eval()
 
 
-def copy_bandwidth(device: str) -> float:
-    """Bytes per second of a 4 GiB device-to-device copy, counting bytes read and written."""
-    source = torch.randn(2**30, device=device)
-    target = torch.empty_like(source)
-    for _ in range(3):
-        target.copy_(source)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        target.copy_(source)
-    end.record()
-    end.synchronize()
-    return 2 * source.numel() * 4 * 10 / (start.elapsed_time(end) / 1000)
-
-
 def timed(function, repeats: int = 30) -> float:
-    """Median milliseconds of `function` on the current stream."""
+    """Median milliseconds of `function` after one untimed call (CUDA events)."""
     function()
-    times = []
+    timer = StepTimer(torch.device("cuda"))
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        timer.mark()
         function()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        timer.mark()
+    return 1000 * statistics.median(timer.seconds())
 
 
 def check_kernel(rows: Rows, device: str) -> None:
@@ -484,7 +467,7 @@ def main() -> None:
     else:
         check_kernel(rows, "cuda")
         check_tokens(rows, "cuda")
-    bandwidth = copy_bandwidth("cuda")
+    bandwidth = memory_bandwidth(torch.device("cuda"), megabytes=4096, repeats=10)
     rows.write(
         "steps",
         {

@@ -175,11 +175,16 @@ class SelectionState(LayerState):
         """The held tokens fill slots 0 .. used - 1 in every row and head (no hole left by a ragged selection)."""
         return self.filled == self.used
 
-    def put(self, eviction_scores: Tensor, key: Tensor, value: Tensor, position: int, score: float) -> None:
-        """Write one token into each head's lowest-scored slot (an empty one while there is room)."""
+    def put(
+        self, eviction_scores: Tensor, key: Tensor, value: Tensor, position: int | Tensor, score: float | Tensor
+    ) -> None:
+        """Write one token into each head's lowest-scored slot (an empty one while there is room). `position` and
+        `score` may be one-element tensors (a step replayed from a CUDA graph reads them from the device)."""
         # While slots are free and none is a hole, the lowest is the first free slot everywhere: a plain write (not
-        # under torch.compile, where a slot that moves every step would recompile the step)
-        if self.empty and self.contiguous and not torch.compiler.is_compiling():
+        # under torch.compile, where a slot that moves every step would recompile the step, nor with the position on
+        # the device, where the host's count of free slots does not follow replayed steps)
+        plain = self.empty and self.contiguous and not torch.compiler.is_compiling()
+        if plain and not isinstance(position, Tensor) and not isinstance(score, Tensor):
             free = self.used
             self.store.put_at(free, key, value, position)
             self.scores[:, :, free : free + 1] = torch.full_like(self.scores[:, :, :1], score)
@@ -189,9 +194,11 @@ class SelectionState(LayerState):
         self.store.put(slot, key, value, position)
         # The score as a tensor: under torch.compile a score computed from the step count is symbolic, which
         # inductor cannot fill a scatter with.
-        self.scores.scatter_(
-            -1, slot.unsqueeze(-1), torch.full_like(slot, score, dtype=self.scores.dtype).unsqueeze(-1)
-        )
+        if isinstance(score, Tensor):
+            scores = score.to(self.scores.dtype).expand_as(slot)
+        else:
+            scores = torch.full_like(slot, score, dtype=self.scores.dtype)
+        self.scores.scatter_(-1, slot.unsqueeze(-1), scores.unsqueeze(-1))
         self.filled = min(self.filled + 1, self.store.slots)
         self.empty = max(self.empty - 1, 0)
 

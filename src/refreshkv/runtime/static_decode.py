@@ -21,7 +21,6 @@ tokens. The stores are the prefill's own: after `run` the cache holds the genera
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 
 import torch
@@ -37,6 +36,7 @@ from ..engine.cache_argument import with_cache
 from ..methods.full import Full
 from ..methods.refreshkv import RefreshKV, RefreshState
 from .compiled import compiled_forward
+from .generate import StepTimer
 
 UNSUPPORTED = (
     "static decoding runs full, refreshkv and recycled with a dense C_f (budget below the cache) and the eviction "
@@ -79,14 +79,6 @@ def attend(
     return decode_attention(query, keys, values, scaling, valid), None
 
 
-def put(selection: SelectionState, key: Tensor, value: Tensor, position: Tensor, score: Tensor) -> None:
-    """The decoded token into each head's lowest-scored slot (empty slots score -inf, so they go first), as
-    `SelectionState.put` chooses it, with the position and score given as device tensors."""
-    slot = selection.scores.argmin(dim=-1)
-    selection.store.put(slot, key, value, position)
-    selection.scores.scatter_(-1, slot.unsqueeze(-1), score.expand_as(slot).unsqueeze(-1))
-
-
 class StaticLayer(PolicyLayer):
     """A `PolicyLayer` whose decode steps run on fixed-size stores and device counters once `static` is set."""
 
@@ -115,7 +107,8 @@ class StaticLayer(PolicyLayer):
             return attend(query, state.keys, state.values, scaling, length=counters.seen)[0]
         if isinstance(state, SelectionState):
             self._record(0.0)
-            put(state, key, value, position, (APPENDED + counters.step).float())
+            # the eviction methods static decoding runs evict by their stored scores (`check_static`)
+            state.put(state.scores, key, value, position, (APPENDED + counters.step).float())
             return attend(query, state.store.keys, state.store.values, scaling, positions=state.store.positions)[0]
         return self._refresh_step(policy, state, query, key, value, scaling)
 
@@ -131,7 +124,7 @@ class StaticLayer(PolicyLayer):
         rows = policy.drifted(self, query) if kind == "check" else None
         # a refreshed row carries C_p as it was before this step's token took a slot, as it would eagerly
         held = (partial.store.positions.clone(), partial.scores.clone()) if rows is not None and policy.carry else None
-        put(partial, key, value, position, (APPENDED + counters.step).float())
+        partial.put(partial.scores, key, value, position, (APPENDED + counters.step).float())
         store = partial.store
         output, _ = attend(query, store.keys, store.values, scaling, positions=store.positions, rows=rows, expect=False)
         if rows is None:
@@ -284,8 +277,7 @@ class StaticDecoder:
         """Decode; with `graphs` (CUDA only) each kind of step is run once eagerly (to warm it), captured after, and
         replayed from then on."""
         cache, policy = self.cache, self.cache.policy
-        cuda = self.token.device.type == "cuda"
-        if graphs and not cuda:
+        if graphs and self.token.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; run with graphs=False elsewhere")
         cache.counting_on_device = True
         for layer in cache.layers:
@@ -294,7 +286,7 @@ class StaticDecoder:
         warmed: set[str] = set()
         kinds: list[str] = []
         replayed: list[bool] = []
-        timings: list[_Timer] = []
+        timer = StepTimer(self.token.device)
         try:
             for step in range(self.first_step + 1, self.first_step + self.new_tokens):
                 kind = step_kind(policy, step)
@@ -303,7 +295,7 @@ class StaticDecoder:
                 if graphs and kind in warmed and kind not in captured:
                     captured[kind] = self._capture()
                 replayed.append(kind in captured)
-                timings.append(_Timer(cuda))
+                timer.mark()
                 if kind in captured:
                     captured[kind].replay()
                 elif graphs:
@@ -311,7 +303,7 @@ class StaticDecoder:
                     warmed.add(kind)
                 else:
                     self._step()
-                timings[-1].stop()
+                timer.mark()
         finally:
             cache.counting_on_device = False
             for layer in cache.layers:
@@ -323,7 +315,7 @@ class StaticDecoder:
             tokens=self.history[:, self.first_step :].tolist(),
             kinds=kinds,
             replayed=replayed,
-            step_ms=[timer.ms() for timer in timings],
+            step_ms=[seconds * 1000 for seconds in timer.seconds()],
             full_share=float(shares.sum()) / (len(cache.layers) * steps),
             logits=None if self.kept_logits is None else self.kept_logits[self.first_step :].cpu(),
             graphs=len(captured),
@@ -359,30 +351,6 @@ class StaticDecoder:
                 continue
             state.filled = 0  # mask until the slots are known full again
             state.empty = int((state.store.positions < 0).sum(-1).min())
-
-
-class _Timer:
-    """One step's time: device events on CUDA (no wait per step), the host clock elsewhere."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        if cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.started = time.perf_counter()
-
-    def stop(self) -> None:
-        if self.cuda:
-            self.end.record()
-        else:
-            self.seconds = time.perf_counter() - self.started
-
-    def ms(self) -> float:
-        if self.cuda:
-            self.end.synchronize()
-            return self.start.elapsed_time(self.end)
-        return self.seconds * 1000
 
 
 def check_static(cache: PolicyCache, new_tokens: int) -> None:
