@@ -9,7 +9,10 @@ from conftest import random_prompt, tiny_model
 
 import refreshkv
 from refreshkv import METHODS, Policy, PolicyCache, make_policy
+from refreshkv.core.policy import PolicyError
 from refreshkv.engine.cache_argument import with_cache
+from refreshkv.runtime.generate import prefill
+from refreshkv.runtime.static_decode import StaticCache, StaticDecoder
 
 NEW = 12
 ALL = sorted(METHODS)
@@ -175,3 +178,22 @@ def test_one_policy_object_serves_any_number_of_generations(llama, name):
 def test_a_method_computing_its_own_prefill_does_not_share_it(name):
     # generate_many hands every sharing method plain attention's prompt output; one that changes it must run alone
     assert METHODS[name].prefill is Policy.prefill or not METHODS[name].shares_prefill
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_static_steps_decode_as_eager_or_are_refused_in_one_line(llama, name):
+    """runtime/static_decode.py (the steps a CUDA graph replays) runs a method exactly as eager decoding does, or
+    refuses it before decoding, in one line."""
+    ids = random_prompt(40, seed=12, batch=2)
+    eager = run(llama, ids, method(name), **small_budget(name))
+    cache = StaticCache(make_policy(method(name), **small_budget(name)), llama, max_new_tokens=NEW)
+    with torch.inference_mode():
+        logits, _ = prefill(llama, ids, torch.ones_like(ids), cache)
+    try:
+        decoder = StaticDecoder(llama, cache, logits, NEW, keep_logits=True)
+    except PolicyError as error:
+        assert "\n" not in str(error) and "static decoding" in str(error)
+        return
+    out = decoder.run(graphs=False)
+    assert out.tokens == eager.tokens
+    assert max_diff(list(out.logits), eager.logits) < 1e-4
