@@ -253,6 +253,9 @@ def test_pool_and_aggregation_on_hand_made_scores():
         ({"threshold": "high"}, "threshold must be a cosine similarity in [-1, 1]"),
         ({"threshold": float("nan")}, "threshold must be a cosine similarity in [-1, 1]"),
         ({"threshold": 5}, "threshold must be a cosine similarity in [-1, 1]"),
+        ({"carry": -0.5}, "carry must be a share in [0, 1], got -0.5"),
+        ({"question_floor": 1.5}, "question_floor must be a share in [0, 1], got 1.5"),
+        ({"question_floor": "all"}, "question_floor must be a share in [0, 1], got 'all'"),
         ({"aggregation": "median"}, "choose from: max, mean, first"),
         ({"kernel": 4}, "kernel must be an odd integer"),
         ({"stride": 5, "threshold": 0.9}, "excludes qc_stride and threshold"),
@@ -355,6 +358,52 @@ def test_a_refresh_keeps_a_held_token_whose_carried_score_still_ranks(monkeypatc
     assert partial.scores[0, 0, :2].tolist() == pytest.approx(
         [max(0.5 if i == 2 else 0.4 if i == 3 else 0.0, carry * 0.9 if i == 1 else 0) for i in kept]
     )
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+@pytest.mark.parametrize("floor, kept", [(0.0, [2, 3]), (0.5, [1, 2])])
+def test_the_question_floor_keeps_a_question_token_through_refreshes_that_carry_would_let_go(
+    monkeypatch, native, floor, kept
+):
+    """K = 2 of 6 tokens. The question's window keeps 1 (0.9) and 4 (0.05). Two refreshes score 2 at 0.5, 3 at 0.4 and
+    1 at 0: carry 0.5 keeps token 1 through the first (0.45) and lets it go at the second (0.225 < 0.4); a question
+    floor of 0.5 holds it at 0.45 through every refresh."""
+    from types import SimpleNamespace
+
+    from refreshkv.core.selection import SelectionState
+    from refreshkv.methods.refreshkv import RefreshKV
+
+    monkeypatch.setenv("REFRESHKV_NATIVE", native)
+    keys, values = torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4)
+    state = SimpleNamespace(partial=SelectionState.empty_like(keys, 3), question_positions=None, question_scores=None)
+    layer = SimpleNamespace(state=state, prompt_spans=None)
+    method = RefreshKV(budget=2, kernel=1, pooling="centered", carry=0.5, question_floor=floor)
+    probs = torch.tensor([[0.0, 0.9, 0.0, 0.0, 0.05, 0.05], [0.0, 0.0, 0.5, 0.4, 0.0, 0.1]]).view(2, 1, 1, 1, 1, 6)
+    method._select_for_question(layer, probs[0], None, (keys, values))
+    assert state.partial.store.positions[0, 0, :2].tolist() == [1, 4]
+    method._refresh(layer, probs[1], None, (keys, values))
+    assert state.partial.store.positions[0, 0, :2].tolist() == [1, 2]  # both: carry alone still holds 0.45
+    method._refresh(layer, probs[1], None, (keys, values))
+    assert state.partial.store.positions[0, 0, :2].tolist() == kept
+    if floor:
+        assert state.question_positions[0, 0, :2].tolist() == [1, 4]  # the question's selection, left as it was
+
+
+def test_each_question_sets_the_floor_anew(llama):
+    """The prompt's window selection is the floor; a conversation's next turn (a block of new tokens) selects afresh
+    and replaces it, so that a refresh keeps what the latest question asked for."""
+    cache = PolicyCache(make_policy("refreshkv", budget=6, question_floor=1.0), llama, 4)
+    with torch.no_grad():
+        llama(random_prompt(40), **with_cache(llama, cache))
+        state = cache.layers[1].state
+        first = state.question_positions.clone()
+        assert torch.equal(first, state.partial.store.positions) and torch.equal(
+            state.question_scores, state.partial.scores
+        )
+        turn = random_prompt(12, seed=5)
+        llama(turn, position_ids=torch.arange(40, 52)[None], **with_cache(llama, cache))
+    assert torch.equal(state.question_positions, state.partial.store.positions)
+    assert not torch.equal(state.question_positions, first)
 
 
 @pytest.mark.parametrize("method", ["snapkv", "streamingllm", "h2o", "refreekv"])
@@ -633,6 +682,7 @@ def test_a_preset_gives_its_values_and_parameters_beside_it_override_them():
 
     paper = make_policy("refreshkv", preset="paper", kernel=15)
     assert (paper.kernel, paper.pooling, paper.window, paper.carry, paper.aggregation) == (15, "centered", 1, 0, "max")
+    assert paper.question_floor == 0
     defaults = make_policy("refreshkv"), make_policy("recycled")
     assert [(p.window, p.carry) for p in defaults] == [(32, 0.5), (32, 0.0)]  # issue 47's defaults
     assert make_policy("snapkv", preset="paper").window == 1 and make_policy("snapkv").window == 32

@@ -16,7 +16,11 @@ from refreshkv.runtime.static_decode import StaticCache, StaticDecoder
 
 NEW = 12
 ALL = sorted(METHODS)
-OPTIONS = {"refreshkv+carry": {"carry": 1.0}, "recycled+carry": {"carry": 0.5}}  # values not the default, held too
+OPTIONS = {
+    "refreshkv+carry": {"carry": 1.0},
+    "recycled+carry": {"carry": 0.5},
+    "refreshkv+question_floor": {"question_floor": 1.0},
+}  # values not the default, held too
 CASES = ALL + sorted(OPTIONS)
 
 

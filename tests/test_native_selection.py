@@ -264,23 +264,25 @@ def test_a_compiled_selection_calls_the_same_c_as_eager(monkeypatch):
 
 
 @needs_compiler
-@pytest.mark.parametrize("carry", [0.3, 1.0])
-def test_a_refresh_carries_the_held_scores_in_c_as_in_pytorch(monkeypatch, carry):
-    """Two refreshes in a row, a decoded token and an empty slot in C_p between them: the same C_p either way."""
+@pytest.mark.parametrize("carry, floor", [(0.3, 0.0), (1.0, 0.0), (0.3, 0.8)])
+def test_a_refresh_carries_the_held_scores_in_c_as_in_pytorch(monkeypatch, carry, floor):
+    """Two refreshes in a row, a decoded token and an empty slot in C_p between them, with the question's selection
+    as a floor or not: the same C_p either way."""
 
     generator = torch.Generator().manual_seed(6)
     batch, length, slots = 2, 300, 41
     keys = torch.randn(batch, 3, length, 8, generator=generator)
     values = torch.randn(batch, 3, length, 8, generator=generator)
     first, second = (torch.rand(batch, 3, 2, 1, length, generator=generator) ** 4 * scale for scale in (1, 0.2))
-    method = RefreshKV(budget=slots - 1, kernel=5, pooling="centered", carry=carry)
+    method = RefreshKV(budget=slots - 1, kernel=5, pooling="centered", carry=carry, question_floor=floor)
     held = []
     for native in ("1", "0"):
         monkeypatch.setenv("REFRESHKV_NATIVE", native)
-        layer = SimpleNamespace(
-            state=SimpleNamespace(partial=SelectionState.empty_like(keys, slots)), prompt_spans=None
+        state = SimpleNamespace(
+            partial=SelectionState.empty_like(keys, slots), question_positions=None, question_scores=None
         )
-        method._refresh(layer, first, None, (keys, values))
+        layer = SimpleNamespace(state=state, prompt_spans=None)
+        method._select_for_question(layer, first, None, (keys, values))
         partial = layer.state.partial
         partial.store.positions[:, :, -1], partial.scores[:, :, -1] = length - 1, APPENDED + 1  # a decoded token
         partial.store.positions[:, :, 0], partial.scores[:, :, 0] = -1, float("-inf")  # an emptied slot

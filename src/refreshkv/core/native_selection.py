@@ -155,7 +155,8 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     library.gather_rows.argtypes += [pointer, pointer, status]
     library.refresh_partial.argtypes = [pointer, size, size, size, size, status, size, size, pointer, size, pointer]
     library.refresh_partial.argtypes += [size, pointer, pointer, BlockStrides, size, size, pointer, pointer, pointer]
-    library.refresh_partial.argtypes += [pointer, ctypes.c_float, ctypes.c_float, pointer, status]
+    library.refresh_partial.argtypes += [pointer, ctypes.c_float, ctypes.c_float, pointer, pointer, size]
+    library.refresh_partial.argtypes += [ctypes.c_float, pointer, status]
     for function in (library.top_k_in_order, library.gather_rows, library.refresh_partial):
         function.restype = status
     library.logits_rows.argtypes = [pointer, pointer, BlockStrides, size, size, size, size, size, ctypes.c_float]
@@ -248,14 +249,16 @@ def refresh_partial(
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     carry: tuple[float, float] = (0.0, 0.0),
     rows: torch.Tensor | None = None,
+    floor: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> bool:
     """A partial cache refreshed in one C call: `attention_math.selection_scores` with max (or `first_only`)
     aggregation and pooling `window` (before, after), spread over `words` (B, L) when given, -inf where `valid`
     (broadcastable to (B, 1, 1, n)) is False, its top k in position order (`top_k`), and those tokens loaded into
     `store` = (keys, values, positions, scores) of a `SelectionState` as its `load` does, the slots from k on emptied;
     with `carry` = (share, below) and share > 0, each token the store holds with a score below `below` (the selected
-    ones, not the decoded ones) first scores at least share x its score there. With `rows` ((B,) bool), only those
-    batch elements are refreshed; the others' store is left as it is.
+    ones, not the decoded ones) first scores at least share x its score there, and with `floor` = (positions, scores,
+    share) ((B, Hkv, slots) each, a selection kept aside) each token there at least share x its score there. With
+    `rows` ((B,) bool), only those batch elements are refreshed; the others' store is left as it is.
     `per_head`: each query head's window-mean probabilities (B, Hkv, G, n), float32; keys and values (B, Hkv, n, D).
     False, with nothing written, where the C path is not available or a tensor lies otherwise."""
     key_out, value_out, positions, scores = store
@@ -277,10 +280,34 @@ def refresh_partial(
         and (words is None or (words.dim() == 2 and words.shape[0] == batch and words.shape[1] <= n))
         and (valid is None or (valid.dtype == torch.bool and valid.numel() == batch * n))
         and (rows is None or (rows.dtype == torch.bool and rows.shape == (batch,) and not compiling))
+        and (
+            floor is None
+            or (
+                floor[0].dtype == torch.long
+                and floor[1].dtype == torch.float32
+                and floor[0].shape == floor[1].shape == (batch, heads, floor[0].shape[-1])
+                and _on_cpu(*floor[:2])
+            )
+        )
     )
     if fits:
         share, below = float(carry[0]), float(carry[1])
-        arguments = (per_head, first_only, *window, words, valid, k, keys, values, *store, share, below)
+        held, held_scores, held_share = (None, None, 0.0) if floor is None else floor
+        floor_arguments = (held, held_scores, float(held_share))
+        arguments = (
+            per_head,
+            first_only,
+            *window,
+            words,
+            valid,
+            k,
+            keys,
+            values,
+            *store,
+            share,
+            below,
+            *floor_arguments,
+        )
         if rows is not None:  # eager only: the rows that refresh were read on the host (RefreshKV._needs_full)
             _refresh(*arguments, rows)
         else:
@@ -609,6 +636,9 @@ def _refresh(
     scores,
     carry,
     carried_below,
+    floor_positions=None,
+    floor_scores=None,
+    floor_share=0.0,
     rows=None,
 ):
     per_head = per_head.contiguous()
@@ -616,6 +646,10 @@ def _refresh(
     words = None if words is None else words.to(torch.long).contiguous()
     valid = None if valid is None else valid.reshape(batch, n).contiguous()
     marked = None if rows is None else rows.to(torch.uint8).contiguous()
+    if floor_positions is None or floor_scores is None or floor_share <= 0:
+        floor_positions, floor_scores, floor_share = None, None, 0.0
+    else:
+        floor_positions, floor_scores = floor_positions.contiguous(), floor_scores.contiguous()
     failed = _kernels().refresh_partial(
         per_head.data_ptr(),
         batch,
@@ -640,6 +674,10 @@ def _refresh(
         scores.data_ptr(),
         carry,
         carried_below,
+        None if floor_positions is None else floor_positions.data_ptr(),
+        None if floor_scores is None else floor_scores.data_ptr(),
+        0 if floor_positions is None else floor_positions.shape[-1],
+        floor_share,
         None if marked is None else marked.data_ptr(),
         torch.get_num_threads(),
     )
@@ -686,6 +724,6 @@ _refresh_operator = _operator(
     _refresh,
     "(Tensor per_head, bool first_only, int before, int after, Tensor? words, Tensor? valid, int k, Tensor keys, "
     "Tensor values, Tensor(a!) key_out, Tensor(b!) value_out, Tensor(c!) positions, Tensor(d!) scores, "
-    "float carry, float carried_below) -> ()",
+    "float carry, float carried_below, Tensor? floor_positions, Tensor? floor_scores, float floor_share) -> ()",
     lambda *arguments: None,
 )

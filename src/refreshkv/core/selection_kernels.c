@@ -288,7 +288,8 @@ int gather_rows(const char *keys, const char *values, BlockStrides strides, int6
    the `after` after each position, raised to the highest of its word over the first `length` positions where `words`
    (batch x length) is given, -inf where `valid` (batch x n bytes, or NULL) is 0, and with `carry` > 0 at least carry
    x its score in the store where the store holds it with a score below `carried_below` (the selected tokens, not the
-   decoded ones). Its k highest in position order
+   decoded ones), and with `floor_share` > 0 at least floor_share x its score in `floor_positions` and `floor_scores`
+   (batch x heads x floor_slots: a selection kept aside, the question's). Its k highest in position order
    (top_k_of_keys) fill the first k of the store's `slots`: their positions (`positions`, batch x heads x slots),
    scores (`kept_scores`, likewise) and key and value rows (as gather_rows). The slots from k on are empty: position
    -1, score -inf, a copy of the last kept row.
@@ -296,12 +297,24 @@ int gather_rows(const char *keys, const char *values, BlockStrides strides, int6
    between `threads` threads: the group's highest and the pooling in pieces of positions, the spread in parts cut where
    words start, the top K by head, the gather in pieces of slots. Returns 0, or -1 with nothing written if no scratch
    space could be had. */
+/* scores[at] raised to at least share x score for each (at, score) of `slots` held entries whose score is below
+   `below` (selected tokens, not decoded ones) and whose position is one of the n scored. */
+INLINE void raise_to_floor(float *scores, int64_t n, const int64_t *held_positions, const float *held_scores,
+                           int64_t slots, float share, float below) {
+    for (int64_t slot = 0; slot < slots; slot++) {
+        int64_t at = held_positions[slot];
+        float previous = held_scores[slot];
+        if (at >= 0 && at < n && previous < below) scores[at] = higher(share * previous, scores[at]);
+    }
+}
+
 AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads, int64_t group, int64_t n,
                                int first_only, int64_t before, int64_t after, const int64_t *words, int64_t length,
                                const uint8_t *valid, int64_t k, const char *key_source, const char *value_source,
                                BlockStrides strides, int64_t row_bytes, int64_t slots, char *key_out, char *value_out,
                                int64_t *positions, float *kept_scores, float carry, float carried_below,
-                               const uint8_t *rows, int threads) {
+                               const int64_t *floor_positions, const float *floor_scores, int64_t floor_slots,
+                               float floor_share, const uint8_t *rows, int threads) {
     /* per batch element: each head's k taken, its group's highest and its scores; per thread: order keys, candidates */
     size_t indices = (size_t)(heads * k) * sizeof(int64_t), floats = (size_t)(2 * heads * n) * sizeof(float);
     char *space = scratch(indices + floats + (size_t)(threads * 2 * n) * sizeof(uint32_t));
@@ -351,12 +364,10 @@ AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads,
             if (valid)
                 for (int64_t i = 0; i < n; i++) scores[i] = valid[b * n + i] ? scores[i] : -INFINITY;
             if (carry > 0) /* read before the slots below are rewritten */
-                for (int64_t slot = 0; slot < slots; slot++) {
-                    int64_t at = positions[out + slot];
-                    float previous = kept_scores[out + slot];
-                    if (at >= 0 && at < n && previous < carried_below)
-                        scores[at] = higher(carry * previous, scores[at]);
-                }
+                raise_to_floor(scores, n, positions + out, kept_scores + out, slots, carry, carried_below);
+            if (floor_share > 0)
+                raise_to_floor(scores, n, floor_positions + (b * heads + h) * floor_slots,
+                               floor_scores + (b * heads + h) * floor_slots, floor_slots, floor_share, carried_below);
             for (int64_t i = 0; i < n; i++) keys[i] = order_key(scores[i]);
             top_k_of_keys(keys, n, k, taken + h * k, keys + n);
             for (int64_t slot = 0; slot < slots; slot++) {

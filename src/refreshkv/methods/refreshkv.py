@@ -12,7 +12,10 @@ recycled-attention.txt §2.3, §6):
   query alone, 1 keeps a kept token's best score). Issue 47 (docs/results.md): the window finds the needle of a
   question asked without an answer prefix, and carry 0.5 keeps it through a refresh in the middle of the answer
   (SmolLM2 multikey 16 of 30 against 11) at the same perplexity; carry 1 cost Gemma 3 270M 2.8% of perplexity at
-  16K. `recycled` keeps 0: its fixed schedule was not measured with a carry of 0.5.
+  16K. `recycled` keeps 0: its fixed schedule was not measured with a carry of 0.5. With `question_floor` q > 0
+  (0 by default) each token the question's window selected (the prompt's, or a conversation's latest question) also
+  scores at least q x its score there at every refresh: an answer that lists several values keeps them all (SmolLM2
+  multivalue level with snapkv at q = 1), at 1% of Gemma 3's perplexity at 16K (issue 47, docs/results.md).
 C_f is read only at full steps, so it can be held in few bits or off the GPU (`full_cache`: dense, int8, int4, int2,
 offload; core/full_cache.py). Then a full step attends to the dequantized C_f and C_p is gathered from it; the
 prefill's selection uses the prompt's exact keys.
@@ -92,6 +95,9 @@ class RefreshState(LayerState):
     full: FullCacheStore  # C_f: dense, quantized or offloaded (core/full_cache.py)
     partial: SelectionState | None  # C_p: K slots + the newest token; None while K holds every token (see decode)
     anchor: torch.Tensor | None  # (B, D) compared query of the last full step (dynamic schedule only)
+    # with `question_floor`: (B, Hkv, K + 1) positions and scores that the last question's window selected
+    question_positions: Tensor | None = None
+    question_scores: Tensor | None = None
 
     def nbytes(self) -> int:
         return self.full.nbytes() + (self.partial.nbytes() if self.partial is not None else 0)
@@ -129,9 +135,10 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     layer refreshes (dynamic schedule); `kernel` (7) max-pooling kernel and `pooling` (span: centred, then whole
     words, engine/spans.py; centered: the papers'; forward: 1 token before a peak and kernel - 2 after), `window` (32)
     last prompt tokens whose attention selects at prefill (a longer window takes the whole prompt), `carry` (0.5) the
-    share of its score in C_p that a kept token keeps at a refresh, `aggregation` (max) over a GQA group; `query`
-    (pre_rope) the space the check compares queries in; `full_cache` (dense) how C_f is held (int8/int4/int2,
-    offload) and `group_size` (32) its quantization groups.
+    share of its score in C_p that a kept token keeps at a refresh, `question_floor` (0) the share of its score in
+    the question's selection that a token keeps at every refresh until the next question, `aggregation` (max) over
+    a GQA group; `query` (pre_rope) the space the check compares queries in; `full_cache` (dense) how C_f is held
+    (int8/int4/int2, offload) and `group_size` (32) its quantization groups.
     """
 
     name = "refreshkv"
@@ -143,6 +150,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             "pooling": "centered",
             "window": 1,
             "carry": 0.0,
+            "question_floor": 0.0,
             "aggregation": "max",
             "query": "pre_rope",
         }
@@ -155,6 +163,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     pooling: str = "span"  # the papers' is "centered" (preset "paper"); span keeps whole words: issue 30
     window: int = 32  # the papers' is 1 (preset "paper"): issue 47
     carry: float = 0.5  # the papers' is 0 (preset "paper"): issue 47; 1 cost perplexity at 16K
+    question_floor: float = 0.0  # 1 lists every value a question asks for, at 1% of perplexity at 16K: issue 47
     aggregation: str = "max"
     query: str = "pre_rope"
     full_cache: str = "dense"
@@ -171,8 +180,10 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         check_kernel(self.kernel)
         check_choice("pooling", self.pooling, POOLINGS)
         check_positive("window", self.window)
-        if not (is_number(self.carry) and 0 <= self.carry <= 1):
-            raise PolicyError(f"carry must be a share in [0, 1], got {self.carry!r}")
+        for name in ("carry", "question_floor"):
+            share = getattr(self, name)
+            if not (is_number(share) and 0 <= share <= 1):
+                raise PolicyError(f"{name} must be a share in [0, 1], got {share!r}")
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
         check_choice("query", self.query, QUERY_SPACES)
         check_full_cache(self.full_cache, self.group_size)
@@ -212,7 +223,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         layer.state = RefreshState(full, partial, anchor)
         valid = layer.valid_positions(length, key.device)
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
-        self._refresh(layer, probs, valid, (key, value))
+        self._select_for_question(layer, probs, valid, (key, value))
 
     # -- decode ----------------------------------------------------------------------------------------------------
     def decode(self, layer: RefreshLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
@@ -261,7 +272,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
                 return output
             state.partial = SelectionState.empty_like(key, layer.budget + 1)
         probs = attention_probs(query[:, :, -self.window :], keys, scaling, valid, causal_tail=True)
-        self._refresh(layer, probs, valid, (keys, values), carry=False)
+        self._select_for_question(layer, probs, valid, (keys, values))
         if self.stride is None:
             state.anchor = self.compared_query(layer, query)
         return output
@@ -276,9 +287,14 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         partial = state.partial
         if partial is None:
             return
-        gone = partial.store.positions >= state.full.length
-        partial.store.positions.masked_fill_(gone, -1)
-        partial.scores.masked_fill_(gone, float("-inf"))
+        for positions, scores in (
+            (partial.store.positions, partial.scores),
+            (state.question_positions, state.question_scores),
+        ):
+            if positions is not None and scores is not None:
+                gone = positions >= state.full.length
+                positions.masked_fill_(gone, -1)
+                scores.masked_fill_(gone, float("-inf"))
         partial.filled = 0  # some slots are empty now: mask until refilled
         partial.empty = int((partial.store.positions < 0).sum(-1).min())
 
@@ -367,6 +383,23 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             state.anchor = current
         return output, read
 
+    def _select_for_question(
+        self, layer: RefreshLayer, probs: Tensor, valid: Tensor | None, full_kv: tuple[Tensor, Tensor]
+    ) -> None:
+        """C_p selected by the window of a new question (the prompt, a conversation's next turn), nothing carried;
+        with `question_floor`, kept aside as the floor of the refreshes until the next question."""
+        self._refresh(layer, probs, valid, full_kv, carry=False)
+        state: RefreshState = layer.state
+        if self.question_floor > 0 and state.partial is not None:
+            state.question_positions = state.partial.store.positions.clone()
+            state.question_scores = state.partial.scores.clone()
+
+    def _question_floor(self, state: RefreshState) -> tuple[Tensor, Tensor] | None:
+        """The question's selection that a refresh keeps as a floor, or None."""
+        if self.question_floor == 0 or state.question_positions is None or state.question_scores is None:
+            return None
+        return state.question_positions, state.question_scores
+
     def _refresh(
         self,
         layer: RefreshLayer,
@@ -398,11 +431,24 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             # scores go back into the store, which the refresh rewrites whole, so the C reads the carry from there.
             for target, source in zip((partial.store.positions, partial.scores), held):
                 target.copy_(torch.where(rows.view(-1, 1, 1), source, target))
+        floor = self._question_floor(layer.state) if carry else None
         if self.aggregation != "mean" and isinstance(full_kv, tuple):
             keys, values = full_kv
             window, first_only = pool_window(self.kernel, self.pooling), self.aggregation == "first"
+            kept_aside = None if floor is None else (*floor, self.question_floor)
             if native_selection.refresh_partial(
-                per_head, first_only, window, words, valid, k, keys, values, store, (carry_share, APPENDED), rows
+                per_head,
+                first_only,
+                window,
+                words,
+                valid,
+                k,
+                keys,
+                values,
+                store,
+                (carry_share, APPENDED),
+                rows,
+                kept_aside,
             ):
                 if rows is None:
                     partial.loaded(k)
@@ -414,6 +460,8 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             scores = scores.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
         if carry_share > 0:
             scores = carried((partial.store.positions, partial.scores), scores, carry_share)
+        if floor is not None:
+            scores = carried(floor, scores, self.question_floor)
         index, kept = keep_top(scores, k)  # pads scored -inf: a top k, no entry -1
         if not isinstance(full_kv, tuple) and partial.load_quantized(full_kv, index, kept, rows):
             return
@@ -439,7 +487,8 @@ class Recycled(RefreshKV):
 
     Parameters: as `refreshkv` (`budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest
     prompt, 1/8 by default); `stride`; `qc_stride` and `threshold` unused unless `stride` is None;
-    `kernel`, `pooling`, `window`, `carry` (0 here), `aggregation`, `query`, `full_cache`, `group_size`).
+    `kernel`, `pooling`, `window`, `carry` (0 here), `question_floor`, `aggregation`, `query`, `full_cache`,
+    `group_size`).
     """
 
     name = "recycled"
