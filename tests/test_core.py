@@ -346,7 +346,12 @@ def test_a_refresh_keeps_a_held_token_whose_carried_score_still_ranks(monkeypatc
 
     monkeypatch.setenv("REFRESHKV_NATIVE", native)
     keys, values = torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4)
-    layer = SimpleNamespace(state=SimpleNamespace(partial=SelectionState.empty_like(keys, 3)), prompt_spans=None)
+    layer = SimpleNamespace(
+        state=SimpleNamespace(
+            partial=SelectionState.empty_like(keys, 3), question_positions=None, question_scores=None
+        ),
+        prompt_spans=None,
+    )
     method = RefreshKV(budget=2, kernel=1, pooling="centered", carry=carry)
     probs = torch.tensor([[0.0, 0.9, 0.0, 0.0, 0.05, 0.05], [0.0, 0.0, 0.5, 0.4, 0.0, 0.1]]).view(2, 1, 1, 1, 1, 6)
     method._refresh(layer, probs[0], None, (keys, values))
@@ -684,7 +689,7 @@ def test_a_preset_gives_its_values_and_parameters_beside_it_override_them():
     assert (paper.kernel, paper.pooling, paper.window, paper.carry, paper.aggregation) == (15, "centered", 1, 0, "max")
     assert paper.question_floor == 0
     defaults = make_policy("refreshkv"), make_policy("recycled")
-    assert [(p.window, p.carry) for p in defaults] == [(32, 0.5), (32, 0.0)]  # issue 47's defaults
+    assert [(p.window, p.carry, p.question_floor) for p in defaults] == [(32, 0.5, 1.0), (32, 0.0, 0.0)]  # issue 47
     assert make_policy("snapkv", preset="paper").window == 1 and make_policy("snapkv").window == 32
     assert make_policy("recycled", preset="paper").stride == 10  # recycled's own schedule stays
     for name, cls in METHODS.items():  # every preset builds; a preset of one method is not another's

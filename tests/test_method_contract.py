@@ -19,7 +19,7 @@ ALL = sorted(METHODS)
 OPTIONS = {
     "refreshkv+carry": {"carry": 1.0},
     "recycled+carry": {"carry": 0.5},
-    "refreshkv+question_floor": {"question_floor": 1.0},
+    "refreshkv+no_question_floor": {"question_floor": 0.0},
 }  # values not the default, held too
 CASES = ALL + sorted(OPTIONS)
 

@@ -127,7 +127,12 @@ def test_c_gather_fills_every_slot_as_pytorch_does_from_a_strided_cache(fresh_bu
 
 def refreshed_partial(monkeypatch, method, probs, valid, keys, values, spans, slots, native):
     """C_p as `method` refreshes it from window probabilities, with the C path on ("1") or off ("0")."""
-    layer = SimpleNamespace(state=SimpleNamespace(partial=SelectionState.empty_like(keys, slots)), prompt_spans=spans)
+    layer = SimpleNamespace(
+        state=SimpleNamespace(
+            partial=SelectionState.empty_like(keys, slots), question_positions=None, question_scores=None
+        ),
+        prompt_spans=spans,
+    )
     with monkeypatch.context() as scoped:
         scoped.setenv("REFRESHKV_NATIVE", native)
         method._refresh(layer, probs, valid, (keys, values))
@@ -290,7 +295,12 @@ def test_a_refresh_carries_the_held_scores_in_c_as_in_pytorch(monkeypatch, carry
         held.append((partial.store.positions.clone(), partial.scores.clone()))
     assert torch.equal(held[0][0], held[1][0]) and torch.equal(held[0][1], held[1][1])
     without = RefreshKV(budget=slots - 1, kernel=5, pooling="centered", carry=0.0)
-    layer = SimpleNamespace(state=SimpleNamespace(partial=SelectionState.empty_like(keys, slots)), prompt_spans=None)
+    layer = SimpleNamespace(
+        state=SimpleNamespace(
+            partial=SelectionState.empty_like(keys, slots), question_positions=None, question_scores=None
+        ),
+        prompt_spans=None,
+    )
     without._refresh(layer, second, None, (keys, values))
     assert not torch.equal(layer.state.partial.store.positions, held[0][0])  # the carry changed the selection
 
@@ -340,7 +350,10 @@ def test_c_refreshes_only_the_marked_rows_as_the_pytorch_rows_path_does(monkeypa
     for native, step_token in (("1", True), ("0", True), ("1", False)):
         monkeypatch.setenv("REFRESHKV_NATIVE", native)
         layer = SimpleNamespace(
-            state=SimpleNamespace(partial=SelectionState.empty_like(keys, slots)), prompt_spans=None
+            state=SimpleNamespace(
+                partial=SelectionState.empty_like(keys, slots), question_positions=None, question_scores=None
+            ),
+            prompt_spans=None,
         )
         method._refresh(layer, first, None, (keys, values))
         partial = layer.state.partial

@@ -157,7 +157,13 @@ def test_a_refresh_from_a_quantized_cache_loads_what_a_refresh_from_its_dequanti
     method = RefreshKV(budget=20, kernel=3, pooling="centered", carry=0.5)
     refreshed = []
     for source in (store, store.view()):
-        layer = SimpleNamespace(state=SimpleNamespace(partial=SelectionState.empty_like(store.residual_keys, 21)))
+        layer = SimpleNamespace(
+            state=SimpleNamespace(
+                partial=SelectionState.empty_like(store.residual_keys, 21),
+                question_positions=None,
+                question_scores=None,
+            )
+        )
         layer.prompt_spans = None
         method._refresh(layer, probs, None, source, marked)
         partial = layer.state.partial

@@ -12,10 +12,12 @@ recycled-attention.txt §2.3, §6):
   query alone, 1 keeps a kept token's best score). Issue 47 (docs/results.md): the window finds the needle of a
   question asked without an answer prefix, and carry 0.5 keeps it through a refresh in the middle of the answer
   (SmolLM2 multikey 16 of 30 against 11) at the same perplexity; carry 1 cost Gemma 3 270M 2.8% of perplexity at
-  16K. `recycled` keeps 0: its fixed schedule was not measured with a carry of 0.5. With `question_floor` q > 0
-  (0 by default) each token the question's window selected (the prompt's, or a conversation's latest question) also
-  scores at least q x its score there at every refresh: an answer that lists several values keeps them all (SmolLM2
-  multivalue level with snapkv at q = 1), at 1% of Gemma 3's perplexity at 16K (issue 47, docs/results.md).
+  16K. `recycled` keeps 0: its fixed schedule was not measured with a carry of 0.5.
+  And each token the question's window selected (the prompt's, or a conversation's latest question) scores at
+  least `question_floor` x its score there at every refresh until the next question (1 by default; the papers' 0):
+  an answer that lists several values keeps them all. Issue 47 (docs/results.md): SmolLM2 multivalue 0.46 against
+  0.41 of 40 (snapkv 0.46), Gemma 3 multikey at the oracle's 0.7, perplexity within noise (Gemma 16K 1.029 against
+  1.026). `recycled` keeps 0, as for the carry.
 C_f is read only at full steps, so it can be held in few bits or off the GPU (`full_cache`: dense, int8, int4, int2,
 offload; core/full_cache.py). Then a full step attends to the dequantized C_f and C_p is gathered from it; the
 prefill's selection uses the prompt's exact keys.
@@ -135,7 +137,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     layer refreshes (dynamic schedule); `kernel` (7) max-pooling kernel and `pooling` (span: centred, then whole
     words, engine/spans.py; centered: the papers'; forward: 1 token before a peak and kernel - 2 after), `window` (32)
     last prompt tokens whose attention selects at prefill (a longer window takes the whole prompt), `carry` (0.5) the
-    share of its score in C_p that a kept token keeps at a refresh, `question_floor` (0) the share of its score in
+    share of its score in C_p that a kept token keeps at a refresh, `question_floor` (1) the share of its score in
     the question's selection that a token keeps at every refresh until the next question, `aggregation` (max) over
     a GQA group; `query` (pre_rope) the space the check compares queries in; `full_cache` (dense) how C_f is held
     (int8/int4/int2, offload) and `group_size` (32) its quantization groups.
@@ -163,7 +165,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     pooling: str = "span"  # the papers' is "centered" (preset "paper"); span keeps whole words: issue 30
     window: int = 32  # the papers' is 1 (preset "paper"): issue 47
     carry: float = 0.5  # the papers' is 0 (preset "paper"): issue 47; 1 cost perplexity at 16K
-    question_floor: float = 0.0  # 1 lists every value a question asks for, at 1% of perplexity at 16K: issue 47
+    question_floor: float = 1.0  # the papers' is 0 (preset "paper"): issue 47, an answer listing several values
     aggregation: str = "max"
     query: str = "pre_rope"
     full_cache: str = "dense"
@@ -487,7 +489,7 @@ class Recycled(RefreshKV):
 
     Parameters: as `refreshkv` (`budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest
     prompt, 1/8 by default); `stride`; `qc_stride` and `threshold` unused unless `stride` is None;
-    `kernel`, `pooling`, `window`, `carry` (0 here), `question_floor`, `aggregation`, `query`, `full_cache`,
+    `kernel`, `pooling`, `window`, `carry` (0 here), `question_floor` (0 here), `aggregation`, `query`, `full_cache`,
     `group_size`).
     """
 
@@ -496,3 +498,4 @@ class Recycled(RefreshKV):
 
     stride: int | None = 10
     carry: float = 0.0  # refreshkv's 0.5 was measured on the dynamic schedule only (issue 47)
+    question_floor: float = 0.0  # likewise
