@@ -1,6 +1,7 @@
 """Issue 47's tables: refreshkv's and recycled's selection with the papers' window of 1 (the old default), with a
-window of 32 (the default), with window 32 and carry 1, and on Gemma 3 with the query-check threshold 0.9 (the earlier
-rows ran at 0.85), beside full, the oracle, snapkv and quest, from the rows in docs/results/selection-dev/.
+window of 32, with window 32 and carry 1, on Gemma 3 with the query-check threshold 0.9 (the earlier rows ran at
+0.85), and with the question's selection as a floor (`question_floor` 1, the default since issue 47), beside full,
+the oracle, snapkv and quest, from the rows in docs/results/selection-dev/.
 
     python benchmarks/analysis/selection_dev.py            # markdown tables on stdout
 
@@ -33,6 +34,10 @@ STUDIES = {  # model: files, read in order (a repeated example keeps its first r
         "smollm2-ppl-default.jsonl",
         "smollm2-prefixed-default.jsonl",
         "smollm2-prefixed-w32c05.jsonl",
+        "smollm2-qf1.jsonl",
+        "smollm2-qf1-single.rank0.jsonl",
+        "smollm2-qf1-single.rank1.jsonl",
+        "smollm2-wider-multivalue-qf1.jsonl",
     ],
     "Gemma 3 270M, 8K, base": [
         "gemma.jsonl",
@@ -40,6 +45,7 @@ STUDIES = {  # model: files, read in order (a repeated example keeps its first r
         "gemma-default.jsonl",
         "gemma-w32c05.jsonl",
         "gemma-t09.jsonl",
+        "gemma-qf1.jsonl",
     ],
     "Gemma 3 270M, 8K, multi-turn": [
         "multi-turn-gemma.jsonl",
@@ -47,6 +53,7 @@ STUDIES = {  # model: files, read in order (a repeated example keeps its first r
         "multi-turn-gemma-default.jsonl",
         "multi-turn-gemma-w32c05.jsonl",
         "multi-turn-gemma-t09.jsonl",
+        "multi-turn-gemma-qf1.jsonl",
     ],
     "Gemma 3 270M, 16K, K = 2048": [
         "gemma-16k-default.jsonl",
@@ -54,6 +61,7 @@ STUDIES = {  # model: files, read in order (a repeated example keeps its first r
         "gemma-16k-w32c05.rank0.jsonl",
         "gemma-16k-w32c05.rank1.jsonl",
         "gemma-16k-t09.jsonl",
+        "gemma-16k-qf1.jsonl",
     ],
 }
 SELECTIONS = {
@@ -66,6 +74,8 @@ THRESHOLD = 0.9  # Gemma 3's query-check threshold (methods/refreshkv.py); rows 
 COLUMNS = ["full", "oracle", "snapkv", "quest"]
 COLUMNS += [f"{method} {label}" for method in ("refreshkv", "recycled") for label in SELECTIONS.values()]
 COLUMNS.insert(COLUMNS.index("refreshkv w32 carry 0.5") + 1, f"refreshkv w32 carry 0.5 threshold {THRESHOLD}")
+FLOORED = ["refreshkv w32 carry 0.5 floor 1", f"refreshkv w32 carry 0.5 threshold {THRESHOLD} floor 1"]  # the default
+COLUMNS[COLUMNS.index(f"refreshkv w32 carry 0.5 threshold {THRESHOLD}") + 1 : 0] = FLOORED
 
 
 def column(row: dict) -> str | None:
@@ -73,12 +83,18 @@ def column(row: dict) -> str | None:
     method, params = row["method"], row["params"]
     if method not in ("refreshkv", "recycled"):
         return method if method in COLUMNS else None
-    window, carry = params.get("window", 1), params.get("carry")
-    if window > 1 and carry is None:  # a window sliding with decoding (commits 751aa3e-bb21822): not adopted
+    window, carry, floor = params.get("window", 1), params.get("carry"), params.get("question_floor")
+    threshold = params.get("threshold")
+    if floor is not None:  # rows since question_floor (7079f1f) leave the defaults of then out: window 32, carry 0.5
+        window, carry = params.get("window", 32), params.get("carry", 0.5)
+        threshold = threshold or (THRESHOLD if "gemma" in row["model"] else None)
+    elif window > 1 and carry is None:  # a window sliding with decoding (commits 751aa3e-bb21822): not adopted
         return None
     label = SELECTIONS.get((window, carry or 0.0))
-    if label is not None and params.get("threshold") is not None:
-        label += f" threshold {params['threshold']}"
+    if label is not None and threshold is not None:
+        label += f" threshold {threshold}"
+    if label is not None and floor:
+        label += f" floor {floor:g}"
     name = None if label is None else f"{method} {label}"
     return name if name in COLUMNS else None
 
