@@ -42,29 +42,18 @@ PERPLEXITY = [
 ]
 
 
-def rows(path: Path, method: str) -> dict:
+def rows(path: Path, method: str | None = None) -> dict:
     """{(task, question form, example id): score} of `method`'s rows (refreshkv: the default's carry where a file
-    holds several)."""
+    holds several), or of every row (a candidate's file)."""
     out: dict = {}
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
+    for line in path.read_text().splitlines() if path.exists() else []:
         row = json.loads(line)
-        if row.get("method") != method or (method == "refreshkv" and row["params"].get("carry", 0.5) != 0.5):
-            continue
-        if "question_floor" in row["params"] and "qf" not in path.name:
+        if method is not None and (
+            row.get("method") != method or (method == "refreshkv" and row["params"].get("carry", 0.5) != 0.5)
+        ):
             continue
         key = (row["task"], row["task_options"].get("question", "prefixed"), row["id"])
         out.setdefault(key, row["score"])
-    return out
-
-
-def candidate(name: str) -> dict:
-    path = FOLDER / name
-    out = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
-        row = json.loads(line)
-        out.setdefault((row["task"], row["task_options"].get("question", "prefixed"), row["id"]), row["score"])
     return out
 
 
@@ -72,7 +61,7 @@ def score_lines() -> list[str]:
     lines = ["| rows | task | candidate | baseline | n | candidate | baseline | paired difference [95%] |"]
     lines.append("|---" * 8 + "|")
     for what, name, base, method in SCORES:
-        ours, theirs = candidate(name), rows(FOLDER / base, method)
+        ours, theirs = rows(FOLDER / name), rows(FOLDER / base, method)
         for task in sorted({key[:2] for key in ours if key[0] != "ppl"}):
             shared = [key for key in ours if key[:2] == task and key in theirs]
             if not shared:
@@ -91,7 +80,7 @@ def perplexity_lines() -> list[str]:
     lines = ["| model | candidate | windows | candidate / full | default / full |", "|---|---|---|---|---|"]
     for model, name, base in PERPLEXITY:
         full = {key[2]: v for key, v in rows(RESULTS / FULL_PERPLEXITY[model], "full").items() if key[0] == "ppl"}
-        ours = {key[2]: v for key, v in candidate(name).items() if key[0] == "ppl"}
+        ours = {key[2]: v for key, v in rows(FOLDER / name).items() if key[0] == "ppl"}
         theirs = {key[2]: v for key, v in rows(FOLDER / base, "refreshkv").items() if key[0] == "ppl"}
         windows = sorted(set(ours) & set(theirs) & set(full))
         if not windows:
