@@ -15,25 +15,54 @@ import sys
 from pathlib import Path
 
 from refreshkv.eval import stats
+from refreshkv.eval.distributed import sweep_files
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 FOLDER = RESULTS / "selection-dev"
 FULL_PERPLEXITY = {"SmolLM2": "selection-dev/smollm2-default.jsonl", "Gemma": "gemma-16k/gemma-16k.jsonl"}
-DEFAULT = {"method": "refreshkv", "carry": 0.5}  # the default's rows in files that hold other carries too
-# (what, candidate file, baseline file, the baseline's rows)
-SCORES = [
-    ("SmolLM2 multivalue", f"smollm2-wider-multivalue-{tag}.jsonl", "smollm2-wider-multivalue.jsonl", method)
+# A source of rows: (file, method or None for every row, {parameter: value, None for one not given}).
+Source = tuple[str, str | None, dict]
+# (what, the candidate's sources, the baseline's sources); several sources are pooled
+SCORES: list[tuple[str, list[Source], list[Source]]] = [
+    (
+        "SmolLM2 multivalue",
+        [(f"smollm2-wider-multivalue-{tag}.jsonl", None, {})],
+        [("smollm2-wider-multivalue.jsonl", method, {})],
+    )
     for tag in ("qf1", "qf075", "qf05", "qf1c0")
     for method in ("refreshkv", "snapkv", "oracle")
 ]
+# seed 1's 40 examples hold the default (the floor) and refreshkv without it (question_floor 0) side by side
+SEED1_FLOOR: Source = ("smollm2-multivalue-seed1.jsonl", "refreshkv", {"question_floor": None})
+SEED1_NO_FLOOR: Source = ("smollm2-multivalue-seed1.jsonl", "refreshkv", {"question_floor": 0.0})
 SCORES += [
-    ("SmolLM2 multikey", "smollm2-qf1.jsonl", "smollm2-wider-multikey.jsonl", m) for m in ("refreshkv", "snapkv")
+    ("SmolLM2 multivalue, seed 1", [SEED1_FLOOR], [base])
+    for base in (SEED1_NO_FLOOR, (SEED1_FLOOR[0], "snapkv", {}), (SEED1_FLOOR[0], "full", {}))
 ]
-SCORES += [("SmolLM2 prefixed", "smollm2-qf1.jsonl", "smollm2-prefixed-w32c05.jsonl", "refreshkv")]
-SCORES += [("Gemma 8K", "gemma-qf1.jsonl", "gemma-t09.jsonl", "refreshkv")]
-SCORES += [("Gemma 8K", "gemma-qf1.jsonl", "gemma-new.jsonl", m) for m in ("snapkv", "oracle")]
-SCORES += [("Gemma multi-turn", "multi-turn-gemma-qf1.jsonl", "multi-turn-gemma-t09.jsonl", "refreshkv")]
-SCORES += [("Gemma multi-turn", "multi-turn-gemma-qf1.jsonl", "multi-turn-gemma.jsonl", m) for m in ("quest", "full")]
+SCORES += [
+    ("SmolLM2 multivalue, seeds 0-1", [("smollm2-wider-multivalue-qf1.jsonl", None, {}), SEED1_FLOOR], bases)
+    for bases in (
+        [("smollm2-wider-multivalue.jsonl", "refreshkv", {}), SEED1_NO_FLOOR],
+        [("smollm2-wider-multivalue.jsonl", "snapkv", {}), (SEED1_FLOOR[0], "snapkv", {})],
+        [("smollm2-wider-multivalue.jsonl", "full", {}), (SEED1_FLOOR[0], "full", {})],
+    )
+]
+SCORES += [
+    ("SmolLM2 multikey", [("smollm2-qf1.jsonl", None, {})], [("smollm2-wider-multikey.jsonl", m, {})])
+    for m in ("refreshkv", "snapkv")
+]
+SCORES += [
+    ("SmolLM2 prefixed", [("smollm2-qf1.jsonl", None, {})], [("smollm2-prefixed-w32c05.jsonl", "refreshkv", {})])
+]
+SCORES += [("Gemma 8K", [("gemma-qf1.jsonl", None, {})], [("gemma-t09.jsonl", "refreshkv", {})])]
+SCORES += [("Gemma 8K", [("gemma-qf1.jsonl", None, {})], [("gemma-new.jsonl", m, {})]) for m in ("snapkv", "oracle")]
+SCORES += [
+    ("Gemma multi-turn", [("multi-turn-gemma-qf1.jsonl", None, {})], [("multi-turn-gemma-t09.jsonl", "refreshkv", {})])
+]
+SCORES += [
+    ("Gemma multi-turn", [("multi-turn-gemma-qf1.jsonl", None, {})], [("multi-turn-gemma.jsonl", m, {})])
+    for m in ("quest", "full")
+]
 PERPLEXITY = [
     ("SmolLM2", "smollm2-qf1.jsonl", "smollm2-carry-ppl.jsonl"),
     ("SmolLM2", "smollm2-qf1c0.jsonl", "smollm2-carry-ppl.jsonl"),
@@ -42,14 +71,17 @@ PERPLEXITY = [
 ]
 
 
-def rows(path: Path, method: str | None = None) -> dict:
+def rows(path: Path, method: str | None = None, params: dict | None = None) -> dict:
     """{(task, question form, example id): score} of `method`'s rows (refreshkv: the default's carry where a file
-    holds several), or of every row (a candidate's file)."""
+    holds several; those whose parameters hold `params`), or of every row (a candidate's file). A sweep's rank files
+    are read with it."""
     out: dict = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
+    for line in (line for file in sweep_files(path) for line in file.read_text().splitlines()):
         row = json.loads(line)
         if method is not None and (
-            row.get("method") != method or (method == "refreshkv" and row["params"].get("carry", 0.5) != 0.5)
+            row.get("method") != method
+            or (method == "refreshkv" and row["params"].get("carry", 0.5) != 0.5)
+            or any(row["params"].get(name) != value for name, value in (params or {}).items())
         ):
             continue
         key = (row["task"], row["task_options"].get("question", "prefixed"), row["id"])
@@ -57,11 +89,28 @@ def rows(path: Path, method: str | None = None) -> dict:
     return out
 
 
+def pooled(sources: list[Source]) -> dict:
+    """`rows` of every source, pooled (their example ids differ)."""
+    return {
+        key: score for file, method, params in sources for key, score in rows(FOLDER / file, method, params).items()
+    }
+
+
+def label(sources: list[Source], method: bool) -> str:
+    """A table cell: the sources' files, or their methods and parameters."""
+    if not method:
+        return " + ".join(file for file, _, _ in sources)
+    named = (
+        " ".join([str(name), *(f"{k}={v}" for k, v in params.items() if v is not None)]) for _, name, params in sources
+    )
+    return " + ".join(dict.fromkeys(named))
+
+
 def score_lines() -> list[str]:
     lines = ["| rows | task | candidate | baseline | n | candidate | baseline | paired difference [95%] |"]
     lines.append("|---" * 8 + "|")
-    for what, name, base, method in SCORES:
-        ours, theirs = rows(FOLDER / name), rows(FOLDER / base, method)
+    for what, candidate, baseline in SCORES:
+        ours, theirs = pooled(candidate), pooled(baseline)
         for task in sorted({key[:2] for key in ours if key[0] != "ppl"}):
             shared = [key for key in ours if key[:2] == task and key in theirs]
             if not shared:
@@ -69,10 +118,10 @@ def score_lines() -> list[str]:
             difference = stats.macro_mean([[ours[key] - theirs[key] for key in shared]])
             low, high = difference.interval or (float("nan"), float("nan"))
             mean = [sum(values[key] for key in shared) / len(shared) for values in (ours, theirs)]
-            lines.append(
-                f"| {what} | {task[0].split('/')[-1]} ({task[1]}) | {name} | {method} | {len(shared)} | "
-                f"{mean[0]:.3f} | {mean[1]:.3f} | {difference.value:+.3f} [{low:+.3f}, {high:+.3f}] |"
-            )
+            cells = [what, f"{task[0].split('/')[-1]} ({task[1]})", label(candidate, False), label(baseline, True)]
+            cells += [str(len(shared)), f"{mean[0]:.3f}", f"{mean[1]:.3f}"]
+            cells += [f"{difference.value:+.3f} [{low:+.3f}, {high:+.3f}]"]
+            lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
 
 
