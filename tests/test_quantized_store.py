@@ -8,7 +8,7 @@ from conftest import tiny_model
 
 from refreshkv import PolicyError, generate, make_policy
 from refreshkv.core import native_selection
-from refreshkv.core.attention_math import SoftCapped, attend_with_probs
+from refreshkv.core.attention_math import SoftCapped, torch_attend_with_probs
 from refreshkv.core.quantized_store import QuantizedFullStore, pack, quantize, unpack
 from refreshkv.core.selection import SelectionState
 from refreshkv.methods.refreshkv import RefreshKV
@@ -107,7 +107,7 @@ def test_a_full_step_reads_the_codes_where_they_lie_as_attention_over_the_dequan
     query = torch.randn(3, 6, 1, 32, generator=torch.Generator().manual_seed(5))
     valid = torch.ones(3, 1, 1, 77, dtype=torch.bool)
     valid[1, ..., :10] = False  # a left-padded row
-    expected_output, expected_probs = attend_with_probs(query, *store.view(), 0.17, valid)
+    expected_output, expected_probs = torch_attend_with_probs(query, *store.view(), 0.17, valid)
     before = torch.get_num_threads()
     try:
         for rows, count in ((None, 1), (torch.tensor([False, True, True]), 2)):

@@ -148,7 +148,7 @@ def test_what_static_decoding_refuses(model, name, params, change, message):
 TRITON_CHECK = """
 import torch
 from refreshkv.core import triton_decode
-from refreshkv.core.attention_math import attend_with_probs
+from refreshkv.core.attention_math import torch_attend_with_probs
 
 torch.manual_seed(0)
 batch, query_heads, kv_heads, n = 3, 6, 2, 300
@@ -163,7 +163,7 @@ for where, valid in (
     ({"positions": positions}, positions >= 0),
 ):
     out, probs = triton_decode.one_query_attention(query, keys, values, 0.25, **where, rows=rows, keep_logits=True)
-    reference, reference_probs = attend_with_probs(query, keys, values, 0.25, valid)
+    reference, reference_probs = torch_attend_with_probs(query, keys, values, 0.25, valid)
     assert torch.allclose(out[rows], reference[rows], atol=1e-5), where.keys()
     assert torch.allclose(probs[rows], reference_probs[rows], atol=1e-6), where.keys()
 # compiled, the kernel is an operator that torch.compile calls as it is

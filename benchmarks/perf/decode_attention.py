@@ -1,7 +1,8 @@
-"""One decode query over a long KV cache on the CPU: SDPA's kernel against the explicit path of
-`decode_attention` (two products and a float32 softmax), per cache length, dtype and batch, for the embedded
-model's shapes (9 query heads, 3 KV heads, head_dim 64) and 30 layers' worth of distinct caches (so that no cache
-stays in the CPU's caches between calls). Where the explicit path wins sets `EXPLICIT_DECODE_FROM`.
+"""One decode query over a long KV cache on the CPU: SDPA's kernel against the explicit paths of
+`decode_attention` (two products and a float32 softmax; in float32 also the C of `native_selection.attend_rows`,
+which `decode_attention` takes there), per cache length, dtype and batch, for the embedded model's shapes (9 query
+heads, 3 KV heads, head_dim 64) and 30 layers' worth of distinct caches (so that no cache stays in the CPU's caches
+between calls). Where the explicit path wins sets `EXPLICIT_DECODE_FROM`.
 
     python benchmarks/perf/decode_attention.py --threads 2
 """
@@ -11,7 +12,7 @@ import time
 
 import torch
 
-from refreshkv.core import attention_math
+from refreshkv.core import attention_math, native_selection
 from refreshkv.measure.bench import cpu_facts
 
 LAYERS, QUERY_HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
@@ -30,21 +31,31 @@ def best_ms(run, calls: int = 10, rounds: int = 5) -> float:
     return min(times)
 
 
-def compare(length: int, dtype: torch.dtype, batch: int) -> tuple[float, float]:
-    """ms for all layers' decode attention, SDPA and explicit."""
+def compare(length: int, dtype: torch.dtype, batch: int) -> dict[str, float]:
+    """ms for all layers' decode attention: SDPA, two products, and in float32 the C."""
     caches = [[torch.randn(batch, KV_HEADS, length, HEAD_DIM, dtype=dtype) for _ in range(2)] for _ in range(LAYERS)]
     query = torch.randn(batch, QUERY_HEADS, 1, HEAD_DIM, dtype=dtype)
+    packed = attention_math.pack_queries(query, KV_HEADS)
 
-    def all_layers():
+    def sdpa():
+        attention_math.EXPLICIT_DECODE_FROM = length + 1
         for keys, values in caches:
             attention_math.decode_attention(query, keys, values, HEAD_DIM**-0.5)
 
-    times = {}
-    for _ in range(2):  # alternate the two paths, twice
-        for name, threshold in (("sdpa", length + 1), ("explicit", 0)):
-            attention_math.EXPLICIT_DECODE_FROM = threshold
-            times[name] = min(times.get(name, float("inf")), best_ms(all_layers))
-    return times["sdpa"], times["explicit"]
+    def products():
+        for keys, values in caches:
+            attention_math._explicit_attention(packed, keys, values, HEAD_DIM**-0.5, None)
+
+    def c():
+        for keys, values in caches:
+            native_selection.attend_rows(query, keys, values, HEAD_DIM**-0.5, None)
+
+    paths = {"sdpa": sdpa, "products": products, **({"c": c} if dtype == torch.float32 else {})}
+    times: dict[str, float] = {}
+    for _ in range(2):  # alternate the paths, twice
+        for name, run in paths.items():
+            times[name] = min(times.get(name, float("inf")), best_ms(run))
+    return times
 
 
 def main() -> None:
@@ -54,14 +65,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     facts = cpu_facts()
     print(f"{facts['cpu']} (bf16 instructions: {facts['cpu_bf16']}), {args.threads} threads, {LAYERS} layers")
-    print("| dtype | batch | keys | SDPA ms | explicit ms | explicit / SDPA |")
-    print("|---|---|---|---|---|---|")
+    print("| dtype | batch | keys | SDPA ms | two products ms | C ms | products / SDPA | C / products |")
+    print("|---|---|---|---|---|---|---|---|")
     for dtype in (torch.bfloat16, torch.float32):
-        for batch in (1, 2):
+        for batch in (1, 8):
             for length in LENGTHS:
-                sdpa, explicit = compare(length, dtype, batch)
+                t = compare(length, dtype, batch)
+                c = f"{t['c']:.2f}" if "c" in t else ""
+                ratio = f"{t['c'] / t['products']:.2f}" if "c" in t else ""
                 print(
-                    f"| {str(dtype)[6:]} | {batch} | {length} | {sdpa:.2f} | {explicit:.2f} | {explicit / sdpa:.2f} |"
+                    f"| {str(dtype)[6:]} | {batch} | {length} | {t['sdpa']:.2f} | {t['products']:.2f} | {c} | "
+                    f"{t['products'] / t['sdpa']:.2f} | {ratio} |"
                 )
 
 

@@ -102,9 +102,10 @@ def decode_attention(query, keys, values, scaling, valid: torch.Tensor | None = 
     head; with q > 1 (assisted decoding's drafted tokens) each query sees the keys up to itself.
 
     One query over `EXPLICIT_DECODE_FROM` keys or more on the CPU is computed explicitly (logits, float32 softmax,
-    probabilities times values), faster there than SDPA; in bfloat16 the logits and probabilities are then rounded
-    to bfloat16 as in transformers' eager attention. On a GPU one query over `GROUPED_DECODE_FROM` keys or
-    more takes SDPA over the unpacked heads (`grouped_decode`)."""
+    probabilities times values), faster there than SDPA: in float32 by the C of `native_selection.attend_rows`, in
+    0.53-0.85x the time of two matrix products (benchmarks/perf/decode_attention.py); in bfloat16 with the logits and
+    probabilities rounded to bfloat16 as in transformers' eager attention. On a GPU one query over
+    `GROUPED_DECODE_FROM` keys or more takes SDPA over the unpacked heads (`grouped_decode`)."""
     kv_heads, n, q_len = keys.shape[1], keys.shape[2], query.shape[2]
     mask = None if valid is None else valid.reshape(valid.shape[0], -1, 1, n)
     if q_len > 1:
@@ -114,6 +115,9 @@ def decode_attention(query, keys, values, scaling, valid: torch.Tensor | None = 
         mask = causal if mask is None else mask & causal
     on_cpu = keys.device.type == "cpu"
     if isinstance(scaling, SoftCapped) or (q_len == 1 and on_cpu and n >= EXPLICIT_DECODE_FROM):
+        native = native_selection.attend_rows(query, keys, values, scaling, valid) if q_len == 1 else None
+        if native is not None:
+            return native[0]
         output = _explicit_attention(pack_queries(query, kv_heads), keys, values, scaling, mask)
     elif q_len == 1 and not on_cpu and n >= GROUPED_DECODE_FROM:
         return grouped_decode(query, keys, values, scaling, mask)
@@ -136,8 +140,15 @@ def grouped_decode(query, keys, values, scaling, mask: torch.Tensor | None = Non
 def attend_with_probs(query, keys, values, scaling, valid: torch.Tensor | None = None):
     """One query token over a KV-head-sized cache, keeping the probabilities for methods that score with them.
 
-    Returns the attention output (as `decode_attention`) and the float32 probabilities (B, Hkv, G, n).
+    Returns the attention output (as `decode_attention`) and the float32 probabilities (B, Hkv, G, n): in float32 on
+    the CPU from the C of `native_selection.attend_rows`, elsewhere from `torch_attend_with_probs`.
     """
+    native = native_selection.attend_rows(query, keys, values, scaling, valid)
+    return torch_attend_with_probs(query, keys, values, scaling, valid) if native is None else native
+
+
+def torch_attend_with_probs(query, keys, values, scaling, valid: torch.Tensor | None = None):
+    """`attend_with_probs` in PyTorch's operators (the reference the C is tested against)."""
     probs = attention_probs(query, keys, scaling, valid)  # (B, Hkv, G, 1, n)
     batch, kv_heads, group, _, n = probs.shape
     probs = probs.view(batch, kv_heads, group, n)

@@ -163,7 +163,7 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     library.logits_rows.argtypes += [pointer, pointer, pointer, status]
     library.weigh_values_rows.argtypes = [pointer, pointer, BlockStrides, size, size, size, size, size, pointer]
     library.weigh_values_rows.argtypes += [pointer, status]
-    library.logits_rows.restype = library.weigh_values_rows.restype = None
+    library.logits_rows.restype, library.weigh_values_rows.restype = None, status
     quantized = [pointer, QuantizedCache, size, size, size, size, size]
     library.quantized_logits_rows.argtypes = [*quantized, ctypes.c_float, pointer, pointer, pointer, status]
     library.quantized_weigh_rows.argtypes = [*quantized, pointer, pointer, status]
@@ -354,14 +354,16 @@ def attend_rows(
     values: torch.Tensor,
     scaling: object,
     valid: torch.Tensor | None,
-    rows: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`attention_math.attend_with_probs` for the batch elements marked in `rows` ((B,) bool) only, their keys and
-    values (B, Hkv, n, D) read where they lie: the output (B, 1, Hq, D) and the float32 probabilities (B, Hkv, G, n),
-    whose unmarked rows hold nothing meaningful. Gathering the marked rows first would read and write them once more
-    than attending to them does. Eager float32 on the CPU, a plain float `scaling`, `valid` (bool, B x n elements)
-    or None; None where the C path is not available or a tensor lies otherwise."""
+    """`attention_math.attend_with_probs` for the batch elements marked in `rows` ((B,) bool; None: all) only, their
+    keys and values (B, Hkv, n, D) read where they lie: the output (B, 1, Hq, D) and the float32 probabilities (B, Hkv,
+    G, n), whose unmarked rows hold nothing meaningful. Gathering the marked rows first would read and write them once
+    more than attending to them does. Eager float32 on the CPU, a plain float `scaling`, `valid` (bool, B x n
+    elements) or None; None where the C path is not available or a tensor lies otherwise."""
     batch, kv_heads, n, dim = keys.shape
+    if rows is None:
+        rows = torch.ones(batch, dtype=torch.bool)
     fits = (
         keys.dtype == values.dtype == torch.float32
         and keys.shape == values.shape
@@ -392,7 +394,7 @@ def attend_rows(
     )
     probs = logits.softmax(dim=-1)  # PyTorch's softmax, as attention_probs; the unmarked rows' are never read
     output = torch.empty_like(packed)
-    _kernels().weigh_values_rows(
+    if _kernels().weigh_values_rows(
         probs.data_ptr(),
         values.data_ptr(),
         strides,
@@ -404,7 +406,8 @@ def attend_rows(
         marked.data_ptr(),
         output.data_ptr(),
         threads,
-    )
+    ):
+        raise MemoryError(f"attention: no scratch space for {batch} x {kv_heads} blocks")
     return output.reshape(batch, 1, kv_heads * group, dim), probs
 
 

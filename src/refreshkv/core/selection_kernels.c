@@ -7,7 +7,8 @@ Plain C11 with GCC/Clang builtins: it is compiled on the user's machine with the
 x86-64, GCC and Clang also make an AVX2 version of the loops over positions, which the loader picks where the CPU has
 AVX2 (nothing newer: no AVX-512 code, so that an AVX2 machine and one restricted to AVX2 run the same); the one
 intrinsic is SSE2's streaming store, which every x86-64 CPU has.
-`logits_rows` and `weigh_values_rows` are a full step's attention for some rows of a batch only, read where the rows
+`logits_rows` and `weigh_values_rows` are one query token's attention over a float32 cache (every such attention over
+1,024 keys or more on the CPU: core/attention_math.py), for some rows of a batch only where asked, read where the rows
 lie in the cache (a batch whose rows disagree at a query check: only the rows that refresh read all of C_f).
 `quantized_logits_rows`, `quantized_weigh_rows` and `dequantize_rows` are the same full step over a C_f held in codes:
 attention read from the codes, and the selected tokens alone dequantized into C_p.
@@ -393,12 +394,24 @@ static int64_t marked_blocks(const uint8_t *rows, int64_t batch, int64_t heads, 
     return count;
 }
 
+enum { LANES = 16 }; /* floats summed side by side in registers: two AVX2 vectors */
+
+/* a . b over dim floats (a multiple of LANES), summed in LANES lanes that stay in registers, then across them. */
+INLINE float lanes_dot(const float *a, const float *b, int64_t dim) {
+    float lanes[LANES] = {0.0f}, sum = 0.0f;
+    for (int64_t d = 0; d < dim; d += LANES)
+        for (int64_t l = 0; l < LANES; l++) lanes[l] += a[d + l] * b[d + l];
+#pragma omp simd reduction(+ : sum)
+    for (int64_t l = 0; l < LANES; l++) sum += lanes[l];
+    return sum;
+}
+
 /* A full step's logits for the batch elements marked in `rows` (batch bytes), the others not written: per (batch, KV
    head), each of its `group` query heads' query (`query`: batch x heads x group x dim, contiguous) against each of the
    first n keys (float32, their (batch, head) blocks `strides` apart, rows of dim values one after another), times
    `scale`, the lowest float where `valid` (batch x n bytes, or NULL) is 0, into `logits` (batch x heads x group x n):
-   attention_math.logits_of and the mask of attention_probs. In pieces of positions shared out between `threads`
-   threads. */
+   attention_math.logits_of and the mask of attention_probs, each product summed in LANES lanes where dim is a
+   multiple of LANES. In pieces of positions shared out between `threads` threads. */
 AVX2_CLONE void logits_rows(const float *query, const char *key_source, BlockStrides strides, int64_t batch,
                             int64_t heads, int64_t group, int64_t n, int64_t dim, float scale, const uint8_t *valid,
                             const uint8_t *rows, float *logits, int threads) {
@@ -414,56 +427,79 @@ AVX2_CLONE void logits_rows(const float *query, const char *key_source, BlockStr
         for (int64_t i = lo; i < hi; i++)
             for (int64_t g = 0; g < group; g++) {
                 float sum = 0.0f;
+                if (dim % LANES == 0)
+                    sum = lanes_dot(q + g * dim, keys + i * dim, dim);
+                else {
 #pragma omp simd reduction(+ : sum)
-                for (int64_t d = 0; d < dim; d++) sum += q[g * dim + d] * keys[i * dim + d];
+                    for (int64_t d = 0; d < dim; d++) sum += q[g * dim + d] * keys[i * dim + d];
+                }
                 out[g * n + i] = valid && !valid[b * n + i] ? -FLT_MAX : sum * scale;
             }
     }
 }
 
-enum { LANES = 16, SPAN = 256 }; /* LANES: the floats of a value row that one task sums (one 64-byte cache line);
-                                    SPAN: positions whose LANES stay in the L1 cache while each query head reads them */
+enum { WIDTH = 64 }; /* floats of a value row summed at once for two query heads: 16 AVX2 registers */
 
-/* Adds probs[i] x values[i * dim + d] for i in first .. last - 1 to sums[d], d < width, in that order: `sums` a local
-   array, so that the compiler keeps it in registers (through the loop of LANES, when width is that constant). */
-INLINE void add_weighted(float *sums, const float *probs, const float *values, int64_t dim, int64_t first,
-                         int64_t last, int64_t width) {
-    for (int64_t i = first; i < last; i++) {
-        float weight = probs[i];
-        for (int64_t d = 0; d < width; d++) sums[d] += weight * values[i * dim + d];
-    }
+/* Adds weights0[i] x values[i * dim + d] to sums0[d] and weights1[i] x the same to sums1[d] for i in first .. last - 1,
+   d < width, in that order: local arrays, so that the compiler keeps them in registers (through the loop of WIDTH,
+   when width is that constant); each value row is loaded once for both heads. */
+INLINE void add_weighted(float *sums0, float *sums1, const float *weights0, const float *weights1,
+                         const float *values, int64_t dim, int64_t first, int64_t last, int64_t width) {
+    for (int64_t i = first; i < last; i++)
+        for (int64_t d = 0; d < width; d++) {
+            sums0[d] += weights0[i] * values[i * dim + d];
+            sums1[d] += weights1[i] * values[i * dim + d];
+        }
 }
+
+enum { VALUE_SPAN = 512 }; /* positions whose weighted values one task sums (a fixed split, as GROUP_SPAN's below) */
 
 /* A full step's output for the batch elements marked in `rows`, the others not written: per (batch, KV head), each
    query head's probabilities (`probs`: batch x heads x group x n) times the first n values (float32, as the keys of
-   logits_rows), into `out` (batch x heads x group x dim): attention_math.weighted_values. In pieces of LANES floats of
-   the values shared out between `threads` threads; each sum runs over the positions in order. */
-AVX2_CLONE void weigh_values_rows(const float *probs, const char *value_source, BlockStrides strides, int64_t batch,
-                                  int64_t heads, int64_t group, int64_t n, int64_t dim, const uint8_t *rows,
-                                  float *out, int threads) {
+   logits_rows), into `out` (batch x heads x group x dim): attention_math.weighted_values. Each task sums a span of
+   VALUE_SPAN positions of one block, in order, into its own partial sums, whole value rows at a time (a row read in
+   pieces by several tasks was read at half the bandwidth); the spans are then added in order: the split does not
+   depend on `threads`. 0, or 1 without scratch space. */
+AVX2_CLONE int weigh_values_rows(const float *probs, const char *value_source, BlockStrides strides, int64_t batch,
+                                 int64_t heads, int64_t group, int64_t n, int64_t dim, const uint8_t *rows,
+                                 float *out, int threads) {
     int64_t marked[batch * heads], blocks = marked_blocks(rows, batch, heads, marked);
-    int64_t pieces = (dim + LANES - 1) / LANES;
+    int64_t spans = (n + VALUE_SPAN - 1) / VALUE_SPAN;
+    float *partials = malloc((size_t)(blocks * spans * group * dim + 1) * sizeof(float));
+    if (!partials) return 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t task = 0; task < blocks * pieces; task++) {
-        int64_t block = marked[task / pieces], b = block / heads, h = block % heads;
-        int64_t lo = task % pieces * LANES, width = lo + LANES < dim ? LANES : dim - lo;
-        const float *values = (const float *)(value_source + b * strides.value_batch + h * strides.value_head) + lo;
+    for (int64_t task = 0; task < blocks * spans; task++) {
+        int64_t block = marked[task / spans], b = block / heads, h = block % heads;
+        int64_t first = task % spans * VALUE_SPAN, last = first + VALUE_SPAN < n ? first + VALUE_SPAN : n;
+        const float *values = (const float *)(value_source + b * strides.value_batch + h * strides.value_head);
         const float *weights = probs + block * group * n;
-        float *sums = out + block * group * dim + lo;
-        for (int64_t g = 0; g < group; g++) memset(sums + g * dim, 0, width * sizeof(float));
-        for (int64_t first = 0; first < n; first += SPAN) {
-            int64_t last = first + SPAN < n ? first + SPAN : n;
-            for (int64_t g = 0; g < group; g++) {
-                float partial[LANES];
-                memcpy(partial, sums + g * dim, width * sizeof(float));
-                if (width == LANES)
-                    add_weighted(partial, weights + g * n, values, dim, first, last, LANES);
+        float *sums = partials + task * group * dim;
+        for (int64_t g = 0; g < group; g += 2) {
+            int64_t other = g + 1 < group ? g + 1 : g; /* an odd group's last head is summed twice, kept once */
+            for (int64_t lo = 0; lo < dim; lo += WIDTH) {
+                int64_t width = lo + WIDTH < dim ? WIDTH : dim - lo;
+                float sums0[WIDTH] = {0.0f}, sums1[WIDTH] = {0.0f};
+                if (width == WIDTH)
+                    add_weighted(sums0, sums1, weights + g * n, weights + other * n, values + lo, dim, first, last,
+                                 WIDTH);
                 else
-                    add_weighted(partial, weights + g * n, values, dim, first, last, width);
-                memcpy(sums + g * dim, partial, width * sizeof(float));
+                    add_weighted(sums0, sums1, weights + g * n, weights + other * n, values + lo, dim, first, last,
+                                 width);
+                memcpy(sums + g * dim + lo, sums0, width * sizeof(float));
+                memcpy(sums + other * dim + lo, sums1, width * sizeof(float));
             }
         }
     }
+    for (int64_t k = 0; k < blocks; k++) {
+        float *target = out + marked[k] * group * dim;
+        memcpy(target, partials + k * spans * group * dim, (size_t)(group * dim) * sizeof(float));
+        for (int64_t span = 1; span < spans; span++) {
+            const float *sums = partials + (k * spans + span) * group * dim;
+            for (int64_t e = 0; e < group * dim; e++) target[e] += sums[e];
+        }
+    }
+    free(partials);
+    return 0;
 }
 
 /* A C_f held in `bits` bits (core/quantized_store.py) as this file sees it: per (batch, KV head) block, `stored`
@@ -488,16 +524,6 @@ INLINE void decode_row(const uint8_t *row, int64_t dim, int64_t per_byte, int64_
         int shift = (int)(r * bits);
         for (int64_t d = 0; d < dim; d++) codes[r * dim + d] = (float)((row[d] >> shift) & mask);
     }
-}
-
-/* a . b over dim floats (a multiple of LANES), summed in LANES lanes that stay in registers, then across them. */
-INLINE float lanes_dot(const float *a, const float *b, int64_t dim) {
-    float lanes[LANES] = {0.0f}, sum = 0.0f;
-    for (int64_t d = 0; d < dim; d += LANES)
-        for (int64_t l = 0; l < LANES; l++) lanes[l] += a[d + l] * b[d + l];
-#pragma omp simd reduction(+ : sum)
-    for (int64_t l = 0; l < LANES; l++) sum += lanes[l];
-    return sum;
 }
 
 enum { GROUP_PIECE = 16 }; /* groups of positions of a block that one thread takes at a time (logits) */
