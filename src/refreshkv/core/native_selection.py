@@ -362,15 +362,17 @@ def attend_rows(
     more than attending to them does. Eager float32 on the CPU, a plain float `scaling`, `valid` (bool, B x n
     elements) or None; None where the C path is not available or a tensor lies otherwise."""
     batch, kv_heads, n, dim = keys.shape
-    if rows is None:
-        rows = torch.ones(batch, dtype=torch.bool)
     fits = (
         keys.dtype == values.dtype == torch.float32
         and keys.shape == values.shape
         and all(source.stride(3) == 1 and source.stride(2) == dim for source in (keys, values))
         and _on_cpu(keys, values)
+        and not torch.compiler.is_compiling()
     )
-    prepared = _one_query_rows(query, scaling, (batch, kv_heads, n, dim), valid, rows) if fits else None
+    if not fits:  # before `rows` is made: a GPU's or a compiled step gets no host tensor from this call
+        return None
+    every = torch.ones(batch, dtype=torch.bool) if rows is None else rows
+    prepared = _one_query_rows(query, scaling, (batch, kv_heads, n, dim), valid, every)
     if prepared is None:
         return None
     packed, marked, mask = prepared
