@@ -14,10 +14,10 @@ recycled-attention.txt §2.3, §6):
   (SmolLM2 multikey 16 of 30 against 11) at the same perplexity; carry 1 cost Gemma 3 270M 2.8% of perplexity at
   16K. `recycled` keeps 0: its fixed schedule was not measured with a carry of 0.5.
   And each token the question's window selected (the prompt's, or a conversation's latest question) scores at
-  least `question_floor` x its score there at every refresh until the next question (1 by default; the papers' 0):
-  an answer that lists several values keeps them all. Issue 47 (docs/results.md): SmolLM2 multivalue 0.46 against
-  0.41 of 40 (snapkv 0.46), Gemma 3 multikey at the oracle's 0.7, perplexity within noise (Gemma 16K 1.029 against
-  1.026). `recycled` keeps 0, as for the carry.
+  least `question_floor` x its score there at every refresh until the next question (1 by default; the papers' 0),
+  so that an answer listing several values can keep them. Issue 47 (docs/results.md): SmolLM2 multivalue 0.45
+  against 0.43 of 80 (within noise; snapkv 0.47), Gemma 3 multikey at the oracle's 0.7, perplexity within noise
+  (Gemma 16K 1.029 against 1.026). `recycled` keeps 0, as for the carry.
 C_f is read only at full steps, so it can be held in few bits or off the GPU (`full_cache`: dense, int8, int4, int2,
 offload; core/full_cache.py). Then a full step attends to the dequantized C_f and C_p is gathered from it; the
 prefill's selection uses the prompt's exact keys.
