@@ -336,6 +336,37 @@ def test_c_attends_to_the_marked_rows_where_they_lie_as_pytorch_does(threads, di
 
 
 @needs_compiler
+def test_c_attention_takes_a_mask_per_kv_head_and_runs_as_one_operator_when_compiled():
+    """An eviction store's empty slots differ between KV heads: the C masks each head's own, eagerly and as the
+    operator a compiled step calls, as PyTorch does."""
+    from refreshkv.core.attention_math import torch_attend_with_probs
+
+    generator = torch.Generator().manual_seed(9)
+    batch, kv_heads, group, slots, dim = 2, 3, 3, 1100, 64
+    keys = torch.randn(batch, kv_heads, slots, dim, generator=generator)
+    values = torch.randn(batch, kv_heads, slots, dim, generator=generator)
+    query = torch.randn(batch, kv_heads * group, 1, dim, generator=generator)
+    valid = torch.rand(batch, kv_heads, slots, generator=generator) > 0.3
+    expected_output, expected_probs = torch_attend_with_probs(query, keys, values, 0.125, valid)
+    output, probs = native_selection.attend_rows(query, keys, values, 0.125, valid)
+    torch.testing.assert_close(output, expected_output, rtol=0, atol=2e-6)
+    torch.testing.assert_close(probs, expected_probs, rtol=0, atol=1e-6)
+    assert probs[~valid.unsqueeze(2).expand_as(probs)].max() == 0  # each head's own empty slots get nothing
+
+    def step(query, keys, values, valid, length):  # a full cache: its buffers sliced to the tokens held
+        return native_selection.attend_rows(query, keys[:, :, :length], values[:, :, :length], 0.125, valid)
+
+    buffers = [torch.cat([t, torch.randn(batch, kv_heads, 50, dim, generator=generator)], 2) for t in (keys, values)]
+    compiled = torch.compile(step, fullgraph=True)
+    with torch.inference_mode():
+        output, probs = compiled(query, *buffers, valid, slots)
+        graph = torch._dynamo.explain(step)(query, *buffers, valid, slots)
+    torch.testing.assert_close(output, expected_output, rtol=0, atol=2e-6)
+    torch.testing.assert_close(probs, expected_probs, rtol=0, atol=1e-6)
+    assert "refreshkv.attend_rows" in str(graph.graphs[0].graph)
+
+
+@needs_compiler
 @pytest.mark.parametrize("carry", [0.0, 0.5])
 def test_c_refreshes_only_the_marked_rows_as_the_pytorch_rows_path_does(monkeypatch, carry):
     """Rows that disagree at a query check: the rows that refresh get the C's selection, carrying C_p as it was

@@ -200,8 +200,14 @@ class SlotStore(LayerState):
         """Write one token (keys/values of shape (B, H, 1, D)) into the per-head slots `slot` (B, H); `position` an
         int or a one-element tensor (a step replayed from a CUDA graph reads it from the device)."""
         index = slot.unsqueeze(-1)
-        for store, token in ((self.keys, keys), (self.values, values)):
-            as_bits(store).scatter_(2, index.unsqueeze(-1).expand_as(token), as_bits(token))
+        if torch.compiler.is_compiling():  # inductor writes an index_put in place; a scatter_ copied the whole store
+            rows = torch.arange(slot.shape[0], device=slot.device)[:, None]
+            heads = torch.arange(slot.shape[1], device=slot.device)[None, :]
+            for store, token in ((self.keys, keys), (self.values, values)):
+                store.index_put_((rows, heads, slot), token[:, :, 0])
+        else:
+            for store, token in ((self.keys, keys), (self.values, values)):
+                as_bits(store).scatter_(2, index.unsqueeze(-1).expand_as(token), as_bits(token))
         # a tensor either way: torch.compile takes it
         held = position.expand_as(index) if isinstance(position, torch.Tensor) else torch.full_like(index, position)
         self.positions.scatter_(2, index, held)

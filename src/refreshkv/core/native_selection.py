@@ -160,7 +160,7 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     for function in (library.top_k_in_order, library.gather_rows, library.refresh_partial):
         function.restype = status
     library.logits_rows.argtypes = [pointer, pointer, BlockStrides, size, size, size, size, size, ctypes.c_float]
-    library.logits_rows.argtypes += [pointer, pointer, pointer, status]
+    library.logits_rows.argtypes += [pointer, status, pointer, pointer, status]
     library.weigh_values_rows.argtypes = [pointer, pointer, BlockStrides, size, size, size, size, size, pointer]
     library.weigh_values_rows.argtypes += [pointer, status]
     library.logits_rows.restype, library.weigh_values_rows.restype = None, status
@@ -315,36 +315,46 @@ def refresh_partial(
     return fits
 
 
-def _one_query_rows(
-    query: torch.Tensor,
-    scaling: object,
-    shape: tuple[int, int, int, int],
-    valid: torch.Tensor | None,
-    rows: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """What the C attention of marked rows needs beside the cache of `shape` (B, Hkv, n, D): one float32 query token
-    (B, Hq, 1, D), a plain float `scaling`, `rows` (B,) bool and `valid` (bool, B x n elements) or None, eager on the
-    CPU. Returns the query packed per KV head (B, Hkv, G, D), the rows as bytes and the mask (B, n) or None, all
-    contiguous; None where they do not fit."""
+def _query_fits(
+    query: torch.Tensor, scaling: object, shape: tuple[int, int, int, int], valid: torch.Tensor | None, per_head: bool
+) -> bool:
+    """Whether the C attention takes this query and mask beside a cache of `shape` (B, Hkv, n, D): one float32 query
+    token (B, Hq, 1, D) on the CPU, a plain float `scaling`, `valid` bool with B x n elements (B x Hkv x n too where
+    the kernel takes a mask `per_head`) or None."""
     batch, kv_heads, n, dim = shape
-    fits = (
+    return (
         isinstance(scaling, float)
-        and not torch.compiler.is_compiling()
         and query.dim() == 4
         and query.shape[0] == batch
         and query.shape[2] == 1
         and query.shape[3] == dim
         and query.shape[1] % kv_heads == 0
         and query.dtype == torch.float32
-        and rows.dtype == torch.bool
-        and rows.shape == (batch,)
-        and (valid is None or (valid.dtype == torch.bool and valid.numel() == batch * n))
-        and _on_cpu(query, valid, rows)
+        and (
+            valid is None
+            or valid.dtype == torch.bool
+            and (valid.numel() == batch * n or per_head and valid.numel() == batch * kv_heads * n)
+        )
+        and _on_cpu(query, valid)
     )
-    if not fits:
-        return None
+
+
+def _rows_fit(rows: torch.Tensor | None, batch: int) -> bool:
+    """`rows` marks batch elements the C can read: None (all of them) or (B,) bool on the CPU."""
+    return rows is None or (rows.dtype == torch.bool and rows.shape == (batch,) and _on_cpu(rows))
+
+
+def _one_query_rows(
+    query: torch.Tensor,
+    shape: tuple[int, int, int, int],
+    valid: torch.Tensor | None,
+    rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """For a query, mask and rows that fit (`_query_fits`, `_rows_fit`): the query packed per KV head (B, Hkv, G, D),
+    `rows` as bytes and the mask (B, n) or (B, Hkv, n), or None, all contiguous."""
+    batch, kv_heads, n, dim = shape
     packed = query.reshape(batch, kv_heads, query.shape[1] // kv_heads, dim).contiguous()
-    mask = None if valid is None else valid.reshape(batch, n).contiguous()
+    mask = None if valid is None else valid.reshape(batch, -1, n).squeeze(1).contiguous()
     return packed, rows.to(torch.uint8).contiguous(), mask
 
 
@@ -359,23 +369,29 @@ def attend_rows(
     """`attention_math.attend_with_probs` for the batch elements marked in `rows` ((B,) bool; None: all) only, their
     keys and values (B, Hkv, n, D) read where they lie: the output (B, 1, Hq, D) and the float32 probabilities (B, Hkv,
     G, n), whose unmarked rows hold nothing meaningful. Gathering the marked rows first would read and write them once
-    more than attending to them does. Eager float32 on the CPU, a plain float `scaling`, `valid` (bool, B x n
-    elements) or None; None where the C path is not available or a tensor lies otherwise."""
+    more than attending to them does. Float32 on the CPU, a plain float `scaling`, `valid` (bool, B x n or B x Hkv x n
+    elements) or None; None where the C path is not available or a tensor lies otherwise. Under torch.compile every
+    row, as one operator (the compiler's own products and softmax took 3x its time at 8 rows)."""
     batch, kv_heads, n, dim = keys.shape
     fits = (
         keys.dtype == values.dtype == torch.float32
         and keys.shape == values.shape
         and all(source.stride(3) == 1 and source.stride(2) == dim for source in (keys, values))
         and _on_cpu(keys, values)
-        and not torch.compiler.is_compiling()
+        and _query_fits(query, scaling, (batch, kv_heads, n, dim), valid, per_head=True)
+        and _rows_fit(rows, batch)
     )
-    if not fits:  # before `rows` is made: a GPU's or a compiled step gets no host tensor from this call
+    if not fits:  # before `rows` is made: a GPU's step gets no host tensor from this call
         return None
+    if torch.compiler.is_compiling():
+        return None if rows is not None else _attend_operator(query, keys, values, scaling, valid)
+    return _attend(query, keys, values, scaling, valid, rows)
+
+
+def _attend(query, keys, values, scaling, valid, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, kv_heads, n, dim = keys.shape
     every = torch.ones(batch, dtype=torch.bool) if rows is None else rows
-    prepared = _one_query_rows(query, scaling, (batch, kv_heads, n, dim), valid, every)
-    if prepared is None:
-        return None
-    packed, marked, mask = prepared
+    packed, marked, mask = _one_query_rows(query, (batch, kv_heads, n, dim), valid, every)
     group = packed.shape[2]
     strides, threads = BlockStrides.of(keys, values), torch.get_num_threads()
     logits = torch.empty(batch, kv_heads, group, n)
@@ -390,6 +406,7 @@ def attend_rows(
         dim,
         scaling,
         None if mask is None else mask.data_ptr(),
+        int(mask is not None and mask.dim() == 3),
         marked.data_ptr(),
         logits.data_ptr(),
         threads,
@@ -462,12 +479,14 @@ def attend_quantized_rows(
         and key_scales.shape == key_minimums.shape == (batch, kv_heads, stored, 1, dim)
         and value_scales.shape == value_minimums.shape == (batch, kv_heads, stored * quant, dim // quant, 1)
         and _on_cpu(key_codes)
+        and not torch.compiler.is_compiling()
+        and _query_fits(query, scaling, (batch, kv_heads, n, dim), valid, per_head=False)
+        and _rows_fit(rows, batch)
     )
-    prepared = _one_query_rows(query, scaling, (batch, kv_heads, n, dim), valid, rows) if fits else None
-    if prepared is None:
+    if not fits:
         return None
-    assert isinstance(scaling, float)  # checked by _one_query_rows
-    packed, marked, mask = prepared
+    assert isinstance(scaling, float)  # checked by _query_fits
+    packed, marked, mask = _one_query_rows(query, (batch, kv_heads, n, dim), valid, rows)
     members = packed.shape[2]
     cache = QuantizedCache.of(key_parts, value_parts, groups, bits)
     threads, quantized = torch.get_num_threads(), groups * quant
@@ -731,4 +750,22 @@ _refresh_operator = _operator(
     "Tensor values, Tensor(a!) key_out, Tensor(b!) value_out, Tensor(c!) positions, Tensor(d!) scores, "
     "float carry, float carried_below, Tensor? floor_positions, Tensor? floor_scores, float floor_share) -> ()",
     lambda *arguments: None,
+)
+
+
+def _attend_where_rows_lie(query, keys, values, scaling, valid):
+    """`_attend` with each key and value row whole, as they lie where they are (a cache sliced to its length: blocks
+    apart), copied only where the compiler laid them out otherwise."""
+    keys, values = ((t if t.stride(3) == 1 and t.stride(2) == t.shape[3] else t.contiguous()) for t in (keys, values))
+    return _attend(query, keys, values, scaling, valid)
+
+
+_attend_operator = _operator(
+    "attend_rows",
+    _attend_where_rows_lie,
+    "(Tensor query, Tensor keys, Tensor values, float scaling, Tensor? valid) -> (Tensor, Tensor)",
+    lambda query, keys, values, scaling, valid: (
+        query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3]),
+        query.new_empty(*keys.shape[:2], query.shape[1] // keys.shape[1], keys.shape[2]),
+    ),
 )

@@ -409,12 +409,13 @@ INLINE float lanes_dot(const float *a, const float *b, int64_t dim) {
 /* A full step's logits for the batch elements marked in `rows` (batch bytes), the others not written: per (batch, KV
    head), each of its `group` query heads' query (`query`: batch x heads x group x dim, contiguous) against each of the
    first n keys (float32, their (batch, head) blocks `strides` apart, rows of dim values one after another), times
-   `scale`, the lowest float where `valid` (batch x n bytes, or NULL) is 0, into `logits` (batch x heads x group x n):
+   `scale`, the lowest float where `valid` (batch x n bytes, batch x heads x n with `valid_per_head`, or NULL) is 0,
+   into `logits` (batch x heads x group x n):
    attention_math.logits_of and the mask of attention_probs, each product summed in LANES lanes where dim is a
    multiple of LANES. In pieces of positions shared out between `threads` threads. */
 AVX2_CLONE void logits_rows(const float *query, const char *key_source, BlockStrides strides, int64_t batch,
                             int64_t heads, int64_t group, int64_t n, int64_t dim, float scale, const uint8_t *valid,
-                            const uint8_t *rows, float *logits, int threads) {
+                            int valid_per_head, const uint8_t *rows, float *logits, int threads) {
     int64_t marked[batch * heads], blocks = marked_blocks(rows, batch, heads, marked);
     int64_t pieces = (n + PIECE - 1) / PIECE;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -423,6 +424,7 @@ AVX2_CLONE void logits_rows(const float *query, const char *key_source, BlockStr
         int64_t lo = task % pieces * PIECE, hi = lo + PIECE < n ? lo + PIECE : n;
         const float *keys = (const float *)(key_source + b * strides.key_batch + h * strides.key_head);
         const float *q = query + block * group * dim;
+        const uint8_t *kept = valid ? valid + (valid_per_head ? block : b) * n : NULL;
         float *out = logits + block * group * n;
         for (int64_t i = lo; i < hi; i++)
             for (int64_t g = 0; g < group; g++) {
@@ -433,7 +435,7 @@ AVX2_CLONE void logits_rows(const float *query, const char *key_source, BlockStr
 #pragma omp simd reduction(+ : sum)
                     for (int64_t d = 0; d < dim; d++) sum += q[g * dim + d] * keys[i * dim + d];
                 }
-                out[g * n + i] = valid && !valid[b * n + i] ? -FLT_MAX : sum * scale;
+                out[g * n + i] = kept && !kept[i] ? -FLT_MAX : sum * scale;
             }
     }
 }

@@ -10,7 +10,11 @@ compiles each with fullgraph and compares it with eager):
 - a schedule's test on the step count (`recycled`'s stride, `refreshkv`'s QC steps) is a branch, which dynamo turns
   into a guard: each side is its own graph, picked on the host without reading the device;
 - statistics are accumulated in device tensors (engine/cache.py `DecodeStats`), scalars written into tensors are
-  tensors, and `refreshkv`'s per-row decision at QC steps is applied with `torch.where` instead of read on the host.
+  tensors, and `refreshkv`'s per-row decision at QC steps is applied with `torch.where` instead of read on the host;
+- on the CPU, one query's float32 attention (core/native_selection.py `attend_rows`) and the packed weights'
+  products (packed_linear.py) are operators of their own, which the compiler calls as they are: its own products
+  and softmax over an eviction store took 3x the C's time at 8 rows; an eviction store's new token is written by
+  `index_put_`, which the compiler writes in place, where a `scatter_` made it copy the whole store every step.
 A step at which a method decides from device values (`Policy.decides_on_host`: `refreshkv`'s QC steps) runs eagerly
 where reading them costs nothing (`HOST_READS_FREE`: the CPU), so that it computes only the path each layer takes:
 compiled, a QC step computes the partial and the full path at every layer (2-3x `full`'s step on the CPU).

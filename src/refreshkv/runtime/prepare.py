@@ -48,7 +48,7 @@ def check_runtime(
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but no CUDA GPU is available")
     check_weight_layout(weight_layout)
-    if weight_layout == "packed" and (problem := packing_problem(device, DTYPES[dtype], compile)) is not None:
+    if weight_layout == "packed" and (problem := packing_problem(device, DTYPES[dtype])) is not None:
         raise ValueError(problem)
     if threads is not None and not 1 <= threads <= usable_cores():
         raise ValueError(f"threads must be 1 to {usable_cores()} (the CPU cores this process may use), got {threads}")
