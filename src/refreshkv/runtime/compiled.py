@@ -20,7 +20,7 @@ where reading them costs nothing (`HOST_READS_FREE`: the CPU), so that it comput
 compiled, a QC step computes the partial and the full path at every layer (2-3x `full`'s step on the CPU).
 Each new graph (the first steps, the first full step of a schedule) costs a compilation: on the embedded model with 2
 CPU threads about 1 minute for `full` and 4-6 for `recycled`, for a step 0-22% faster than eager depending on the
-dtype and the run (docs/benchmark.md).
+dtype, the weight layout and the run (9-17% with packed weights at 8K; docs/benchmark.md).
 """
 
 from __future__ import annotations
