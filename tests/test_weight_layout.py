@@ -163,8 +163,9 @@ def test_packing_problems_are_named(device, dtype, message):
     assert packing_problem("cpu", torch.float32) is None
 
 
-def test_packed_layout_compiles_to_the_eager_tokens():
-    model = tiny_model("llama", layers=2, tie_word_embeddings=True)
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_packed_layout_compiles_to_the_eager_tokens(family):
+    model = tiny_model(family, layers=2, tie_word_embeddings=True)
     weight_layout.set_weight_layout(model, "packed")
     ids = random_prompt(30, batch=2)
     runs = [
