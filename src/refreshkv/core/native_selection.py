@@ -202,6 +202,11 @@ def spread_over_words(scores: torch.Tensor, words: torch.Tensor) -> torch.Tensor
     return _spread_operator(scores, words) if torch.compiler.is_compiling() else _spread(scores, words)
 
 
+def _rows_whole(source: torch.Tensor) -> bool:
+    """Each token's row of a (B, H, n, D) cache lies whole, one after another: the C reads (B, H) blocks apart."""
+    return source.stride(3) == 1 and source.stride(2) == source.shape[3]
+
+
 def _token_rows_fit(batch: int, heads: int, k: int, keys, values, key_out, value_out) -> bool:
     """Keys and values (batch, heads, n, D) of one type and shape have rows of D elements one after another, and the
     outs hold k or more slots of them per (batch, head), contiguous, of that type: what the C gathers copy between."""
@@ -210,7 +215,7 @@ def _token_rows_fit(batch: int, heads: int, k: int, keys, values, key_out, value
         and keys.shape[:2] == (batch, heads)
         and keys.shape == values.shape
         and keys.dtype == values.dtype
-        and all(source.stride(3) == 1 and source.stride(2) == source.shape[3] for source in (keys, values))
+        and all(_rows_whole(source) for source in (keys, values))
         and all(
             out.dtype == keys.dtype
             and out.shape[:2] == (batch, heads)
@@ -376,7 +381,7 @@ def attend_rows(
     fits = (
         keys.dtype == values.dtype == torch.float32
         and keys.shape == values.shape
-        and all(source.stride(3) == 1 and source.stride(2) == dim for source in (keys, values))
+        and all(_rows_whole(source) for source in (keys, values))
         and _on_cpu(keys, values)
         and _query_fits(query, scaling, (batch, kv_heads, n, dim), valid, per_head=True)
         and _rows_fit(rows, batch)
@@ -756,7 +761,7 @@ _refresh_operator = _operator(
 def _attend_where_rows_lie(query, keys, values, scaling, valid):
     """`_attend` with each key and value row whole, as they lie where they are (a cache sliced to its length: blocks
     apart), copied only where the compiler laid them out otherwise."""
-    keys, values = ((t if t.stride(3) == 1 and t.stride(2) == t.shape[3] else t.contiguous()) for t in (keys, values))
+    keys, values = (source if _rows_whole(source) else source.contiguous() for source in (keys, values))
     return _attend(query, keys, values, scaling, valid)
 
 
