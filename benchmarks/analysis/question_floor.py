@@ -47,6 +47,19 @@ SCORES += [
         [("smollm2-wider-multivalue.jsonl", "full", {}), (SEED1_FLOOR[0], "full", {})],
     )
 ]
+# seed 2's 40 examples: the default beside full, the oracle and snapkv; then seeds 0-2 pooled
+SEED2: Source = ("smollm2-multivalue-seed2.jsonl", "refreshkv", {})
+SCORES += [
+    ("SmolLM2 multivalue, seed 2", [SEED2], [(SEED2[0], method, {})]) for method in ("snapkv", "oracle", "full")
+]
+SCORES += [
+    (
+        "SmolLM2 multivalue, seeds 0-2",
+        [("smollm2-wider-multivalue-qf1.jsonl", None, {}), SEED1_FLOOR, SEED2],
+        [("smollm2-wider-multivalue.jsonl", method, {}), (SEED1_FLOOR[0], method, {}), (SEED2[0], method, {})],
+    )
+    for method in ("snapkv", "full")
+]
 SCORES += [
     ("SmolLM2 multikey", [("smollm2-qf1.jsonl", None, {})], [("smollm2-wider-multikey.jsonl", m, {})])
     for m in ("refreshkv", "snapkv")
