@@ -306,13 +306,17 @@ def test_a_refresh_carries_the_held_scores_in_c_as_in_pytorch(monkeypatch, carry
 
 
 @needs_compiler
-# dim: products in 16 lanes (16, 64, 80) or one after another (40); value rows summed 64 floats at a time (64), in
-# part (16, 40) or both (80); an odd group sums its last head beside itself
-@pytest.mark.parametrize("dim, group", [(16, 3), (40, 3), (64, 3), (80, 2)])
-def test_c_attends_to_the_marked_rows_where_they_lie_as_pytorch_does(threads, dim, group):
+# dim: products in 16 lanes (16, 64, 80, 128) or one after another (40); value rows summed 64 floats at a time (64,
+# 128), in part (16, 40) or both (80); an odd group sums its last head beside itself. With `wide` on an AVX-512 CPU:
+# products 16 keys at a time (dims but 40), value rows for 4 query heads at a time (64; 128 with a last set of one)
+@pytest.mark.parametrize("dim, group", [(16, 3), (40, 3), (64, 3), (80, 2), (128, 5)])
+@pytest.mark.parametrize("wide", [0, 1])
+def test_c_attends_to_the_marked_rows_where_they_lie_as_pytorch_does(threads, monkeypatch, dim, group, wide):
     """A full step for some rows of a batch (those that refresh), read from a strided C_f with a padded row, in more
-    than one piece of positions: the marked rows' output and probabilities are PyTorch's."""
+    than one piece of positions, the last a partial tile: the marked rows' output and probabilities are PyTorch's."""
     from refreshkv.core.attention_math import SoftCapped, torch_attend_with_probs
+
+    monkeypatch.setattr(native_selection, "_wide", lambda: wide)
 
     generator = torch.Generator().manual_seed(7)
     batch, kv_heads, length = 3, 2, 2100

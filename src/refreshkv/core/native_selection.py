@@ -160,9 +160,9 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     for function in (library.top_k_in_order, library.gather_rows, library.refresh_partial):
         function.restype = status
     library.logits_rows.argtypes = [pointer, pointer, BlockStrides, size, size, size, size, size, ctypes.c_float]
-    library.logits_rows.argtypes += [pointer, status, pointer, pointer, status]
+    library.logits_rows.argtypes += [pointer, status, pointer, pointer, status, status]
     library.weigh_values_rows.argtypes = [pointer, pointer, BlockStrides, size, size, size, size, size, pointer]
-    library.weigh_values_rows.argtypes += [pointer, status]
+    library.weigh_values_rows.argtypes += [pointer, status, status]
     library.logits_rows.restype, library.weigh_values_rows.restype = None, status
     quantized = [pointer, QuantizedCache, size, size, size, size, size]
     library.quantized_logits_rows.argtypes = [*quantized, ctypes.c_float, pointer, pointer, pointer, status]
@@ -178,6 +178,13 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
 def _available() -> bool:
     """The C path is on and built. Under torch.compile it is read once, while tracing: a constant of the graph."""
     return os.environ.get("REFRESHKV_NATIVE", "1") != "0" and _library() is not None
+
+
+@functools.cache
+def _wide() -> int:
+    """1 where the attention's C may run its AVX-512 loops: PyTorch's own kernels are AVX-512 here (not where
+    ATEN_CPU_CAPABILITY restricts them to AVX2, so that such a run computes as an AVX2 machine does)."""
+    return int(torch.backends.cpu.get_cpu_capability() == "AVX512")
 
 
 def _on_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -398,7 +405,7 @@ def _attend(query, keys, values, scaling, valid, rows=None) -> tuple[torch.Tenso
     every = torch.ones(batch, dtype=torch.bool) if rows is None else rows
     packed, marked, mask = _one_query_rows(query, (batch, kv_heads, n, dim), valid, every)
     group = packed.shape[2]
-    strides, threads = BlockStrides.of(keys, values), torch.get_num_threads()
+    strides, threads, wide = BlockStrides.of(keys, values), torch.get_num_threads(), _wide()
     logits = torch.empty(batch, kv_heads, group, n)
     _kernels().logits_rows(
         packed.data_ptr(),
@@ -414,6 +421,7 @@ def _attend(query, keys, values, scaling, valid, rows=None) -> tuple[torch.Tenso
         int(mask is not None and mask.dim() == 3),
         marked.data_ptr(),
         logits.data_ptr(),
+        wide,
         threads,
     )
     probs = logits.softmax(dim=-1)  # PyTorch's softmax, as attention_probs; the unmarked rows' are never read
@@ -429,6 +437,7 @@ def _attend(query, keys, values, scaling, valid, rows=None) -> tuple[torch.Tenso
         dim,
         marked.data_ptr(),
         output.data_ptr(),
+        wide,
         threads,
     ):
         raise MemoryError(f"attention: no scratch space for {batch} x {kv_heads} blocks")

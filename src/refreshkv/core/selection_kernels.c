@@ -5,7 +5,8 @@ copy rows of any type. Each computes exactly what the PyTorch reference computes
 core/kvstore.py, methods/refreshkv.py; tests/test_native_selection.py compares them).
 Plain C11 with GCC/Clang builtins: it is compiled on the user's machine with the baseline flags of its C compiler. On
 x86-64, GCC and Clang also make an AVX2 version of the loops over positions, which the loader picks where the CPU has
-AVX2 (nothing newer: no AVX-512 code, so that an AVX2 machine and one restricted to AVX2 run the same); the one
+AVX2; one loop has AVX-512 code of its own (`wide_logits`), which runs only where the caller asks for it (the loader
+asks where PyTorch's own kernels are AVX-512: a machine restricted to AVX2 runs as an AVX2 one). Besides it the one
 intrinsic is SSE2's streaming store, which every x86-64 CPU has.
 `logits_rows` and `weigh_values_rows` are one query token's attention over a float32 cache (every such attention over
 1,024 keys or more on the CPU: core/attention_math.py), for some rows of a batch only where asked, read where the rows
@@ -23,6 +24,10 @@ rows, pieces of slots; each piece is computed as one thread would, so the result
 #include <string.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
+#endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define WIDE __attribute__((target("avx512f")))
 #endif
 #if defined(_OPENMP)
 #include <omp.h>
@@ -406,18 +411,90 @@ INLINE float lanes_dot(const float *a, const float *b, int64_t dim) {
     return sum;
 }
 
+#if defined(WIDE)
+enum { TILE = 16 }; /* keys whose products one AVX-512 pass sums */
+
+/* Lane t of the result: the sum of v[t]'s 16 lanes, in a fixed tree (the same for every t). */
+WIDE static inline __m512 lane_sums(const __m512 v[TILE]) {
+    __m512 halves[8], quarters[4], eighths[2];
+    for (int i = 0; i < 8; i++) /* 128-bit quarters 0+2 and 1+3 of v[2i], then of v[2i+1] */
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                                  _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* quarter j: what is left of v[4i + j] */
+        quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
+                                    _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* in quarter j, two floats of v[8i + j], two of v[8i + 4 + j] */
+        eighths[i] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0x44),
+                                   _mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0xEE));
+    /* lane 4j + k: the sum of v[4k + j] */
+    __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(eighths[0], eighths[1], 0x88),
+                                _mm512_shuffle_ps(eighths[0], eighths[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
+
+/* `logits_piece` in AVX-512, dim a multiple of 16: per query head, the products with TILE keys at once, each in its
+   own register (summed over the chunks of 16 of dim in order, then across lanes in `lane_sums`'s tree); a last,
+   partial tile reads its last key again for the missing ones and stores only its own. Each key's logit is computed
+   the same way wherever it falls. The keys AHEAD of the tile are asked for from memory (as the gathers' rows): without,
+   a thread read them at half the speed of a plain sum. */
+WIDE static void wide_logits(const float *q, const float *keys, int64_t group, int64_t n, int64_t dim, int64_t lo,
+                             int64_t hi, float scale, const uint8_t *kept, float *out) {
+    for (int64_t i = lo; i < hi; i += TILE) {
+        int64_t count = hi - i < TILE ? hi - i : TILE;
+        const float *row[TILE];
+        for (int t = 0; t < TILE; t++) row[t] = keys + (i + (t < count ? t : count - 1)) * dim;
+        for (int64_t e = 0; i + AHEAD < hi && e < TILE * dim; e += 16) __builtin_prefetch(keys + (i + AHEAD) * dim + e);
+        for (int64_t g = 0; g < group; g++) {
+            __m512 v[TILE];
+            for (int t = 0; t < TILE; t++) v[t] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < dim; d += 16) {
+                __m512 chunk = _mm512_loadu_ps(q + g * dim + d);
+                for (int t = 0; t < TILE; t++) v[t] = _mm512_fmadd_ps(chunk, _mm512_loadu_ps(row[t] + d), v[t]);
+            }
+            __m512 logits = _mm512_mul_ps(lane_sums(v), _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(out + g * n + i, (__mmask16)((1u << count) - 1), logits);
+            for (int64_t t = 0; kept && t < count; t++)
+                if (!kept[i + t]) out[g * n + i + t] = -FLT_MAX;
+        }
+    }
+}
+#endif
+
+/* Keys lo .. hi - 1 of one (batch, head) block (`keys`, rows of dim) against its `group` query heads (`q`: group x
+   dim), times `scale`, the lowest float where `kept` (n bytes or NULL) is 0, into `out` (group x n). */
+INLINE void logits_piece(const float *q, const float *keys, int64_t group, int64_t n, int64_t dim, int64_t lo,
+                         int64_t hi, float scale, const uint8_t *kept, float *out) {
+    for (int64_t i = lo; i < hi; i++)
+        for (int64_t g = 0; g < group; g++) {
+            float sum = 0.0f;
+            if (dim % LANES == 0)
+                sum = lanes_dot(q + g * dim, keys + i * dim, dim);
+            else {
+#pragma omp simd reduction(+ : sum)
+                for (int64_t d = 0; d < dim; d++) sum += q[g * dim + d] * keys[i * dim + d];
+            }
+            out[g * n + i] = kept && !kept[i] ? -FLT_MAX : sum * scale;
+        }
+}
+
 /* A full step's logits for the batch elements marked in `rows` (batch bytes), the others not written: per (batch, KV
    head), each of its `group` query heads' query (`query`: batch x heads x group x dim, contiguous) against each of the
    first n keys (float32, their (batch, head) blocks `strides` apart, rows of dim values one after another), times
    `scale`, the lowest float where `valid` (batch x n bytes, batch x heads x n with `valid_per_head`, or NULL) is 0,
    into `logits` (batch x heads x group x n):
    attention_math.logits_of and the mask of attention_probs, each product summed in LANES lanes where dim is a
-   multiple of LANES. In pieces of positions shared out between `threads` threads. */
+   multiple of LANES, or with `wide` (the caller's word that AVX-512 may run) and dim a multiple of 16 on a CPU with
+   AVX-512, by `wide_logits`. In pieces of positions shared out between `threads` threads. */
 AVX2_CLONE void logits_rows(const float *query, const char *key_source, BlockStrides strides, int64_t batch,
                             int64_t heads, int64_t group, int64_t n, int64_t dim, float scale, const uint8_t *valid,
-                            int valid_per_head, const uint8_t *rows, float *logits, int threads) {
+                            int valid_per_head, const uint8_t *rows, float *logits, int wide, int threads) {
     int64_t marked[batch * heads], blocks = marked_blocks(rows, batch, heads, marked);
     int64_t pieces = (n + PIECE - 1) / PIECE;
+#if defined(WIDE)
+    wide = wide && dim % 16 == 0 && __builtin_cpu_supports("avx512f");
+#else
+    wide = 0;
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t task = 0; task < blocks * pieces; task++) {
         int64_t block = marked[task / pieces], b = block / heads, h = block % heads;
@@ -426,17 +503,13 @@ AVX2_CLONE void logits_rows(const float *query, const char *key_source, BlockStr
         const float *q = query + block * group * dim;
         const uint8_t *kept = valid ? valid + (valid_per_head ? block : b) * n : NULL;
         float *out = logits + block * group * n;
-        for (int64_t i = lo; i < hi; i++)
-            for (int64_t g = 0; g < group; g++) {
-                float sum = 0.0f;
-                if (dim % LANES == 0)
-                    sum = lanes_dot(q + g * dim, keys + i * dim, dim);
-                else {
-#pragma omp simd reduction(+ : sum)
-                    for (int64_t d = 0; d < dim; d++) sum += q[g * dim + d] * keys[i * dim + d];
-                }
-                out[g * n + i] = kept && !kept[i] ? -FLT_MAX : sum * scale;
-            }
+#if defined(WIDE)
+        if (wide) {
+            wide_logits(q, keys, group, n, dim, lo, hi, scale, kept, out);
+            continue;
+        }
+#endif
+        logits_piece(q, keys, group, n, dim, lo, hi, scale, kept, out);
     }
 }
 
@@ -456,19 +529,57 @@ INLINE void add_weighted(float *sums0, float *sums1, const float *weights0, cons
 
 enum { VALUE_SPAN = 512 }; /* positions whose weighted values one task sums (a fixed split, as GROUP_SPAN's below) */
 
+#if defined(WIDE)
+enum { HEADS_AT_ONCE = 4 }; /* query heads whose sums one AVX-512 pass keeps in registers, 64 floats each */
+
+/* The sums of one span (`first` .. last - 1) in AVX-512, dim a multiple of 64: for HEADS_AT_ONCE query heads at a
+   time (a last, smaller set repeats its last head's weights and stores only its own), each 64 floats of the value
+   rows in 4 registers per head, rows in order; the rows AHEAD asked for from memory. */
+WIDE static void wide_weighted(const float *weights, const float *values, int64_t group, int64_t n, int64_t dim,
+                               int64_t first, int64_t last, float *sums) {
+    for (int64_t g = 0; g < group; g += HEADS_AT_ONCE) {
+        int64_t count = group - g < HEADS_AT_ONCE ? group - g : HEADS_AT_ONCE;
+        const float *weight[HEADS_AT_ONCE];
+        for (int k = 0; k < HEADS_AT_ONCE; k++) weight[k] = weights + (g + (k < count ? k : count - 1)) * n;
+        for (int64_t lo = 0; lo < dim; lo += 64) {
+            __m512 sum[HEADS_AT_ONCE][4];
+            for (int k = 0; k < HEADS_AT_ONCE; k++)
+                for (int c = 0; c < 4; c++) sum[k][c] = _mm512_setzero_ps();
+            for (int64_t i = first; i < last; i++) {
+                const float *row = values + i * dim + lo;
+                for (int c = 0; i + AHEAD < last && c < 4; c++) __builtin_prefetch(row + AHEAD * dim + 16 * c);
+                for (int c = 0; c < 4; c++) {
+                    __m512 chunk = _mm512_loadu_ps(row + 16 * c);
+                    for (int k = 0; k < HEADS_AT_ONCE; k++)
+                        sum[k][c] = _mm512_fmadd_ps(_mm512_set1_ps(weight[k][i]), chunk, sum[k][c]);
+                }
+            }
+            for (int k = 0; k < count; k++)
+                for (int c = 0; c < 4; c++) _mm512_storeu_ps(sums + (g + k) * dim + lo + 16 * c, sum[k][c]);
+        }
+    }
+}
+#endif
+
 /* A full step's output for the batch elements marked in `rows`, the others not written: per (batch, KV head), each
    query head's probabilities (`probs`: batch x heads x group x n) times the first n values (float32, as the keys of
    logits_rows), into `out` (batch x heads x group x dim): attention_math.weighted_values. Each task sums a span of
    VALUE_SPAN positions of one block, in order, into its own partial sums, whole value rows at a time (a row read in
-   pieces by several tasks was read at half the bandwidth); the spans are then added in order: the split does not
-   depend on `threads`. 0, or 1 without scratch space. */
+   pieces by several tasks was read at half the bandwidth), with `wide` and dim a multiple of 64 on a CPU with
+   AVX-512 by `wide_weighted`; the spans are then added in order: the split does not depend on `threads`. 0, or 1
+   without scratch space. */
 AVX2_CLONE int weigh_values_rows(const float *probs, const char *value_source, BlockStrides strides, int64_t batch,
                                  int64_t heads, int64_t group, int64_t n, int64_t dim, const uint8_t *rows,
-                                 float *out, int threads) {
+                                 float *out, int wide, int threads) {
     int64_t marked[batch * heads], blocks = marked_blocks(rows, batch, heads, marked);
     int64_t spans = (n + VALUE_SPAN - 1) / VALUE_SPAN;
     float *partials = malloc((size_t)(blocks * spans * group * dim + 1) * sizeof(float));
     if (!partials) return 1;
+#if defined(WIDE)
+    wide = wide && dim % 64 == 0 && __builtin_cpu_supports("avx512f");
+#else
+    wide = 0;
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t task = 0; task < blocks * spans; task++) {
         int64_t block = marked[task / spans], b = block / heads, h = block % heads;
@@ -476,6 +587,12 @@ AVX2_CLONE int weigh_values_rows(const float *probs, const char *value_source, B
         const float *values = (const float *)(value_source + b * strides.value_batch + h * strides.value_head);
         const float *weights = probs + block * group * n;
         float *sums = partials + task * group * dim;
+#if defined(WIDE)
+        if (wide) {
+            wide_weighted(weights, values, group, n, dim, first, last, sums);
+            continue;
+        }
+#endif
         for (int64_t g = 0; g < group; g += 2) {
             int64_t other = g + 1 < group ? g + 1 : g; /* an odd group's last head is summed twice, kept once */
             for (int64_t lo = 0; lo < dim; lo += WIDTH) {
