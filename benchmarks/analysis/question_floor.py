@@ -49,9 +49,7 @@ SCORES += [
 ]
 # seed 2's 40 examples: the default beside full, the oracle and snapkv; then seeds 0-2 pooled
 SEED2: Source = ("smollm2-multivalue-seed2.jsonl", "refreshkv", {})
-SCORES += [
-    ("SmolLM2 multivalue, seed 2", [SEED2], [(SEED2[0], method, {})]) for method in ("snapkv", "oracle", "full")
-]
+SCORES += [("SmolLM2 multivalue, seed 2", [SEED2], [(SEED2[0], method, {})]) for method in ("snapkv", "oracle", "full")]
 SCORES += [
     (
         "SmolLM2 multivalue, seeds 0-2",
