@@ -1,8 +1,9 @@
 """One decode query over a long KV cache on the CPU: SDPA's kernel against the explicit paths of
 `decode_attention` (two products and a float32 softmax; in float32 also the C of `native_selection.attend_rows`,
-which `decode_attention` takes there), per cache length, dtype and batch, for the embedded model's shapes (9 query
-heads, 3 KV heads, head_dim 64) and 30 layers' worth of distinct caches (so that no cache stays in the CPU's caches
-between calls). Where the explicit path wins sets `EXPLICIT_DECODE_FROM`.
+which `decode_attention` takes there, with and without its AVX-512 loops, and a plain read of the same keys and
+values: what the memory allows), per cache length, dtype and batch, for the embedded model's shapes (9 query heads, 3
+KV heads, head_dim 64) and 30 layers' worth of distinct caches (so that no cache stays in the CPU's caches between
+calls). Where the explicit path wins sets `EXPLICIT_DECODE_FROM`.
 
     python benchmarks/perf/decode_attention.py --threads 2
 """
@@ -50,7 +51,19 @@ def compare(length: int, dtype: torch.dtype, batch: int) -> dict[str, float]:
         for keys, values in caches:
             native_selection.attend_rows(query, keys, values, HEAD_DIM**-0.5, None)
 
-    paths = {"sdpa": sdpa, "products": products, **({"c": c} if dtype == torch.float32 else {})}
+    def narrow_c():
+        wide, native_selection._wide = native_selection._wide, lambda: 0
+        c()
+        native_selection._wide = wide
+
+    def read():
+        for keys, values in caches:
+            keys.sum()
+            values.sum()
+
+    paths = {"sdpa": sdpa, "products": products}
+    if dtype == torch.float32:
+        paths.update({"narrow c": narrow_c, "c": c, "read": read})
     times: dict[str, float] = {}
     for _ in range(2):  # alternate the paths, twice
         for name, run in paths.items():
@@ -65,18 +78,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     facts = cpu_facts()
     print(f"{facts['cpu']} (bf16 instructions: {facts['cpu_bf16']}), {args.threads} threads, {LAYERS} layers")
-    print("| dtype | batch | keys | SDPA ms | two products ms | C ms | products / SDPA | C / products |")
+    print("| dtype | batch | keys | SDPA ms | two products ms | C without AVX-512 loops ms | C ms | plain read ms |")
     print("|---|---|---|---|---|---|---|---|")
     for dtype in (torch.bfloat16, torch.float32):
         for batch in (1, 8):
             for length in LENGTHS:
                 t = compare(length, dtype, batch)
-                c = f"{t['c']:.2f}" if "c" in t else ""
-                ratio = f"{t['c'] / t['products']:.2f}" if "c" in t else ""
-                print(
-                    f"| {str(dtype)[6:]} | {batch} | {length} | {t['sdpa']:.2f} | {t['products']:.2f} | {c} | "
-                    f"{t['products'] / t['sdpa']:.2f} | {ratio} |"
-                )
+                names = ("sdpa", "products", "narrow c", "c", "read")
+                cells = [f"{t[name]:.2f}" if name in t else "" for name in names]
+                print(f"| {str(dtype)[6:]} | {batch} | {length} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
