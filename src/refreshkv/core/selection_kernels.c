@@ -5,9 +5,9 @@ copy rows of any type. Each computes exactly what the PyTorch reference computes
 core/kvstore.py, methods/refreshkv.py; tests/test_native_selection.py compares them).
 Plain C11 with GCC/Clang builtins: it is compiled on the user's machine with the baseline flags of its C compiler. On
 x86-64, GCC and Clang also make an AVX2 version of the loops over positions, which the loader picks where the CPU has
-AVX2; one loop has AVX-512 code of its own (`wide_logits`), which runs only where the caller asks for it (the loader
-asks where PyTorch's own kernels are AVX-512: a machine restricted to AVX2 runs as an AVX2 one). Besides it the one
-intrinsic is SSE2's streaming store, which every x86-64 CPU has.
+AVX2; the attention's two loops also have AVX-512 code of their own (`wide_logits`, `wide_weighted`), which runs
+only where the caller asks for it (the loader asks where PyTorch's own kernels are AVX-512: a machine restricted to
+AVX2 runs as an AVX2 one). Besides them the one intrinsic is SSE2's streaming store, which every x86-64 CPU has.
 `logits_rows` and `weigh_values_rows` are one query token's attention over a float32 cache (every such attention over
 1,024 keys or more on the CPU: core/attention_math.py), for some rows of a batch only where asked, read where the rows
 lie in the cache (a batch whose rows disagree at a query check: only the rows that refresh read all of C_f).
