@@ -6,8 +6,8 @@ float32 with packed weights:
 - the step's 211 products on B rows, each module once in order (the weights are read from memory, not from the CPU's
   caches), against the floating-point rate of a large matrix product (the CPU's peak for these products) and the
   weights' bytes at the copy bandwidth `bench` uses for its floor;
-- the C attention of one query over K and over L tokens (30 layers of distinct caches), against a plain read of the
-  same bytes (`torch.sum` of the keys and the values), alternating, best of rounds.
+- the C attention of one query over K and over L tokens against a plain read of the same bytes (`torch.sum` of the
+  keys and the values), as decode_attention.py times them: 30 layers of distinct caches, alternating, best of rounds.
 From them: the ratio `full` / K-token step if nothing else took time, and the most that everything else may take for
 a ratio of `--target`. `bench --batch` measures the real steps (docs/benchmark.md).
 
@@ -17,10 +17,9 @@ a ratio of `--target`. `bench --batch` measures the real steps (docs/benchmark.m
 import argparse
 
 import torch
-from decode_attention import best_ms  # this folder's: the scripts run from it
+from decode_attention import best_ms, compare, kv_bytes  # this folder's: the scripts run from it
 
 from refreshkv import load_model
-from refreshkv.core import native_selection
 from refreshkv.measure.bench import cpu_facts, memory_bandwidth
 from refreshkv.runtime.packed_linear import PackedLinear, pack_linear_weights
 
@@ -44,28 +43,10 @@ def products(model, batch: int) -> tuple[float, int, int]:
     return best_ms(step), 4 * weights, batch * weights
 
 
-def attention(config, batch: int, tokens: int) -> tuple[float, float, int]:
+def attention(batch: int, tokens: int) -> tuple[float, float, int]:
     """ms of the C attention over `tokens` tokens in every layer, ms of a plain read of those bytes, and the bytes."""
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    dim = config.hidden_size // heads
-    caches = [[torch.randn(batch, kv_heads, tokens, dim) for _ in range(2)] for _ in range(config.num_hidden_layers)]
-    query = torch.randn(batch, heads, 1, dim)
-
-    def attend():
-        for keys, values in caches:
-            native_selection.attend_rows(query, keys, values, dim**-0.5, None)
-
-    def read():
-        for keys, values in caches:
-            keys.sum()
-            values.sum()
-
-    times = {"attend": float("inf"), "read": float("inf")}
-    for _ in range(2):  # alternate, twice
-        times["attend"] = min(times["attend"], best_ms(attend))
-        times["read"] = min(times["read"], best_ms(read))
-    bytes_read = sum(t.numel() * t.element_size() for pair in caches for t in pair)
-    return times["attend"], times["read"], bytes_read
+    times = compare(tokens, torch.float32, batch, ("c", "read"))
+    return times["c"], times["read"], kv_bytes(tokens, batch)
 
 
 def main() -> None:
@@ -84,8 +65,8 @@ def main() -> None:
         bandwidth = memory_bandwidth(torch.device("cpu")) / 1e9
         peak = peak_gflops()
         product_ms, weight_bytes, multiply_adds = products(model, args.batch)
-        full_ms, full_read_ms, full_bytes = attention(model.config, args.batch, args.length)
-        kept_ms, kept_read_ms, kept_bytes = attention(model.config, args.batch, args.budget)
+        full_ms, full_read_ms, full_bytes = attention(args.batch, args.length)
+        kept_ms, kept_read_ms, kept_bytes = attention(args.batch, args.budget)
     print(f"{facts['cpu']} ({facts['kernels']}), {args.threads} threads, float32, packed weights, B = {args.batch}")
     print(f"copy bandwidth {bandwidth:.1f} GB/s; a 2048^3 product {peak:.0f} GFLOP/s")
     print(

@@ -9,6 +9,7 @@ calls). Where the explicit path wins sets `EXPLICIT_DECODE_FROM`.
 """
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -32,8 +33,24 @@ def best_ms(run, calls: int = 10, rounds: int = 5) -> float:
     return min(times)
 
 
-def compare(length: int, dtype: torch.dtype, batch: int) -> dict[str, float]:
-    """ms for all layers' decode attention: SDPA, two products, and in float32 the C."""
+@contextlib.contextmanager
+def without_wide_loops():
+    """The C attention without its AVX-512 loops (as on a CPU without AVX-512), for a comparison."""
+    wide, native_selection._wide = native_selection._wide, lambda: 0
+    try:
+        yield
+    finally:
+        native_selection._wide = wide
+
+
+def kv_bytes(length: int, batch: int) -> int:
+    """Bytes of the float32 keys and values `compare` attends to: all layers, `batch` rows of `length` tokens."""
+    return 2 * LAYERS * batch * KV_HEADS * length * HEAD_DIM * 4
+
+
+def compare(length: int, dtype: torch.dtype, batch: int, names: tuple[str, ...] | None = None) -> dict[str, float]:
+    """ms for all layers' decode attention: SDPA, two products, and in float32 the C without and with its AVX-512
+    loops and a plain read; `names`: those of the paths to time (all by default)."""
     caches = [[torch.randn(batch, KV_HEADS, length, HEAD_DIM, dtype=dtype) for _ in range(2)] for _ in range(LAYERS)]
     query = torch.randn(batch, QUERY_HEADS, 1, HEAD_DIM, dtype=dtype)
     packed = attention_math.pack_queries(query, KV_HEADS)
@@ -52,9 +69,8 @@ def compare(length: int, dtype: torch.dtype, batch: int) -> dict[str, float]:
             native_selection.attend_rows(query, keys, values, HEAD_DIM**-0.5, None)
 
     def narrow_c():
-        wide, native_selection._wide = native_selection._wide, lambda: 0
-        c()
-        native_selection._wide = wide
+        with without_wide_loops():
+            c()
 
     def read():
         for keys, values in caches:
@@ -64,6 +80,7 @@ def compare(length: int, dtype: torch.dtype, batch: int) -> dict[str, float]:
     paths = {"sdpa": sdpa, "products": products}
     if dtype == torch.float32:
         paths.update({"narrow c": narrow_c, "c": c, "read": read})
+    paths = {name: run for name, run in paths.items() if names is None or name in names}
     times: dict[str, float] = {}
     for _ in range(2):  # alternate the paths, twice
         for name, run in paths.items():

