@@ -545,6 +545,37 @@ def test_pre_rope_query_undoes_the_rotary_embedding(llama):
     assert torch.equal(inverse_frequencies(llama.config), inverse_frequencies(llama))  # plain RoPE from the config
 
 
+def test_the_window_anchor_is_the_mean_of_the_window_queries_before_rope(llama):
+    """anchor="window": one pre-RoPE query, rotated at each of the window's positions, averages back to itself; a
+    row's left pads are left out of the mean; the papers' anchor is the last token's query alone."""
+    from types import SimpleNamespace
+
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from refreshkv.core.rope import inverse_frequencies
+
+    window, newest = 6, torch.tensor([40, 3])  # the second row: 2 left pads in the window
+    before = torch.randn(2, 4, 1, 16).expand(2, 4, window, 16).clone()
+    before[1, :, :2] = 100.0  # the pads' queries: any weight on them moves the mean
+    positions = newest[:, None] - torch.arange(window - 1, -1, -1)
+    cos, sin = llama.model.rotary_emb(before, positions)
+    rotated, _ = apply_rotary_pos_emb(before, before, cos, sin)
+    layer = SimpleNamespace(rope_inv_freq=inverse_frequencies(llama), positions=lambda device: newest)
+    anchored = make_policy("refreshkv", anchor="window", window=window).question_anchor(layer, rotated)
+    torch.testing.assert_close(anchored, before[:, :, -1].mean(1), atol=1e-5, rtol=1e-5)
+    last = make_policy("refreshkv").question_anchor(layer, rotated)
+    torch.testing.assert_close(last, before[:, :, -1].mean(1), atol=1e-5, rtol=1e-5)
+    rotated[:, :, 0] += 1.0  # the window's first query: seen by the window anchor of row 0 only
+    assert not torch.allclose(
+        make_policy("refreshkv", anchor="window", window=window).question_anchor(layer, rotated)[0], anchored[0]
+    )
+    torch.testing.assert_close(make_policy("refreshkv").question_anchor(layer, rotated), last)
+    with pytest.raises(PolicyError, match="before RoPE"):
+        make_policy("refreshkv", anchor="window", query="post_rope")
+    with pytest.raises(PolicyError, match="anchor"):
+        make_policy("refreshkv", anchor="first")
+
+
 def test_threshold_default_follows_the_model_family(llama, qwen2):
     from refreshkv.methods.refreshkv import default_threshold
 

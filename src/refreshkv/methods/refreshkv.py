@@ -81,11 +81,7 @@ LLAMA_THRESHOLD = 0.85  # A.4: chosen for Llama-3.1-8B; used for every family wi
 # number was read (issue 47; docs/failure-analysis.md); 0.9 kept perplexity at 16K level and cost 1% per token at 8K.
 FAMILY_THRESHOLDS = {"qwen2": 0.95, "gemma3_text": 0.9}
 QUERY_SPACES = ("pre_rope", "post_rope")
-
-
-def head_mean(query: Tensor) -> Tensor:
-    """(B, D): the last token's query averaged over the query heads, what the dynamic schedule compares."""
-    return query[:, :, -1].mean(dim=1)
+ANCHORS = ("last", "window")
 
 
 def default_threshold(model_type: str) -> float:
@@ -139,7 +135,9 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     last prompt tokens whose attention selects at prefill (a longer window takes the whole prompt), `carry` (0.5) the
     share of its score in C_p that a kept token keeps at a refresh, `question_floor` (1) the share of its score in
     the question's selection that a token keeps at every refresh until the next question, `aggregation` (max) over
-    a GQA group; `query` (pre_rope) the space the check compares queries in; `full_cache` (dense) how C_f is held
+    a GQA group; `query` (pre_rope) the space the check compares queries in; `anchor` (last) what a question's first
+    check compares with: its last token's query (the papers') or the mean of its `window` queries (window);
+    `full_cache` (dense) how C_f is held
     (int8/int4/int2, offload) and `group_size` (32) its quantization groups.
     """
 
@@ -155,6 +153,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             "question_floor": 0.0,
             "aggregation": "max",
             "query": "pre_rope",
+            "anchor": "last",
         }
     }
 
@@ -170,6 +169,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     query: str = "pre_rope"
     full_cache: str = "dense"
     group_size: int = DEFAULT_GROUP_SIZE
+    anchor: str = "last"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -188,6 +188,9 @@ class RefreshKV(BudgetPolicy[RefreshState]):
                 raise PolicyError(f"{name} must be a share in [0, 1], got {share!r}")
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
         check_choice("query", self.query, QUERY_SPACES)
+        check_choice("anchor", self.anchor, ANCHORS)
+        if self.anchor == "window" and self.query == "post_rope":
+            raise PolicyError("anchor='window' averages queries before RoPE: use query='pre_rope'")
         check_full_cache(self.full_cache, self.group_size)
 
     @classmethod
@@ -198,18 +201,32 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             params.update(qc_stride=DEFAULT_QC_STRIDE, threshold=f"{tuned}, {LLAMA_THRESHOLD} otherwise")
         return params
 
-    def compared_query(self, layer: RefreshLayer, query: Tensor) -> Tensor:
-        """(B, D) head-averaged query of the newest token, before RoPE with `query="pre_rope"`."""
-        mean = head_mean(query)
+    def compared_query(self, layer: RefreshLayer, query: Tensor, width: int = 1) -> Tensor:
+        """(B, D) head-averaged query of the newest token, before RoPE with `query="pre_rope"`; with `width` > 1 the
+        mean of the last `width` tokens' (each before RoPE; a short row's left pads left out)."""
+        heads = query[:, :, -width:].mean(dim=1)  # (B, width, D)
         if self.query == "post_rope":
-            return mean
+            return heads[:, -1]
         inv_freq = layer.rope_inv_freq
         if inv_freq is None:
             raise PolicyError(
                 "query='pre_rope' needs a model with plain RoPE (or give the model to PolicyCache); "
                 "use query='post_rope'"
             )
-        return unrotate(mean, layer.positions(query.device), inv_freq)
+        newest = layer.positions(query.device)
+        if heads.shape[1] == 1:
+            return unrotate(heads[:, 0], newest, inv_freq)
+        offsets = torch.arange(heads.shape[1] - 1, -1, -1, device=query.device)
+        positions = (newest.view(-1, 1) - offsets).expand(heads.shape[:2])
+        unrotated = unrotate(heads.flatten(0, 1), positions.flatten(), inv_freq).view(heads.shape)
+        real = (positions >= 0).unsqueeze(-1)
+        return (unrotated * real).sum(dim=1) / real.sum(dim=1).clamp(min=1)
+
+    def question_anchor(self, layer: RefreshLayer, query: Tensor) -> Tensor:
+        """What a question's first query check compares with: the compared query of its last token (the papers'),
+        or with `anchor="window"` the mean of its window's, the queries its selection came from."""
+        width = min(self.window, query.shape[2]) if self.anchor == "window" else 1
+        return self.compared_query(layer, query, width)
 
     # -- prefill ---------------------------------------------------------------------------------------------------
     def store_prompt(self, layer: RefreshLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> None:
@@ -217,7 +234,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         check_group_size(self.full_cache, self.group_size, key.shape[-1])
         full = make_full_store(key, layer.capacity(), self.full_cache, self.group_size)
         full.append(key, value)
-        anchor = self.compared_query(layer, query) if self.stride is None else None
+        anchor = self.question_anchor(layer, query) if self.stride is None else None
         if layer.budget >= layer.capacity():  # K holds the prompt and every announced token: C_p would copy C_f
             layer.state = RefreshState(full, None, anchor)
             return
@@ -276,7 +293,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         probs = attention_probs(query[:, :, -self.window :], keys, scaling, valid, causal_tail=True)
         self._select_for_question(layer, probs, valid, (keys, values))
         if self.stride is None:
-            state.anchor = self.compared_query(layer, query)
+            state.anchor = self.question_anchor(layer, query)
         return output
 
     def crop(self, layer: RefreshLayer, tokens: int) -> None:
