@@ -22,6 +22,8 @@ FOLDER = RESULTS / "selection-dev"
 FULL_PERPLEXITY = {"SmolLM2": "selection-dev/smollm2-default.jsonl", "Gemma": "gemma-16k/gemma-16k.jsonl"}
 # A source of rows: (file, method or None for every row, {parameter: value, None for one not given}).
 Source = tuple[str, str | None, dict]
+# the parameters of candidates held in one file beside the default: a row with one of them is not the default's
+CANDIDATES = {"anchor": "window", "threshold": -1.0}
 # (what, the candidate's sources, the baseline's sources); several sources are pooled
 SCORES: list[tuple[str, list[Source], list[Source]]] = [
     (
@@ -47,16 +49,39 @@ SCORES += [
         [("smollm2-wider-multivalue.jsonl", "full", {}), (SEED1_FLOOR[0], "full", {})],
     )
 ]
-# seed 2's 40 examples: the default beside full, the oracle and snapkv; then seeds 0-2 pooled
-SEED2: Source = ("smollm2-multivalue-seed2.jsonl", "refreshkv", {})
-SCORES += [("SmolLM2 multivalue, seed 2", [SEED2], [(SEED2[0], method, {})]) for method in ("snapkv", "oracle", "full")]
+# seeds 2-4, 40 examples each: the default beside full, the oracle and snapkv; then seeds 0-2 and 0-4 pooled
+LATER_SEEDS: list[Source] = [(f"smollm2-multivalue-seed{seed}.jsonl", "refreshkv", {}) for seed in (2, 3, 4)]
+SCORES += [
+    (f"SmolLM2 multivalue, seed {seed}", [source], [(source[0], method, {})])
+    for seed, source in zip((2, 3, 4), LATER_SEEDS)
+    for method in ("snapkv", "oracle", "full")
+]
 SCORES += [
     (
-        "SmolLM2 multivalue, seeds 0-2",
-        [("smollm2-wider-multivalue-qf1.jsonl", None, {}), SEED1_FLOOR, SEED2],
-        [("smollm2-wider-multivalue.jsonl", method, {}), (SEED1_FLOOR[0], method, {}), (SEED2[0], method, {})],
+        f"SmolLM2 multivalue, seeds 0-{2 + len(later) - 1}",
+        [("smollm2-wider-multivalue-qf1.jsonl", None, {}), SEED1_FLOOR, *later],
+        [
+            (file, method, {})
+            for file in ("smollm2-wider-multivalue.jsonl", SEED1_FLOOR[0], *(source[0] for source in later))
+        ],
     )
-    for method in ("snapkv", "full")
+    for later in (LATER_SEEDS[:1], LATER_SEEDS)
+    for method in ("snapkv", "oracle", "full")
+]
+# candidates on the same examples: the first query check against the window's queries (seeds 0-1), and never a full
+# step after the prompt (threshold -1, seeds 3-4: whether the refreshes cost the values)
+# candidates on the same examples: the first query check against the window's queries (seeds 0-1); never a full step
+# after the prompt (threshold -1) and recycled's full steps in every layer (seeds 3-4): do the full steps cost values?
+BASELINE_FILES = {"0-1": ["smollm2-wider-multivalue.jsonl", SEED1_FLOOR[0]], "3-4": [s[0] for s in LATER_SEEDS[1:]]}
+DEFAULTS = {"0-1": [("smollm2-wider-multivalue-qf1.jsonl", None, {}), SEED1_FLOOR], "3-4": LATER_SEEDS[1:]}
+SCORES += [
+    (f"SmolLM2 multivalue, seeds {seeds}, {name}", [(file, method, params)], baseline)
+    for seeds, name, file, method, params in (
+        ("0-1", "anchor=window", "smollm2-multivalue-anchor.jsonl", "refreshkv", {"anchor": "window"}),
+        ("3-4", "threshold -1", "smollm2-multivalue-never.jsonl", "refreshkv", {"threshold": -1.0}),
+        ("3-4", "recycled", "smollm2-multivalue-never.jsonl", "recycled", {}),
+    )
+    for baseline in (DEFAULTS[seeds], [(base, "snapkv", {}) for base in BASELINE_FILES[seeds]])
 ]
 SCORES += [
     ("SmolLM2 multikey", [("smollm2-qf1.jsonl", None, {})], [("smollm2-wider-multikey.jsonl", m, {})])
@@ -77,6 +102,7 @@ SCORES += [
 PERPLEXITY = [
     ("SmolLM2", "smollm2-qf1.jsonl", "smollm2-carry-ppl.jsonl"),
     ("SmolLM2", "smollm2-qf1c0.jsonl", "smollm2-carry-ppl.jsonl"),
+    ("SmolLM2", "smollm2-anchor.jsonl", "smollm2-qf1.jsonl"),
     ("Gemma", "gemma-16k-qf1.jsonl", "gemma-16k-t09.jsonl"),
     ("Gemma", "gemma-16k-qf1c0.jsonl", "gemma-16k-t09.jsonl"),
 ]
@@ -84,15 +110,18 @@ PERPLEXITY = [
 
 def rows(path: Path, method: str | None = None, params: dict | None = None) -> dict:
     """{(task, question form, example id): score} of `method`'s rows (refreshkv: the default's carry where a file
-    holds several; those whose parameters hold `params`), or of every row (a candidate's file). A sweep's rank files
+    holds several; those whose parameters hold `params`, and no candidate's parameter (`CANDIDATES`) that `params`
+    does not name), or of every row (a candidate's file). A sweep's rank files
     are read with it."""
     out: dict = {}
     for line in (line for file in sweep_files(path) for line in file.read_text().splitlines()):
         row = json.loads(line)
+        wanted = params or {}
         if method is not None and (
             row.get("method") != method
             or (method == "refreshkv" and row["params"].get("carry", 0.5) != 0.5)
-            or any(row["params"].get(name) != value for name, value in (params or {}).items())
+            or any(row["params"].get(name) != value for name, value in wanted.items())
+            or any(row["params"].get(name) == value and name not in wanted for name, value in CANDIDATES.items())
         ):
             continue
         key = (row["task"], row["task_options"].get("question", "prefixed"), row["id"])
@@ -112,7 +141,8 @@ def label(sources: list[Source], method: bool) -> str:
     if not method:
         return " + ".join(file for file, _, _ in sources)
     named = (
-        " ".join([str(name), *(f"{k}={v}" for k, v in params.items() if v is not None)]) for _, name, params in sources
+        " ".join([name or file, *(f"{k}={v}" for k, v in params.items() if v is not None)])
+        for file, name, params in sources
     )
     return " + ".join(dict.fromkeys(named))
 

@@ -23,7 +23,8 @@ offload; core/full_cache.py). Then a full step attends to the dequantized C_f an
 prefill's selection uses the prompt's exact keys.
 Schedules: `stride` S = a full step every S decode steps (Recycled Attention). Otherwise dynamic: every `qc_stride`
 steps each layer compares its head-averaged query with the one of its last full step (the prefill's last token at
-first) and attends fully when the cosine similarity is below `threshold`.
+first; with `anchor="window"` the mean of the window's queries, which the selection came from: a candidate of issue
+47, docs/methods.md) and attends fully when the cosine similarity is below `threshold`.
 
 Choices where the papers are silent:
 - Tokens appended by partial steps are never evicted before recycled ones (the papers evict "the recycled token with
@@ -506,8 +507,8 @@ class Recycled(RefreshKV):
 
     Parameters: as `refreshkv` (`budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest
     prompt, 1/8 by default); `stride`; `qc_stride` and `threshold` unused unless `stride` is None;
-    `kernel`, `pooling`, `window`, `carry` (0 here), `question_floor` (0 here), `aggregation`, `query`, `full_cache`,
-    `group_size`).
+    `kernel`, `pooling`, `window`, `carry` (0 here), `question_floor` (0 here), `aggregation`, `query`, `anchor`
+    (unused unless `stride` is None), `full_cache`, `group_size`).
     """
 
     name = "recycled"
