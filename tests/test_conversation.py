@@ -84,6 +84,22 @@ def test_refreshkv_rebuilds_its_partial_cache_from_each_question(llama, name):
     assert held & set(range(80 + 6 + 1, 80 + 6 + 1 + 6))  # C_p holds tokens of the new question
 
 
+def test_keep_decoded_holds_each_answer_so_far_through_refreshes(llama):
+    """keep_decoded: after each question, the refreshes (threshold 1: at every QC step) select before the answer and
+    keep the answer whole beside them; the previous answers are context, selected or not."""
+    talk = Conversation(
+        llama, ids(80, 1), "refreshkv", budget=8, keep_decoded=True, threshold=1.0, qc_stride=2, eos_token_id=[]
+    )
+    for seed in (2, 3, 4):
+        talk.ask(ids(6, seed), NEW)
+        state = talk.cache.layers[1].state
+        answer = set(range(state.answer_start, state.full.length))
+        assert len(answer) == NEW - 1
+        for head in state.partial.store.positions[0]:
+            held = set(head.tolist()) - {-1}
+            assert answer <= held and len(held - answer) == 8
+
+
 def test_the_question_agnostic_and_question_aware_modes_differ_for_a_prefill_time_method(llama):
     context, question = ids(80, 1), ids(8, 2)
     agnostic = Conversation(llama, context, "snapkv", budget=16, window=4, eos_token_id=[])

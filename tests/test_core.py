@@ -70,23 +70,39 @@ def test_dynamic_threshold_below_minus_one_never_refreshes(llama):
     assert result.cache.stats.per_layer() == [0.0] * 3
 
 
+# threshold 1 refreshes at every QC step; with these tokens, window 1 and no carry, layer 0 too (a token written twice
+# gives layer 0 its pre-RoPE query again: cosine 1, not below)
+EVERY_CHECK = {
+    "method": "refreshkv",
+    "threshold": 1.0,
+    "qc_stride": 5,
+    "max_new_tokens": NEW,
+    "eos_token_id": [],
+    "window": 1,
+    "carry": 0.0,
+}
+
+
 def test_dynamic_threshold_one_refreshes_at_every_qc_step(llama):
-    qc = 5
-    result = generate(
-        llama,
-        random_prompt(60),
-        method="refreshkv",
-        budget=8,
-        threshold=1.0,
-        qc_stride=qc,
-        max_new_tokens=NEW,
-        eos_token_id=[],
-        window=1,  # these tokens: a token written twice gives layer 0 its pre-RoPE query again (cosine 1, not below)
-        carry=0.0,
-    )
+    result = generate(llama, random_prompt(60), budget=8, **EVERY_CHECK)
     steps = result.cache.step
     assert steps == NEW - 1
-    assert result.cache.stats.per_layer() == [float(steps // qc)] * 3
+    assert result.cache.stats.per_layer() == [float(steps // EVERY_CHECK["qc_stride"])] * 3
+
+
+def test_the_answer_anchor_skips_a_questions_first_full_step(llama):
+    """anchor="answer": a question's first query check attends partially and keeps the answer's query as the
+    anchor; the later checks compare with it (threshold 1: each of them refreshes, as with the papers' anchor)."""
+    qc, ids = EVERY_CHECK["qc_stride"], random_prompt(60)
+    answer = generate(llama, ids, budget=8, anchor="answer", **EVERY_CHECK)
+    first, *mixed = answer.cache.stats.per_layer()
+    assert mixed == [float(answer.cache.step // qc - 1)] * 2
+    assert first <= answer.cache.step // qc - 1  # layer 0's query is its token's alone: a repeated token did not drift
+    first_check = generate(
+        llama, ids, method="refreshkv", budget=8, qc_stride=qc, max_new_tokens=qc + 1, eos_token_id=[], anchor="answer"
+    )
+    assert first_check.cache.full_step_fraction() == 0.0
+    assert all(layer.state.anchor is not None for layer in first_check.cache.layers)
 
 
 def test_fixed_stride_full_step_fraction(llama):
@@ -142,6 +158,28 @@ def test_partial_step_evicts_the_lowest_scored_recycled_token(llama):
     lowest = min(before, key=before.get)
     # First step fills the free slot, second evicts the lowest-scored recycled token; both new tokens stay.
     assert after == (set(before) - {lowest}) | {64, 65}
+
+
+def test_keep_decoded_holds_the_answer_beside_the_selection(llama):
+    """keep_decoded: no selected token is evicted for a decoded one, and C_p reads grow with them; a refresh selects
+    K tokens before the answer and keeps the answer so far (threshold 1: every layer refreshes at each QC step)."""
+    ids, steps = random_prompt(64), NEW - 1
+    never = {"method": "refreshkv", "budget": 10, "threshold": -1.0, "max_new_tokens": NEW, "eos_token_id": []}
+    kept, evicting = generate(llama, ids, keep_decoded=True, **never), generate(llama, ids, **never)
+    answer = set(range(64, 64 + steps))
+    for layer in kept.cache.layers:
+        held = set(layer.state.partial.store.positions[0, 0].tolist()) - {-1}
+        assert answer <= held and len(held - answer) == 10
+    first = evicting.cache.layers[1].state.partial.store.positions[0, 0]
+    assert int((first >= 0).sum()) == 11  # the papers' C_p: K tokens and the newest
+    assert kept.stats()["kv_bytes_attended_mean"] > evicting.stats()["kv_bytes_attended_mean"]
+    qc = EVERY_CHECK["qc_stride"]
+    refreshed = generate(llama, ids, budget=10, keep_decoded=True, **EVERY_CHECK)
+    assert refreshed.cache.stats.per_layer()[1:] == [float(steps // qc)] * 2
+    for layer in refreshed.cache.layers[1:]:
+        positions = layer.state.partial.store.positions[0]
+        assert ((positions >= 64).sum(-1) == steps).all()  # the answer, the full steps' own tokens too
+        assert (((positions >= 0) & (positions < 64)).sum(-1) == 10).all()
 
 
 @pytest.mark.parametrize(
@@ -259,8 +297,10 @@ def test_pool_and_aggregation_on_hand_made_scores():
         ({"threshold": float("nan")}, "threshold must be a cosine similarity in [-1, 1]"),
         ({"threshold": 5}, "threshold must be a cosine similarity in [-1, 1]"),
         ({"carry": -0.5}, "carry must be a share in [0, 1], got -0.5"),
-        ({"question_floor": 1.5}, "question_floor must be a share in [0, 1], got 1.5"),
-        ({"question_floor": "all"}, "question_floor must be a share in [0, 1], got 'all'"),
+        ({"question_floor": -1}, "question_floor must be a finite number >= 0, got -1"),
+        ({"question_floor": float("inf")}, "question_floor must be a finite number >= 0, got inf"),
+        ({"question_floor": "all"}, "question_floor must be a finite number >= 0, got 'all'"),
+        ({"keep_decoded": 1}, "keep_decoded must be true or false, got 1"),
         ({"aggregation": "median"}, "choose from: max, mean, first"),
         ({"kernel": 4}, "kernel must be an odd integer"),
         ({"stride": 5, "threshold": 0.9}, "excludes qc_stride and threshold"),
@@ -356,6 +396,7 @@ def test_a_refresh_keeps_a_held_token_whose_carried_score_still_ranks(monkeypatc
             partial=SelectionState.empty_like(keys, 3), question_positions=None, question_scores=None
         ),
         prompt_spans=None,
+        budget=2,
     )
     method = RefreshKV(budget=2, kernel=1, pooling="centered", carry=carry)
     probs = torch.tensor([[0.0, 0.9, 0.0, 0.0, 0.05, 0.05], [0.0, 0.0, 0.5, 0.4, 0.0, 0.1]]).view(2, 1, 1, 1, 1, 6)
@@ -386,7 +427,7 @@ def test_the_question_floor_keeps_a_question_token_through_refreshes_that_carry_
     monkeypatch.setenv("REFRESHKV_NATIVE", native)
     keys, values = torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4)
     state = SimpleNamespace(partial=SelectionState.empty_like(keys, 3), question_positions=None, question_scores=None)
-    layer = SimpleNamespace(state=state, prompt_spans=None)
+    layer = SimpleNamespace(state=state, prompt_spans=None, budget=2)
     method = RefreshKV(budget=2, kernel=1, pooling="centered", carry=0.5, question_floor=floor)
     probs = torch.tensor([[0.0, 0.9, 0.0, 0.0, 0.05, 0.05], [0.0, 0.0, 0.5, 0.4, 0.0, 0.1]]).view(2, 1, 1, 1, 1, 6)
     method._select_for_question(layer, probs[0], None, (keys, values))

@@ -132,6 +132,7 @@ def refreshed_partial(monkeypatch, method, probs, valid, keys, values, spans, sl
             partial=SelectionState.empty_like(keys, slots), question_positions=None, question_scores=None
         ),
         prompt_spans=spans,
+        budget=slots - 1,
     )
     with monkeypatch.context() as scoped:
         scoped.setenv("REFRESHKV_NATIVE", native)
@@ -286,7 +287,7 @@ def test_a_refresh_carries_the_held_scores_in_c_as_in_pytorch(monkeypatch, carry
         state = SimpleNamespace(
             partial=SelectionState.empty_like(keys, slots), question_positions=None, question_scores=None
         )
-        layer = SimpleNamespace(state=state, prompt_spans=None)
+        layer = SimpleNamespace(state=state, prompt_spans=None, budget=slots - 1)
         method._select_for_question(layer, first, None, (keys, values))
         partial = layer.state.partial
         partial.store.positions[:, :, -1], partial.scores[:, :, -1] = length - 1, APPENDED + 1  # a decoded token
@@ -300,6 +301,7 @@ def test_a_refresh_carries_the_held_scores_in_c_as_in_pytorch(monkeypatch, carry
             partial=SelectionState.empty_like(keys, slots), question_positions=None, question_scores=None
         ),
         prompt_spans=None,
+        budget=slots - 1,
     )
     without._refresh(layer, second, None, (keys, values))
     assert not torch.equal(layer.state.partial.store.positions, held[0][0])  # the carry changed the selection
@@ -398,6 +400,7 @@ def test_c_refreshes_only_the_marked_rows_as_the_pytorch_rows_path_does(monkeypa
                 partial=SelectionState.empty_like(keys, slots), question_positions=None, question_scores=None
             ),
             prompt_spans=None,
+            budget=slots - 1,
         )
         method._refresh(layer, first, None, (keys, values))
         partial = layer.state.partial

@@ -202,6 +202,16 @@ class SelectionState(LayerState):
         self.filled = min(self.filled + 1, self.store.slots)
         self.empty = max(self.empty - 1, 0)
 
+    def attend(self, query: Tensor, scaling: Scaling, pads: Tensor | None) -> tuple[Tensor, int]:
+        """Attention of `query` over the held tokens, and the bytes read: the slots written alone where they lie in
+        front (a length that grows: not in a compiled step), else every slot, the empty ones masked."""
+        store = self.store
+        if pads is None and self.contiguous and not torch.compiler.is_compiling():
+            used = self.used
+            output = decode_attention(query, store.keys[:, :, :used], store.values[:, :, :used], scaling)
+            return output, store.nbytes() * used // store.slots
+        return decode_attention(query, store.keys, store.values, scaling, self.valid(pads)), store.nbytes()
+
     def valid(self, pads: Tensor | None) -> Tensor | None:
         """(B, Hkv, slots) mask of the slots to attend to, or None when every slot holds a real token."""
         if pads is None and self.filled >= self.store.slots:
@@ -312,16 +322,11 @@ class SelectionPolicy(BudgetPolicy[SelectionState]):
     def decode(self, layer: SelectionLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
         self.append(layer, key, value)
         state = layer.state
-        observes = type(self).observe is not SelectionPolicy.observe
-        plain = layer.pads is None and state.contiguous and not observes and not torch.compiler.is_compiling()
-        if plain:  # the tokens held, as a plain cache holds them (a length that grows: not in a compiled step)
-            used, store = state.used, state.store
-            layer.record(0.0, store.nbytes() * used // store.slots)
-            return decode_attention(query, store.keys[:, :, :used], store.values[:, :, :used], scaling)
+        if type(self).observe is SelectionPolicy.observe:
+            output, read = state.attend(query, scaling, layer.pads)
+            layer.record(0.0, read)
+            return output
         layer.record(0.0, state.store.nbytes())
-        valid = state.valid(layer.pads)
-        if not observes:
-            return decode_attention(query, state.store.keys, state.store.values, scaling, valid)
-        output, probs = attend_with_probs(query, state.store.keys, state.store.values, scaling, valid)
+        output, probs = attend_with_probs(query, state.store.keys, state.store.values, scaling, state.valid(layer.pads))
         self.observe(layer, probs)
         return output

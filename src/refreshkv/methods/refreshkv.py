@@ -6,7 +6,8 @@ recycled-attention.txt §2.3, §6):
   SnapKV's observation window, so that a question is read whole; the papers' 1, A.1), max-pooled over positions
   (`kernel`) and aggregated over the query heads of a GQA group (`aggregation`, max by default, A.3);
 - partial step: attend to C_p plus the new token, which takes the slot of the lowest-scored entry, so C_p keeps K
-  entries besides the newest token;
+  entries besides the newest token (with `keep_decoded`, a candidate of issue 47, an empty slot: C_p holds its K
+  and every token decoded since, as snapkv's cache holds K + T);
 - full step: attend to all of C_f and rebuild C_p from the current query's attention (as the papers), where each
   token C_p holds scores at least `carry` x its score there (0.5 by default; the papers' 0 selects from the one
   query alone, 1 keeps a kept token's best score). Issue 47 (docs/results.md): the window finds the needle of a
@@ -82,7 +83,7 @@ LLAMA_THRESHOLD = 0.85  # A.4: chosen for Llama-3.1-8B; used for every family wi
 # number was read (issue 47; docs/failure-analysis.md); 0.9 kept perplexity at 16K level and cost 1% per token at 8K.
 FAMILY_THRESHOLDS = {"qwen2": 0.95, "gemma3_text": 0.9}
 QUERY_SPACES = ("pre_rope", "post_rope")
-ANCHORS = ("last", "window")
+ANCHORS = ("last", "window", "answer")
 
 
 def default_threshold(model_type: str) -> float:
@@ -93,10 +94,13 @@ def default_threshold(model_type: str) -> float:
 class RefreshState(LayerState):
     full: FullCacheStore  # C_f: dense, quantized or offloaded (core/full_cache.py)
     partial: SelectionState | None  # C_p: K slots + the newest token; None while K holds every token (see decode)
-    anchor: torch.Tensor | None  # (B, D) compared query of the last full step (dynamic schedule only)
+    # (B, D) compared query of the last full step (dynamic schedule only; None until a question's first check with
+    # anchor="answer")
+    anchor: torch.Tensor | None
     # with `question_floor`: (B, Hkv, K + 1) positions and scores that the last question's window selected
     question_positions: Tensor | None = None
     question_scores: Tensor | None = None
+    answer_start: int = 0  # position of the first token after the last question (its answer's first)
 
     def nbytes(self) -> int:
         return self.full.nbytes() + (self.partial.nbytes() if self.partial is not None else 0)
@@ -137,8 +141,9 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     share of its score in C_p that a kept token keeps at a refresh, `question_floor` (1) the share of its score in
     the question's selection that a token keeps at every refresh until the next question, `aggregation` (max) over
     a GQA group; `query` (pre_rope) the space the check compares queries in; `anchor` (last) what a question's first
-    check compares with: its last token's query (the papers') or the mean of its `window` queries (window);
-    `full_cache` (dense) how C_f is held
+    check compares with: its last token's query (the papers'), the mean of its `window` queries (window), or
+    nothing: that check takes the answer's query as the anchor (answer); `keep_decoded` (false, the papers') decoded
+    tokens kept in C_p beside its K instead of each evicting a selected one; `full_cache` (dense) how C_f is held
     (int8/int4/int2, offload) and `group_size` (32) its quantization groups.
     """
 
@@ -171,6 +176,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     full_cache: str = "dense"
     group_size: int = DEFAULT_GROUP_SIZE
     anchor: str = "last"
+    keep_decoded: bool = False  # the papers' (a fixed-size C_p); True: a candidate of issue 47 (docs/methods.md)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -183,13 +189,15 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         check_kernel(self.kernel)
         check_choice("pooling", self.pooling, POOLINGS)
         check_positive("window", self.window)
-        for name in ("carry", "question_floor"):
-            share = getattr(self, name)
-            if not (is_number(share) and 0 <= share <= 1):
-                raise PolicyError(f"{name} must be a share in [0, 1], got {share!r}")
+        if not (is_number(self.carry) and 0 <= self.carry <= 1):
+            raise PolicyError(f"carry must be a share in [0, 1], got {self.carry!r}")
+        if not (is_number(self.question_floor) and 0 <= self.question_floor < float("inf")):
+            raise PolicyError(f"question_floor must be a finite number >= 0, got {self.question_floor!r}")
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
         check_choice("query", self.query, QUERY_SPACES)
         check_choice("anchor", self.anchor, ANCHORS)
+        if not isinstance(self.keep_decoded, bool):
+            raise PolicyError(f"keep_decoded must be true or false, got {self.keep_decoded!r}")
         if self.anchor == "window" and self.query == "post_rope":
             raise PolicyError("anchor='window' averages queries before RoPE: use query='pre_rope'")
         check_full_cache(self.full_cache, self.group_size)
@@ -223,11 +231,19 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         real = (positions >= 0).unsqueeze(-1)
         return (unrotated * real).sum(dim=1) / real.sum(dim=1).clamp(min=1)
 
-    def question_anchor(self, layer: RefreshLayer, query: Tensor) -> Tensor:
+    def question_anchor(self, layer: RefreshLayer, query: Tensor) -> Tensor | None:
         """What a question's first query check compares with: the compared query of its last token (the papers'),
-        or with `anchor="window"` the mean of its window's, the queries its selection came from."""
+        or with `anchor="window"` the mean of its window's, the queries its selection came from; with
+        `anchor="answer"` nothing (None): that check takes the answer's query as the anchor and attends partially."""
+        if self.anchor == "answer":
+            return None
         width = min(self.window, query.shape[2]) if self.anchor == "window" else 1
         return self.compared_query(layer, query, width)
+
+    def _empty_partial(self, layer: RefreshLayer, key: Tensor) -> SelectionState:
+        """C_p's store: K slots and one for the newest token, with `keep_decoded` room for every announced token."""
+        room = layer.expected_new_tokens() if self.keep_decoded else 1
+        return SelectionState.empty_like(key, layer.budget + max(room, 1))
 
     # -- prefill ---------------------------------------------------------------------------------------------------
     def store_prompt(self, layer: RefreshLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> None:
@@ -237,10 +253,10 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         full.append(key, value)
         anchor = self.question_anchor(layer, query) if self.stride is None else None
         if layer.budget >= layer.capacity():  # K holds the prompt and every announced token: C_p would copy C_f
-            layer.state = RefreshState(full, None, anchor)
+            layer.state = RefreshState(full, None, anchor, answer_start=length)
             return
-        partial = SelectionState.empty_like(key, layer.budget + 1)
-        layer.state = RefreshState(full, partial, anchor)
+        partial = self._empty_partial(layer, key)
+        layer.state = RefreshState(full, partial, anchor, answer_start=length)
         valid = layer.valid_positions(length, key.device)
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
         self._select_for_question(layer, probs, valid, (key, value))
@@ -257,14 +273,15 @@ class RefreshKV(BudgetPolicy[RefreshState]):
                     query, keys, values, scaling, layer.valid_positions(state.full.length, key.device)
                 )
             # more tokens came than were announced: from here on a partial cache, first filled by a full step
-            state.partial = SelectionState.empty_like(key, layer.budget + 1)
+            state.partial = self._empty_partial(layer, key)
             output, read = self._full_step(layer, query, scaling)
             layer.record(1.0, read)
             return output
         need = self._needs_full(layer, query)
         if need is False:
-            layer.record(0.0, state.partial.nbytes())
-            return self._partial_step(layer, query, key, value, scaling)
+            output, read = self._partial_step(layer, query, key, value, scaling)
+            layer.record(0.0, read)
+            return output
         if need is True:
             output, read = self._full_step(layer, query, scaling)
             layer.record(1.0, read)
@@ -272,9 +289,9 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         # Rows of the batch disagree: compute both and keep each row's own result. A refreshed row carries the scores
         # of C_p as it was before this step's token took a slot, as it would alone.
         held = (state.partial.store.positions.clone(), state.partial.scores.clone()) if self.carry > 0 else None
-        partial_out = self._partial_step(layer, query, key, value, scaling)
+        partial_out, partial_read = self._partial_step(layer, query, key, value, scaling)
         full_out, read = self._full_step(layer, query, scaling, rows=need, held=held)
-        layer.record(need.float().mean(), state.partial.nbytes() + read)
+        layer.record(need.float().mean(), partial_read + read)
         return torch.where(need.view(-1, 1, 1, 1), full_out, partial_out)
 
     def extend(self, layer: RefreshLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
@@ -283,6 +300,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         answer is read from a selection made for the new question."""
         state: RefreshState = layer.state
         state.full.append(key, value)
+        state.answer_start = state.full.length
         keys, values = state.full.view()
         valid = layer.valid_positions(state.full.length, keys.device)
         layer.record(1.0, state.full.attended_bytes())
@@ -290,7 +308,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         if state.partial is None:
             if state.full.length <= layer.budget + 1:
                 return output
-            state.partial = SelectionState.empty_like(key, layer.budget + 1)
+            state.partial = self._empty_partial(layer, key)
         probs = attention_probs(query[:, :, -self.window :], keys, scaling, valid, causal_tail=True)
         self._select_for_question(layer, probs, valid, (keys, values))
         if self.stride is None:
@@ -353,17 +371,21 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         """(B,) bool: the rows whose compared query has drifted from their last full step's (cosine below the
         threshold), the dynamic schedule's decision at a QC step."""
         anchor = layer.state.anchor
-        assert anchor is not None  # the dynamic schedule keeps one
+        if anchor is None:  # anchor="answer": the question's selection stands until the answer's own query drifts
+            layer.state.anchor = self.compared_query(layer, query)
+            return torch.zeros(query.shape[0], dtype=torch.bool, device=query.device)
         threshold = default_threshold(layer.model_type) if self.threshold is None else self.threshold
         return F.cosine_similarity(self.compared_query(layer, query), anchor.float(), dim=-1) < threshold
 
-    def _partial_step(self, layer: RefreshLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
+    def _partial_step(
+        self, layer: RefreshLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling
+    ) -> tuple[Tensor, int]:
+        """Attend to C_p with the new token in it: the output and the bytes of C_p read."""
         partial = layer.state.partial
         assert partial is not None  # a partial step has C_p
         # The new token takes an empty slot first, then the lowest-scored recycled token's.
         partial.put(partial.scores, key, value, layer.state.full.length - 1, APPENDED + layer.step)
-        store = partial.store
-        return decode_attention(query, store.keys, store.values, scaling, partial.valid(layer.pads))
+        return partial.attend(query, scaling, layer.pads)
 
     def _full_step(
         self,
@@ -395,7 +417,10 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         if read_rows is not None:
             read = read * int(read_rows.sum()) // read_rows.numel()
         output, probs = attended
-        self._refresh(layer, probs.unsqueeze(3), valid, source, rows, held=held)
+        before = state.answer_start if self.keep_decoded else None
+        kept = self._refresh(layer, probs.unsqueeze(3), valid, source, rows, held=held, before=before)
+        if self.keep_decoded:
+            self._hold_answer(layer, kept, rows)
         if self.stride is None:
             current = self.compared_query(layer, query)
             if rows is not None and state.anchor is not None:  # the other rows keep theirs
@@ -429,10 +454,11 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         rows: Tensor | None = None,
         carry: bool = True,
         held: tuple[Tensor, Tensor] | None = None,
-    ) -> None:
+        before: int | None = None,
+    ) -> int:
         """Rebuild C_p from window probabilities (B, Hkv, G, w, n) over C_f's keys and values `full_kv` (read once
         per full step), or over a quantized C_f whose selected tokens alone are dequantized; only `rows` (B,) bool if
-        given.
+        given; with `before`, from the tokens before that position alone. Returns the tokens selected (k).
 
         Every selection of this method (prefill, full step, a conversation's next turn) scores tokens alike:
         pooled, aggregated, spread over words (`selection_scores`). On the CPU, one call of C does all of it, the
@@ -440,10 +466,15 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         for `mean` aggregation and for some rows under torch.compile, PyTorch operators, with the same result."""
         partial = layer.state.partial
         assert partial is not None  # a refresh rebuilds C_p
-        k = min(partial.store.slots - 1, probs.shape[-1])
+        n = probs.shape[-1]
+        k = min(layer.budget, n if before is None else before)
         words = layer.prompt_spans if self.pooling == "span" else None
         store = (partial.store.keys, partial.store.values, partial.store.positions, partial.scores)
         queries_valid = None if valid is None else valid.reshape(valid.shape[0], -1)[:, -probs.shape[3] :]
+        if before is not None and before < n:  # the tokens from `before` on are no candidates
+            earlier = torch.arange(n, device=probs.device) < before
+            valid = earlier.view(1, 1, 1, n) if valid is None else valid & earlier
+            valid = valid.expand(probs.shape[0], 1, 1, n).contiguous()
         per_head = window_mean(probs, queries_valid)  # averaged once, whichever path scores it
         carry_share = self.carry if carry else 0.0
         if rows is not None and held is not None and carry_share > 0:
@@ -474,7 +505,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
                     partial.loaded(k)
                 else:  # the other rows keep their slots; the refreshed ones' from k on are empty
                     partial.filled = min(partial.filled, k)
-                return
+                return k
         scores = selection_scores(per_head.unsqueeze(3), self.kernel, self.aggregation, self.pooling, words)
         if valid is not None:
             scores = scores.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
@@ -484,12 +515,12 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             scores = carried(floor, scores, self.question_floor)
         index, kept = keep_top(scores, k)  # pads scored -inf: a top k, no entry -1
         if not isinstance(full_kv, tuple) and partial.load_quantized(full_kv, index, kept, rows):
-            return
+            return k
         keys, values = full_kv if isinstance(full_kv, tuple) else full_kv.view()
         refreshed = partial if rows is None else SelectionState.empty_like(keys, partial.store.slots)
         refreshed.load(keys, values, index, kept, ragged=False)
         if rows is None:
-            return
+            return k
         for target, source in (
             (partial.store.keys, refreshed.store.keys),
             (partial.store.values, refreshed.store.values),
@@ -498,6 +529,36 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         ):
             target.copy_(torch.where(rows.view(-1, *[1] * (target.ndim - 1)), source, target))
         partial.filled = min(partial.filled, refreshed.filled)
+        return k
+
+    def _hold_answer(self, layer: RefreshLayer, kept: int, rows: Tensor | None) -> None:
+        """After a refresh that selected `kept` tokens before the answer, the answer so far (the tokens decoded since
+        the last question, the newest as many as fit) goes into the slots after them, as decoded tokens (only `rows`,
+        (B,) bool, if given)."""
+        state: RefreshState = layer.state
+        partial = state.partial
+        assert partial is not None  # a refresh has C_p
+        end = state.full.length
+        start = max(state.answer_start, end - (partial.store.slots - kept))
+        if start >= end:
+            return
+        keys, values = state.full.span(start, end)
+        store, taken = partial.store, slice(kept, kept + end - start)
+        positions = torch.arange(start, end, device=keys.device).expand(*keys.shape[:3])
+        scores = (APPENDED + 1 + positions - state.answer_start).float()  # as `put` scores the step that decoded it
+        for target, source in (
+            (store.keys[:, :, taken], keys),
+            (store.values[:, :, taken], values),
+            (store.positions[:, :, taken], positions),
+            (partial.scores[:, :, taken], scores),
+        ):
+            target.copy_(
+                source if rows is None else torch.where(rows.view(-1, *[1] * (source.ndim - 1)), source, target)
+            )
+        if rows is None:
+            partial.loaded(kept + end - start)
+        else:  # the refreshed rows' slots after the answer are empty; the others' as they were
+            partial.empty = min(partial.empty, store.slots - kept - (end - start))
 
 
 @register
@@ -508,7 +569,7 @@ class Recycled(RefreshKV):
     Parameters: as `refreshkv` (`budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest
     prompt, 1/8 by default); `stride`; `qc_stride` and `threshold` unused unless `stride` is None;
     `kernel`, `pooling`, `window`, `carry` (0 here), `question_floor` (0 here), `aggregation`, `query`, `anchor`
-    (unused unless `stride` is None), `full_cache`, `group_size`).
+    (unused unless `stride` is None), `keep_decoded`, `full_cache`, `group_size`).
     """
 
     name = "recycled"
