@@ -23,7 +23,7 @@ FULL_PERPLEXITY = {"SmolLM2": "selection-dev/smollm2-default.jsonl", "Gemma": "g
 # A source of rows: (file, method or None for every row, {parameter: value, None for one not given}).
 Source = tuple[str, str | None, dict]
 # the parameters of candidates held in one file beside the default: a row with one of them is not the default's
-CANDIDATES = {"anchor": "window", "threshold": -1.0}
+CANDIDATES = {"anchor": ("window", "answer"), "threshold": (-1.0,), "keep_decoded": (True,)}
 # (what, the candidate's sources, the baseline's sources); several sources are pooled
 SCORES: list[tuple[str, list[Source], list[Source]]] = [
     (
@@ -68,18 +68,28 @@ SCORES += [
     for later in (LATER_SEEDS[:1], LATER_SEEDS)
     for method in ("snapkv", "oracle", "full")
 ]
-# candidates on the same examples: the first query check against the window's queries (seeds 0-1), and never a full
-# step after the prompt (threshold -1, seeds 3-4: whether the refreshes cost the values)
 # candidates on the same examples: the first query check against the window's queries (seeds 0-1); never a full step
 # after the prompt (threshold -1) and recycled's full steps in every layer (seeds 3-4): do the full steps cost values?
+# The first query check taking the answer's query as its anchor (anchor=answer); the answer kept beside C_p's K with
+# the question's selection at 4x its score (keep_decoded, question_floor 4; seeds 0-4)
 BASELINE_FILES = {"0-1": ["smollm2-wider-multivalue.jsonl", SEED1_FLOOR[0]], "3-4": [s[0] for s in LATER_SEEDS[1:]]}
+BASELINE_FILES["0-4"] = BASELINE_FILES["0-1"] + [s[0] for s in LATER_SEEDS]
 DEFAULTS = {"0-1": [("smollm2-wider-multivalue-qf1.jsonl", None, {}), SEED1_FLOOR], "3-4": LATER_SEEDS[1:]}
+DEFAULTS["0-4"] = DEFAULTS["0-1"] + LATER_SEEDS
 SCORES += [
     (f"SmolLM2 multivalue, seeds {seeds}, {name}", [(file, method, params)], baseline)
     for seeds, name, file, method, params in (
         ("0-1", "anchor=window", "smollm2-multivalue-anchor.jsonl", "refreshkv", {"anchor": "window"}),
         ("3-4", "threshold -1", "smollm2-multivalue-never.jsonl", "refreshkv", {"threshold": -1.0}),
         ("3-4", "recycled", "smollm2-multivalue-never.jsonl", "recycled", {}),
+        ("0-4", "anchor=answer", "smollm2-multivalue-answer.jsonl", "refreshkv", {"anchor": "answer"}),
+        (
+            "0-4",
+            "keep_decoded, question_floor 4",
+            "smollm2-multivalue-keep-decoded.jsonl",
+            "refreshkv",
+            {"keep_decoded": True, "question_floor": 4.0},
+        ),
     )
     for baseline in (DEFAULTS[seeds], [(base, "snapkv", {}) for base in BASELINE_FILES[seeds]])
 ]
@@ -103,8 +113,11 @@ PERPLEXITY = [
     ("SmolLM2", "smollm2-qf1.jsonl", "smollm2-carry-ppl.jsonl"),
     ("SmolLM2", "smollm2-qf1c0.jsonl", "smollm2-carry-ppl.jsonl"),
     ("SmolLM2", "smollm2-anchor.jsonl", "smollm2-qf1.jsonl"),
+    ("SmolLM2", "smollm2-keep-decoded.jsonl", "smollm2-qf1.jsonl"),
     ("Gemma", "gemma-16k-qf1.jsonl", "gemma-16k-t09.jsonl"),
     ("Gemma", "gemma-16k-qf1c0.jsonl", "gemma-16k-t09.jsonl"),
+    ("Gemma", "gemma-16k-keep-decoded.jsonl", "gemma-16k-qf1.jsonl"),
+    ("Gemma", "gemma-16k-keep-decoded-qf1.jsonl", "gemma-16k-qf1.jsonl"),
 ]
 
 
@@ -121,7 +134,7 @@ def rows(path: Path, method: str | None = None, params: dict | None = None) -> d
             row.get("method") != method
             or (method == "refreshkv" and row["params"].get("carry", 0.5) != 0.5)
             or any(row["params"].get(name) != value for name, value in wanted.items())
-            or any(row["params"].get(name) == value and name not in wanted for name, value in CANDIDATES.items())
+            or any(row["params"].get(name) in values and name not in wanted for name, values in CANDIDATES.items())
         ):
             continue
         key = (row["task"], row["task_options"].get("question", "prefixed"), row["id"])
