@@ -20,6 +20,8 @@ OPTIONS = {
     "refreshkv+carry": {"carry": 1.0},
     "recycled+carry": {"carry": 0.5},
     "refreshkv+no_question_floor": {"question_floor": 0.0},
+    "refreshkv+keep_decoded": {"keep_decoded": True, "question_floor": 4.0},
+    "refreshkv+answer_anchor": {"anchor": "answer"},
 }  # values not the default, held too
 CASES = ALL + sorted(OPTIONS)
 

@@ -39,8 +39,8 @@ from .compiled import compiled_forward
 from .generate import StepTimer
 
 UNSUPPORTED = (
-    "static decoding runs full, refreshkv and recycled with a dense C_f (budget below the cache) and the eviction "
-    "methods that evict by their stored scores"
+    "static decoding runs full, refreshkv and recycled with a dense C_f (budget below the cache, no keep_decoded) and "
+    "the eviction methods that evict by their stored scores"
 )
 
 
@@ -372,6 +372,7 @@ def check_static(cache: PolicyCache, new_tokens: int) -> None:
         )
     if isinstance(policy, Full) or (
         isinstance(policy, RefreshKV)
+        and not policy.keep_decoded  # its answer's slots move with host lengths that replayed steps do not follow
         and all(isinstance(s, RefreshState) and type(s.full) is FullStore and s.partial is not None for s in states)
     ):
         return
