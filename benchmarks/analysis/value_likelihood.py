@@ -50,7 +50,7 @@ METHODS = {
             "refreshkv",
             {"budget_ratio": 0.125, "keep_decoded": True, "question_floor": float(floor)},
         )
-        for floor in (4, 16)
+        for floor in (2, 4, 16)
     },
 }
 KEY = re.compile(r"special magic numbers for (\S+) mentioned in the provided text\?")

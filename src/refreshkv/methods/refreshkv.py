@@ -114,6 +114,11 @@ class RefreshState(LayerState):
         return self.full.kept(pads)
 
 
+def copy_rows(target: Tensor, source: Tensor, rows: Tensor | None) -> None:
+    """Copy `source` into `target` (batch first) in place, only in `rows` ((B,) bool) if given."""
+    target.copy_(source if rows is None else torch.where(rows.view(-1, *[1] * (target.ndim - 1)), source, target))
+
+
 def carried(held: tuple[Tensor, Tensor], scores: Tensor, share: float) -> Tensor:
     """`scores` (B, Hkv, n), where each token C_p holds (`held`: its positions and scores, (B, Hkv, slots)) scores at
     least `share` x its score there; decoded tokens, never scored, and empty slots (position -1) carry nothing."""
@@ -481,7 +486,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             # A refreshed row carries C_p as it was before the step's token took a slot (`held`): its positions and
             # scores go back into the store, which the refresh rewrites whole, so the C reads the carry from there.
             for target, source in zip((partial.store.positions, partial.scores), held):
-                target.copy_(torch.where(rows.view(-1, 1, 1), source, target))
+                copy_rows(target, source, rows)
         floor = self._question_floor(layer.state) if carry else None
         if self.aggregation != "mean" and isinstance(full_kv, tuple):
             keys, values = full_kv
@@ -527,7 +532,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             (partial.store.positions, refreshed.store.positions),
             (partial.scores, refreshed.scores),
         ):
-            target.copy_(torch.where(rows.view(-1, *[1] * (target.ndim - 1)), source, target))
+            copy_rows(target, source, rows)
         partial.filled = min(partial.filled, refreshed.filled)
         return k
 
@@ -552,9 +557,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             (store.positions[:, :, taken], positions),
             (partial.scores[:, :, taken], scores),
         ):
-            target.copy_(
-                source if rows is None else torch.where(rows.view(-1, *[1] * (source.ndim - 1)), source, target)
-            )
+            copy_rows(target, source, rows)
         if rows is None:
             partial.loaded(kept + end - start)
         else:  # the refreshed rows' slots after the answer are empty; the others' as they were
