@@ -23,6 +23,7 @@ METHODS = [
     ("recycled", {"budget": 16, "stride": 4}),
     ("refreshkv", {"budget": 16}),  # word spans, QC every 10 steps
     ("refreshkv", {"budget": 16, "qc_stride": 2, "threshold": 0.98, "pooling": "centered"}),  # rows disagree
+    ("refreshkv", {"budget": 16, "qc_stride": 2, "threshold": 0.98, "keep_decoded": True}),  # the answer held
 ]
 
 

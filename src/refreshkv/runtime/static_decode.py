@@ -34,12 +34,12 @@ from ..core.selection import APPENDED, SelectionPolicy, SelectionState
 from ..engine.cache import PolicyCache, PolicyLayer, hand_over
 from ..engine.cache_argument import with_cache
 from ..methods.full import Full
-from ..methods.refreshkv import RefreshKV, RefreshState
+from ..methods.refreshkv import RefreshKV, RefreshState, copy_rows
 from .compiled import compiled_forward
 from .generate import StepTimer
 
 UNSUPPORTED = (
-    "static decoding runs full, refreshkv and recycled with a dense C_f (budget below the cache, no keep_decoded) and "
+    "static decoding runs full, refreshkv and recycled with a dense C_f (budget below the cache) and "
     "the eviction methods that evict by their stored scores"
 )
 
@@ -145,7 +145,11 @@ class StaticLayer(PolicyLayer):
         output, probs = attend(query, full.keys, full.values, scaling, length=seen, rows=rows, keep_probs=True)
         batch, n = query.shape[0], full.keys.shape[2]
         valid = (torch.arange(n, device=query.device) < seen).expand(batch, n).reshape(batch, 1, 1, n)
-        policy._refresh(self, probs.unsqueeze(3), valid, (full.keys, full.values), rows, held=held)
+        before = state.answer_start if policy.keep_decoded else None
+        kv = (full.keys, full.values)
+        kept = policy._refresh(self, probs.unsqueeze(3), valid, kv, rows, held=held, before=before)
+        if policy.keep_decoded:
+            hold_answer(state, kept, seen, rows)
         if policy.stride is None:
             current = policy.compared_query(self, query)
             # in place, as every state a step changes: a graph replays into the memory it was captured with
@@ -159,6 +163,29 @@ class StaticLayer(PolicyLayer):
             record.index_copy_(0, index, share.view(1))
         else:
             record.index_fill_(0, index, share)
+
+
+def hold_answer(state: RefreshState, kept: int, seen: Tensor, rows: Tensor | None) -> None:
+    """`keep_decoded` on the device: after a refresh that selected `kept` tokens before the answer, the answer so far
+    goes into the slots after them, as `RefreshKV._hold_answer` puts it eagerly. The host does not know how far the
+    answer has come, so the whole span it may take is copied from C_f and the positions not yet decoded (>= `seen`)
+    are left empty (zeros: C_f holds whatever its allocation held there, which a masked slot must not carry in)."""
+    partial, full, start = state.partial, state.full, state.answer_start
+    assert partial is not None  # a refresh has C_p
+    room = min(partial.store.slots - kept, full.keys.shape[2] - start)
+    store, taken = partial.store, slice(kept, kept + room)
+    positions = torch.arange(start, start + room, device=seen.device)
+    decoded = positions < seen
+    shape = (*full.keys.shape[:2], room)
+    scores = torch.where(decoded, (APPENDED + 1 + positions - start).float(), float("-inf"))
+    answer = decoded.view(1, 1, room, 1)
+    for target, source in (
+        (store.keys[:, :, taken], torch.where(answer, full.keys[:, :, start : start + room], 0)),
+        (store.values[:, :, taken], torch.where(answer, full.values[:, :, start : start + room], 0)),
+        (store.positions[:, :, taken], torch.where(decoded, positions, -1).expand(shape)),
+        (partial.scores[:, :, taken], scores.expand(shape)),
+    ):
+        copy_rows(target, source, rows)
 
 
 def only_if(flag: Tensor, body: Callable[[], None], conditional: bool) -> None:
@@ -372,7 +399,6 @@ def check_static(cache: PolicyCache, new_tokens: int) -> None:
         )
     if isinstance(policy, Full) or (
         isinstance(policy, RefreshKV)
-        and not policy.keep_decoded  # its answer's slots move with host lengths that replayed steps do not follow
         and all(isinstance(s, RefreshState) and type(s.full) is FullStore and s.partial is not None for s in states)
     ):
         return
