@@ -83,15 +83,44 @@ SCORES += [
         ("3-4", "threshold -1", "smollm2-multivalue-never.jsonl", "refreshkv", {"threshold": -1.0}),
         ("3-4", "recycled", "smollm2-multivalue-never.jsonl", "recycled", {}),
         ("0-4", "anchor=answer", "smollm2-multivalue-answer.jsonl", "refreshkv", {"anchor": "answer"}),
-        (
-            "0-4",
-            "keep_decoded, question_floor 4",
-            "smollm2-multivalue-keep-decoded.jsonl",
-            "refreshkv",
-            {"keep_decoded": True, "question_floor": 4.0},
+        *(
+            (
+                "0-4",
+                f"keep_decoded, question_floor {floor}",
+                f"smollm2-multivalue-keep-decoded{tag}.jsonl",
+                "refreshkv",
+                {"keep_decoded": True, "question_floor": floor},
+            )
+            for floor, tag in ((4.0, ""), (2.0, "-qf2"))
         ),
     )
-    for baseline in (DEFAULTS[seeds], [(base, "snapkv", {}) for base in BASELINE_FILES[seeds]])
+    for baseline in (
+        DEFAULTS[seeds],
+        *([(base, method, {}) for base in BASELINE_FILES[seeds]] for method in ("snapkv", "oracle")),
+    )
+]
+# keep_decoded with question_floor 2 on the rest of the dev sets, against the default's rows and the baselines'
+KEEP_DECODED_QF2: dict = {"keep_decoded": True, "question_floor": 2.0}
+SCORES += [
+    (what, [(file, "refreshkv", KEEP_DECODED_QF2)], [base])
+    for what, file, bases in (
+        (
+            "SmolLM2 dev, keep_decoded qf2",
+            "smollm2-keep-decoded-qf2.jsonl",
+            [("smollm2-qf1.jsonl", None, {}), ("smollm2-wider-multikey.jsonl", "snapkv", {})],
+        ),
+        (
+            "Gemma 8K, keep_decoded qf2",
+            "gemma-keep-decoded-qf2.jsonl",
+            [("gemma-qf1.jsonl", None, {}), *(("gemma-new.jsonl", m, {}) for m in ("snapkv", "oracle"))],
+        ),
+        (
+            "Gemma multi-turn, keep_decoded qf2",
+            "multi-turn-gemma-keep-decoded-qf2.jsonl",
+            [("multi-turn-gemma-qf1.jsonl", None, {}), *(("multi-turn-gemma.jsonl", m, {}) for m in ("quest", "full"))],
+        ),
+    )
+    for base in bases
 ]
 SCORES += [
     ("SmolLM2 multikey", [("smollm2-qf1.jsonl", None, {})], [("smollm2-wider-multikey.jsonl", m, {})])
@@ -118,6 +147,8 @@ PERPLEXITY = [
     ("Gemma", "gemma-16k-qf1c0.jsonl", "gemma-16k-t09.jsonl"),
     ("Gemma", "gemma-16k-keep-decoded.jsonl", "gemma-16k-qf1.jsonl"),
     ("Gemma", "gemma-16k-keep-decoded-qf1.jsonl", "gemma-16k-qf1.jsonl"),
+    ("Gemma", "gemma-16k-keep-decoded-qf2.jsonl", "gemma-16k-qf1.jsonl"),
+    ("SmolLM2", "smollm2-keep-decoded-qf2.jsonl", "smollm2-qf1.jsonl"),
 ]
 
 
