@@ -144,7 +144,8 @@ def test_partial_cache_after_prefill_is_pooled_top_k(llama, monkeypatch):
 
 def test_partial_step_evicts_the_lowest_scored_recycled_token(llama):
     ids = random_prompt(64)
-    cache = PolicyCache(make_policy("refreshkv", budget=10, threshold=-1.0), llama, max_new_tokens=4)
+    papers = make_policy("refreshkv", budget=10, threshold=-1.0, keep_decoded=False)  # C_p of K + 1 slots
+    cache = PolicyCache(papers, llama, max_new_tokens=4)
     with torch.no_grad():
         logits = llama(ids, **with_cache(llama, cache)).logits[:, -1:]
         state = cache.layers[1].state
@@ -161,11 +162,11 @@ def test_partial_step_evicts_the_lowest_scored_recycled_token(llama):
 
 
 def test_keep_decoded_holds_the_answer_beside_the_selection(llama):
-    """keep_decoded: no selected token is evicted for a decoded one, and C_p reads grow with them; a refresh selects
+    """keep_decoded (the default): no selected token is evicted for a decoded one, and C_p reads grow with them; a refresh selects
     K tokens before the answer and keeps the answer so far (threshold 1: every layer refreshes at each QC step)."""
     ids, steps = random_prompt(64), NEW - 1
     never = {"method": "refreshkv", "budget": 10, "threshold": -1.0, "max_new_tokens": NEW, "eos_token_id": []}
-    kept, evicting = generate(llama, ids, keep_decoded=True, **never), generate(llama, ids, **never)
+    kept, evicting = generate(llama, ids, **never), generate(llama, ids, keep_decoded=False, **never)
     answer = set(range(64, 64 + steps))
     for layer in kept.cache.layers:
         held = set(layer.state.partial.store.positions[0, 0].tolist()) - {-1}
@@ -397,6 +398,7 @@ def test_a_refresh_keeps_a_held_token_whose_carried_score_still_ranks(monkeypatc
         ),
         prompt_spans=None,
         budget=2,
+        model_type="llama",
     )
     method = RefreshKV(budget=2, kernel=1, pooling="centered", carry=carry)
     probs = torch.tensor([[0.0, 0.9, 0.0, 0.0, 0.05, 0.05], [0.0, 0.0, 0.5, 0.4, 0.0, 0.1]]).view(2, 1, 1, 1, 1, 6)
@@ -427,7 +429,7 @@ def test_the_question_floor_keeps_a_question_token_through_refreshes_that_carry_
     monkeypatch.setenv("REFRESHKV_NATIVE", native)
     keys, values = torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4)
     state = SimpleNamespace(partial=SelectionState.empty_like(keys, 3), question_positions=None, question_scores=None)
-    layer = SimpleNamespace(state=state, prompt_spans=None, budget=2)
+    layer = SimpleNamespace(state=state, prompt_spans=None, budget=2, model_type="llama")
     method = RefreshKV(budget=2, kernel=1, pooling="centered", carry=0.5, question_floor=floor)
     probs = torch.tensor([[0.0, 0.9, 0.0, 0.0, 0.05, 0.05], [0.0, 0.0, 0.5, 0.4, 0.0, 0.1]]).view(2, 1, 1, 1, 1, 6)
     method._select_for_question(layer, probs[0], None, (keys, values))
@@ -633,6 +635,22 @@ def test_threshold_default_follows_the_model_family(llama, qwen2):
     )
 
 
+def test_question_floor_default_follows_the_model_family(llama):
+    """Issue 47: the question's selection weighs 4x at a refresh unless given; Gemma 3 keeps 1."""
+    from refreshkv import METHODS
+
+    gemma = tiny_model("gemma3", layers=2)
+    for model, family_floor in ((llama, 4.0), (gemma, 1.0)):
+        for policy, floor in (
+            (make_policy("refreshkv"), family_floor),
+            (make_policy("refreshkv", question_floor=2), 2),
+        ):
+            cache = PolicyCache(policy, model)
+            assert [policy.floor_share(layer) for layer in cache.layers] == [floor] * len(cache.layers)
+    assert "1.0 for gemma3_text, 4.0 otherwise" == METHODS["refreshkv"].parameters()["question_floor"]
+    assert METHODS["recycled"].parameters()["question_floor"] == 0.0
+
+
 def test_gather_tokens_equals_gather_on_store_slices_and_any_layout():
     from refreshkv.core.kvstore import gather_tokens
 
@@ -766,7 +784,12 @@ def test_a_preset_gives_its_values_and_parameters_beside_it_override_them():
     assert (paper.kernel, paper.pooling, paper.window, paper.carry, paper.aggregation) == (15, "centered", 1, 0, "max")
     assert paper.question_floor == 0
     defaults = make_policy("refreshkv"), make_policy("recycled")
-    assert [(p.window, p.carry, p.question_floor) for p in defaults] == [(32, 0.5, 1.0), (32, 0.0, 0.0)]  # issue 47
+    # issue 47: the question's floor is the model family's unless given (4; Gemma 3 1)
+    assert [(p.window, p.carry, p.question_floor, p.keep_decoded) for p in defaults] == [
+        (32, 0.5, None, True),
+        (32, 0.0, 0.0, False),
+    ]
+    assert not paper.keep_decoded and not make_policy("recycled", preset="paper").keep_decoded
     assert make_policy("snapkv", preset="paper").window == 1 and make_policy("snapkv").window == 32
     assert make_policy("recycled", preset="paper").stride == 10  # recycled's own schedule stays
     for name, cls in METHODS.items():  # every preset builds; a preset of one method is not another's

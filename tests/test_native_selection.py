@@ -132,6 +132,7 @@ def refreshed_partial(monkeypatch, method, probs, valid, keys, values, spans, sl
             partial=SelectionState.empty_like(keys, slots), question_positions=None, question_scores=None
         ),
         prompt_spans=spans,
+        model_type="llama",
         budget=slots - 1,
     )
     with monkeypatch.context() as scoped:
@@ -287,7 +288,7 @@ def test_a_refresh_carries_the_held_scores_in_c_as_in_pytorch(monkeypatch, carry
         state = SimpleNamespace(
             partial=SelectionState.empty_like(keys, slots), question_positions=None, question_scores=None
         )
-        layer = SimpleNamespace(state=state, prompt_spans=None, budget=slots - 1)
+        layer = SimpleNamespace(state=state, prompt_spans=None, budget=slots - 1, model_type="llama")
         method._select_for_question(layer, first, None, (keys, values))
         partial = layer.state.partial
         partial.store.positions[:, :, -1], partial.scores[:, :, -1] = length - 1, APPENDED + 1  # a decoded token
@@ -302,6 +303,7 @@ def test_a_refresh_carries_the_held_scores_in_c_as_in_pytorch(monkeypatch, carry
         ),
         prompt_spans=None,
         budget=slots - 1,
+        model_type="llama",
     )
     without._refresh(layer, second, None, (keys, values))
     assert not torch.equal(layer.state.partial.store.positions, held[0][0])  # the carry changed the selection
@@ -401,6 +403,7 @@ def test_c_refreshes_only_the_marked_rows_as_the_pytorch_rows_path_does(monkeypa
             ),
             prompt_spans=None,
             budget=slots - 1,
+            model_type="llama",
         )
         method._refresh(layer, first, None, (keys, values))
         partial = layer.state.partial

@@ -32,8 +32,9 @@ def model():
     return tiny_model("llama", layers=3)
 
 
-def static_run(model, name, params, prompt, new_tokens=NEW, **options):
-    cache = StaticCache(make_policy(name, **params), model, max_new_tokens=new_tokens)
+def static_run(model, name, params, prompt, new_tokens=NEW, announced=None, **options):
+    """`new_tokens` static steps from a cache told of `announced` new tokens (by default as many)."""
+    cache = StaticCache(make_policy(name, **params), model, max_new_tokens=announced or new_tokens)
     with torch.inference_mode():
         logits, _ = prefill(model, prompt, torch.ones_like(prompt), cache)
         for layer in cache.layers:  # what a reused allocation may hold where no token was written yet
@@ -93,7 +94,8 @@ def test_rows_decide_apart_at_a_query_check(model, one_thread):
 def test_the_cache_goes_on_eagerly_after_static_steps(model, name, params, one_thread):
     prompt = random_prompt(96, seed=4)
     whole = generate(model, prompt, method=make_policy(name, **params), max_new_tokens=3 * NEW - 1, eos_token_id=[])
-    cache, out = static_run(model, name, params, prompt, new_tokens=2 * NEW)
+    # the cache is told of every token the eager run decodes: keep_decoded sizes C_p by them
+    cache, out = static_run(model, name, params, prompt, new_tokens=2 * NEW, announced=3 * NEW - 1)
     with torch.inference_mode():
         rest = decode(
             model,

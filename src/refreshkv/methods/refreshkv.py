@@ -5,9 +5,10 @@ recycled-attention.txt §2.3, §6):
 - prefill: full attention; C_p = top-K tokens by the attention of the last `window` prompt tokens (32 by default,
   SnapKV's observation window, so that a question is read whole; the papers' 1, A.1), max-pooled over positions
   (`kernel`) and aggregated over the query heads of a GQA group (`aggregation`, max by default, A.3);
-- partial step: attend to C_p plus the new token, which takes the slot of the lowest-scored entry, so C_p keeps K
-  entries besides the newest token (with `keep_decoded`, a candidate of issue 47, an empty slot: C_p holds its K
-  and every token decoded since, as snapkv's cache holds K + T);
+- partial step: attend to C_p plus the new token. `refreshkv` keeps every token decoded since the question beside
+  the K (`keep_decoded`, issue 47: C_p holds K + t, as snapkv's cache holds K + T; a refresh selects its K before the
+  answer and keeps the answer so far); `recycled` and the papers let the new token take the slot of the
+  lowest-scored entry, so C_p keeps K entries besides the newest token;
 - full step: attend to all of C_f and rebuild C_p from the current query's attention (as the papers), where each
   token C_p holds scores at least `carry` x its score there (0.5 by default; the papers' 0 selects from the one
   query alone, 1 keeps a kept token's best score). Issue 47 (docs/results.md): the window finds the needle of a
@@ -15,10 +16,11 @@ recycled-attention.txt §2.3, §6):
   (SmolLM2 multikey 16 of 30 against 11) at the same perplexity; carry 1 cost Gemma 3 270M 2.8% of perplexity at
   16K. `recycled` keeps 0: its fixed schedule was not measured with a carry of 0.5.
   And each token the question's window selected (the prompt's, or a conversation's latest question) scores at
-  least `question_floor` x its score there at every refresh until the next question (1 by default; the papers' 0),
-  so that an answer listing several values can keep them. Issue 47 (docs/results.md): SmolLM2 multivalue 0.45
-  against 0.43 of 80 (within noise; snapkv 0.47), Gemma 3 multikey at the oracle's 0.7, perplexity within noise
-  (Gemma 16K 1.029 against 1.026). `recycled` keeps 0, as for the carry.
+  least `question_floor` x its score there at every refresh until the next question (the family's: 4, Gemma 3 1;
+  the papers' 0), so that an answer listing several values keeps them: a refresh's one query attends more peakily
+  than the window's mean, and at 1 its ordinary tokens outrank the question's marginal ones. Issue 47
+  (docs/results.md): with `keep_decoded`, SmolLM2 multivalue at snapkv's level where the fixed K with a floor of 1
+  was below it; Gemma 3 keeps 1, which holds its perplexity at 16K. `recycled` keeps 0 and a fixed-size C_p.
 C_f is read only at full steps, so it can be held in few bits or off the GPU (`full_cache`: dense, int8, int4, int2,
 offload; core/full_cache.py). Then a full step attends to the dequantized C_f and C_p is gathered from it; the
 prefill's selection uses the prompt's exact keys.
@@ -82,6 +84,11 @@ LLAMA_THRESHOLD = 0.85  # A.4: chosen for Llama-3.1-8B; used for every family wi
 # queries stay closer to the last full step's, and at 0.85 a global layer kept reading its prefill selection while a
 # number was read (issue 47; docs/failure-analysis.md); 0.9 kept perplexity at 16K level and cost 1% per token at 8K.
 FAMILY_THRESHOLDS = {"qwen2": 0.95, "gemma3_text": 0.9}
+# Issue 47 (docs/results.md): a refresh scores by one query, whose attention is peakier than the question window's mean
+# over its queries, so the question's selection weighs 4x at a refresh; Gemma 3 keeps 1 (at 4 its three global layers
+# kept the prompt's selection through a long continuation: perplexity at 16K 1.040 of `full`'s against 1.026).
+QUESTION_FLOOR = 4.0
+FAMILY_QUESTION_FLOORS = {"gemma3_text": 1.0}
 QUERY_SPACES = ("pre_rope", "post_rope")
 ANCHORS = ("last", "window", "answer")
 
@@ -90,10 +97,14 @@ def default_threshold(model_type: str) -> float:
     return FAMILY_THRESHOLDS.get(model_type, LLAMA_THRESHOLD)
 
 
+def default_question_floor(model_type: str) -> float:
+    return FAMILY_QUESTION_FLOORS.get(model_type, QUESTION_FLOOR)
+
+
 @dataclasses.dataclass
 class RefreshState(LayerState):
     full: FullCacheStore  # C_f: dense, quantized or offloaded (core/full_cache.py)
-    partial: SelectionState | None  # C_p: K slots + the newest token; None while K holds every token (see decode)
+    partial: SelectionState | None  # C_p: K slots + the newest (keep_decoded: + the answer's); None while K holds all
     # (B, D) compared query of the last full step (dynamic schedule only; None until a question's first check with
     # anchor="answer")
     anchor: torch.Tensor | None
@@ -143,13 +154,13 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     layer refreshes (dynamic schedule); `kernel` (7) max-pooling kernel and `pooling` (span: centred, then whole
     words, engine/spans.py; centered: the papers'; forward: 1 token before a peak and kernel - 2 after), `window` (32)
     last prompt tokens whose attention selects at prefill (a longer window takes the whole prompt), `carry` (0.5) the
-    share of its score in C_p that a kept token keeps at a refresh, `question_floor` (1) the share of its score in
-    the question's selection that a token keeps at every refresh until the next question, `aggregation` (max) over
-    a GQA group; `query` (pre_rope) the space the check compares queries in; `anchor` (last) what a question's first
-    check compares with: its last token's query (the papers'), the mean of its `window` queries (window), or
-    nothing: that check takes the answer's query as the anchor (answer); `keep_decoded` (false, the papers') decoded
-    tokens kept in C_p beside its K instead of each evicting a selected one; `full_cache` (dense) how C_f is held
-    (int8/int4/int2, offload) and `group_size` (32) its quantization groups.
+    share of its score in C_p that a kept token keeps at a refresh, `question_floor` (4; Gemma 3 1) the share of its
+    score in the question's selection that a token keeps at every refresh until the next question, `aggregation` (max)
+    over a GQA group; `query` (pre_rope) the space the check compares queries in; `anchor` (last) what a question's
+    first check compares with: its last token's query (the papers'), the mean of its `window` queries (window), or
+    nothing: that check takes the answer's query as the anchor (answer); `keep_decoded` (true; the papers' false)
+    decoded tokens kept in C_p beside its K instead of each evicting a selected one; `full_cache` (dense) how C_f is
+    held (int8/int4/int2, offload) and `group_size` (32) its quantization groups.
     """
 
     name = "refreshkv"
@@ -165,6 +176,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             "aggregation": "max",
             "query": "pre_rope",
             "anchor": "last",
+            "keep_decoded": False,
         }
     }
 
@@ -175,13 +187,13 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     pooling: str = "span"  # the papers' is "centered" (preset "paper"); span keeps whole words: issue 30
     window: int = 32  # the papers' is 1 (preset "paper"): issue 47
     carry: float = 0.5  # the papers' is 0 (preset "paper"): issue 47; 1 cost perplexity at 16K
-    question_floor: float = 1.0  # the papers' is 0 (preset "paper"): issue 47, an answer listing several values
+    question_floor: float | None = None  # the family's (4; Gemma 3 1); the papers' 0 (preset "paper"): issue 47
     aggregation: str = "max"
     query: str = "pre_rope"
     full_cache: str = "dense"
     group_size: int = DEFAULT_GROUP_SIZE
     anchor: str = "last"
-    keep_decoded: bool = False  # the papers' (a fixed-size C_p); True: a candidate of issue 47 (docs/methods.md)
+    keep_decoded: bool = True  # the papers' is a fixed-size C_p (preset "paper"): issue 47, as snapkv keeps K + T
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -196,7 +208,8 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         check_positive("window", self.window)
         if not (is_number(self.carry) and 0 <= self.carry <= 1):
             raise PolicyError(f"carry must be a share in [0, 1], got {self.carry!r}")
-        if not (is_number(self.question_floor) and 0 <= self.question_floor < float("inf")):
+        floor = self.question_floor
+        if floor is not None and not (is_number(floor) and 0 <= floor < float("inf")):
             raise PolicyError(f"question_floor must be a finite number >= 0, got {self.question_floor!r}")
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
         check_choice("query", self.query, QUERY_SPACES)
@@ -213,6 +226,9 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         if params["stride"] is None:  # what the dynamic schedule uses when qc_stride / threshold are not given
             tuned = ", ".join(f"{value} for {family}" for family, value in FAMILY_THRESHOLDS.items())
             params.update(qc_stride=DEFAULT_QC_STRIDE, threshold=f"{tuned}, {LLAMA_THRESHOLD} otherwise")
+        if params["question_floor"] is None:
+            tuned = ", ".join(f"{value} for {family}" for family, value in FAMILY_QUESTION_FLOORS.items())
+            params.update(question_floor=f"{tuned}, {QUESTION_FLOOR} otherwise")
         return params
 
     def compared_query(self, layer: RefreshLayer, query: Tensor, width: int = 1) -> Tensor:
@@ -440,15 +456,20 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         with `question_floor`, kept aside as the floor of the refreshes until the next question."""
         self._refresh(layer, probs, valid, full_kv, carry=False)
         state: RefreshState = layer.state
-        if self.question_floor > 0 and state.partial is not None:
+        if self.floor_share(layer) > 0 and state.partial is not None:
             state.question_positions = state.partial.store.positions.clone()
             state.question_scores = state.partial.scores.clone()
 
-    def _question_floor(self, state: RefreshState) -> tuple[Tensor, Tensor] | None:
-        """The question's selection that a refresh keeps as a floor, or None."""
-        if self.question_floor == 0 or state.question_positions is None or state.question_scores is None:
+    def floor_share(self, layer: RefreshLayer) -> float:
+        """`question_floor`, or the model family's where it is not given."""
+        return default_question_floor(layer.model_type) if self.question_floor is None else self.question_floor
+
+    def _question_floor(self, layer: RefreshLayer) -> tuple[Tensor, Tensor, float] | None:
+        """The question's selection that a refresh keeps as a floor and the share of its scores kept, or None."""
+        state, share = layer.state, self.floor_share(layer)
+        if share == 0 or state.question_positions is None or state.question_scores is None:
             return None
-        return state.question_positions, state.question_scores
+        return state.question_positions, state.question_scores, share
 
     def _refresh(
         self,
@@ -487,11 +508,10 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             # scores go back into the store, which the refresh rewrites whole, so the C reads the carry from there.
             for target, source in zip((partial.store.positions, partial.scores), held):
                 copy_rows(target, source, rows)
-        floor = self._question_floor(layer.state) if carry else None
+        floor = self._question_floor(layer) if carry else None
         if self.aggregation != "mean" and isinstance(full_kv, tuple):
             keys, values = full_kv
             window, first_only = pool_window(self.kernel, self.pooling), self.aggregation == "first"
-            kept_aside = None if floor is None else (*floor, self.question_floor)
             if native_selection.refresh_partial(
                 per_head,
                 first_only,
@@ -504,7 +524,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
                 store,
                 (carry_share, APPENDED),
                 rows,
-                kept_aside,
+                floor,
             ):
                 if rows is None:
                     partial.loaded(k)
@@ -517,7 +537,8 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         if carry_share > 0:
             scores = carried((partial.store.positions, partial.scores), scores, carry_share)
         if floor is not None:
-            scores = carried(floor, scores, self.question_floor)
+            positions, floor_scores, share = floor
+            scores = carried((positions, floor_scores), scores, share)
         index, kept = keep_top(scores, k)  # pads scored -inf: a top k, no entry -1
         if not isinstance(full_kv, tuple) and partial.load_quantized(full_kv, index, kept, rows):
             return k
@@ -572,7 +593,7 @@ class Recycled(RefreshKV):
     Parameters: as `refreshkv` (`budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest
     prompt, 1/8 by default); `stride`; `qc_stride` and `threshold` unused unless `stride` is None;
     `kernel`, `pooling`, `window`, `carry` (0 here), `question_floor` (0 here), `aggregation`, `query`, `anchor`
-    (unused unless `stride` is None), `keep_decoded`, `full_cache`, `group_size`).
+    (unused unless `stride` is None), `keep_decoded` (false here), `full_cache`, `group_size`).
     """
 
     name = "recycled"
@@ -580,4 +601,5 @@ class Recycled(RefreshKV):
 
     stride: int | None = 10
     carry: float = 0.0  # refreshkv's 0.5 was measured on the dynamic schedule only (issue 47)
-    question_floor: float = 0.0  # likewise
+    question_floor: float | None = 0.0  # likewise
+    keep_decoded: bool = False  # likewise
