@@ -99,24 +99,27 @@ SCORES += [
         *([(base, method, {}) for base in BASELINE_FILES[seeds]] for method in ("snapkv", "oracle")),
     )
 ]
-# keep_decoded with question_floor 2 on the rest of the dev sets, against the default's rows and the baselines'
-KEEP_DECODED_QF2: dict = {"keep_decoded": True, "question_floor": 2.0}
+# the default since issue 47's keep_decoded (the question's floor the family's: 4, Gemma 3 1) on the rest of the dev
+# sets, against the default before it and the baselines'
 SCORES += [
-    (what, [(file, "refreshkv", KEEP_DECODED_QF2)], [base])
-    for what, file, bases in (
+    (what, [(file, "refreshkv", {"keep_decoded": True, "question_floor": floor})], [base])
+    for what, file, floor, bases in (
         (
-            "SmolLM2 dev, keep_decoded qf2",
-            "smollm2-keep-decoded-qf2.jsonl",
+            "SmolLM2 dev, keep_decoded, floor 4",
+            "smollm2-keep-decoded.jsonl",
+            4.0,
             [("smollm2-qf1.jsonl", None, {}), ("smollm2-wider-multikey.jsonl", "snapkv", {})],
         ),
         (
-            "Gemma 8K, keep_decoded qf2",
-            "gemma-keep-decoded-qf2.jsonl",
+            "Gemma 8K, keep_decoded, floor 1",
+            "gemma-keep-decoded-qf1.jsonl",
+            1.0,
             [("gemma-qf1.jsonl", None, {}), *(("gemma-new.jsonl", m, {}) for m in ("snapkv", "oracle"))],
         ),
         (
-            "Gemma multi-turn, keep_decoded qf2",
-            "multi-turn-gemma-keep-decoded-qf2.jsonl",
+            "Gemma multi-turn, keep_decoded, floor 1",
+            "multi-turn-gemma-keep-decoded-qf1.jsonl",
+            1.0,
             [("multi-turn-gemma-qf1.jsonl", None, {}), *(("multi-turn-gemma.jsonl", m, {}) for m in ("quest", "full"))],
         ),
     )
@@ -148,7 +151,6 @@ PERPLEXITY = [
     ("Gemma", "gemma-16k-keep-decoded.jsonl", "gemma-16k-qf1.jsonl"),
     ("Gemma", "gemma-16k-keep-decoded-qf1.jsonl", "gemma-16k-qf1.jsonl"),
     ("Gemma", "gemma-16k-keep-decoded-qf2.jsonl", "gemma-16k-qf1.jsonl"),
-    ("SmolLM2", "smollm2-keep-decoded-qf2.jsonl", "smollm2-qf1.jsonl"),
 ]
 
 
