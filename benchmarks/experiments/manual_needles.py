@@ -40,8 +40,10 @@ METHODS = {
     "oracle": "oracle",
     "snapkv": "snapkv",
     "quest": "quest",
-    "refreshkv (papers' selection)": make_policy("refreshkv", window=1, carry=0.0, question_floor=0.0),
-    "refreshkv (no floor)": make_policy("refreshkv", question_floor=0.0),
+    "refreshkv (papers' selection)": make_policy(
+        "refreshkv", window=1, carry=0.0, question_floor=0.0, keep_decoded=False
+    ),
+    "refreshkv (before: floor 1, C_p of K + 1)": make_policy("refreshkv", question_floor=1.0, keep_decoded=False),
     "refreshkv": "refreshkv",
     "recycled": "recycled",
 }
