@@ -12,13 +12,13 @@ KEY?" (with several values: "What are all the special magic numbers for KEY?") w
 method's default), greedy. A trial scores the share of the values the answer holds. Every method decodes from one
 shared prefill (`generate_many`).
 
-Answers (10 trials each, AMD EPYC, one thread; docs/results/selection-dev/manual-needles.json, commit 0ca309a, and
-manual-needles-multivalue.json, commit faa1dd0): one needle was found by full, snapkv, recycled and refreshkv (the
-papers' selection, the default without its floor and the default) in 9 trials, the oracle 8, quest 5: this manual
-does not reproduce the held-out failure of the papers' selection (issue 47: 0 of 2 there). Four values: snapkv 3.75
-of 10, refreshkv without the floor 3.5, the default 3, the oracle 2.75, recycled 2.5, the papers' selection 2,
-`full` 1.75, quest 0.5: as in the held-out cases (`full` 0.25, snapkv 0.40-0.50), keeping K tokens finds more values
-than attending to all of them, and the default, which attends fully at some steps, sits between the two.
+Answers (10 trials each; docs/results/selection-dev/manual-needles.json and manual-needles-multivalue.json, an Intel
+Xeon, one thread, the commit that gave refreshkv `keep_decoded`): one needle was found by full, snapkv, recycled and
+refreshkv (the papers' selection, the default before `keep_decoded` and the default) in 9 trials, the oracle 8, quest
+5: this manual does not reproduce the held-out failure of the papers' selection (issue 47: 0 of 2 there). Four
+values: snapkv and the default 3.75 of 10, the default before 3, the oracle 2.75, recycled 2.5, the papers'
+selection 2, `full` 1.75, quest 0.5 (the labels that ran before, on an AMD EPYC, gave the same answers): as in the
+held-out cases (`full` 0.25, snapkv 0.40-0.50), keeping K tokens finds more values than attending to all of them.
 """
 
 from __future__ import annotations
