@@ -125,6 +125,15 @@ SCORES += [
     )
     for base in bases
 ]
+PREFIXED_MULTIVALUE = "smollm2-prefixed-multivalue-keep-decoded.jsonl"  # seed 1: the default now, before, snapkv
+SCORES += [
+    (
+        "SmolLM2 prefixed multivalue, seed 1",
+        [(PREFIXED_MULTIVALUE, "refreshkv", {"keep_decoded": True, "question_floor": 4.0})],
+        [(PREFIXED_MULTIVALUE, method, params)],
+    )
+    for method, params in (("refreshkv", {"keep_decoded": False, "question_floor": 1.0}), ("snapkv", {}))
+]
 SCORES += [
     ("SmolLM2 multikey", [("smollm2-qf1.jsonl", None, {})], [("smollm2-wider-multikey.jsonl", m, {})])
     for m in ("refreshkv", "snapkv")
