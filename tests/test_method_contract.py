@@ -20,7 +20,7 @@ OPTIONS = {
     "refreshkv+carry": {"carry": 1.0},
     "recycled+carry": {"carry": 0.5},
     "refreshkv+no_question_floor": {"question_floor": 0.0},
-    "refreshkv+keep_decoded": {"keep_decoded": True, "question_floor": 4.0},
+    "refreshkv+papers_partial_cache": {"keep_decoded": False},  # C_p of K + 1 on the dynamic schedule
     "refreshkv+answer_anchor": {"anchor": "answer"},
 }  # values not the default, held too
 CASES = ALL + sorted(OPTIONS)

@@ -108,7 +108,7 @@ class RefreshState(LayerState):
     # (B, D) compared query of the last full step (dynamic schedule only; None until a question's first check with
     # anchor="answer")
     anchor: torch.Tensor | None
-    # with `question_floor`: (B, Hkv, K + 1) positions and scores that the last question's window selected
+    # with `question_floor`: (B, Hkv, C_p's slots) positions and scores that the last question's window selected
     question_positions: Tensor | None = None
     question_scores: Tensor | None = None
     answer_start: int = 0  # position of the first token after the last question (its answer's first)
@@ -123,6 +123,12 @@ class RefreshState(LayerState):
 
     def kept(self, pads: Tensor | None) -> Tensor:
         return self.full.kept(pads)
+
+
+def answer_scores(positions: Tensor, answer_start: int) -> Tensor:
+    """The eviction scores of the answer's tokens at `positions`, as `put` scored each at the step that decoded it
+    (eager and static decoding hold the answer alike)."""
+    return (APPENDED + 1 + positions - answer_start).float()
 
 
 def copy_rows(target: Tensor, source: Tensor, rows: Tensor | None) -> None:
@@ -571,7 +577,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         keys, values = state.full.span(start, end)
         store, taken = partial.store, slice(kept, kept + end - start)
         positions = torch.arange(start, end, device=keys.device).expand(*keys.shape[:3])
-        scores = (APPENDED + 1 + positions - state.answer_start).float()  # as `put` scores the step that decoded it
+        scores = answer_scores(positions, state.answer_start)
         for target, source in (
             (store.keys[:, :, taken], keys),
             (store.values[:, :, taken], values),

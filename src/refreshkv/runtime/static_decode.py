@@ -34,13 +34,13 @@ from ..core.selection import APPENDED, SelectionPolicy, SelectionState
 from ..engine.cache import PolicyCache, PolicyLayer, hand_over
 from ..engine.cache_argument import with_cache
 from ..methods.full import Full
-from ..methods.refreshkv import RefreshKV, RefreshState, copy_rows
+from ..methods.refreshkv import RefreshKV, RefreshState, answer_scores, copy_rows
 from .compiled import compiled_forward
 from .generate import StepTimer
 
 UNSUPPORTED = (
-    "static decoding runs full, refreshkv and recycled with a dense C_f (budget below the cache) and "
-    "the eviction methods that evict by their stored scores"
+    "static decoding runs full, refreshkv and recycled with a dense C_f (budget below the cache) and the eviction "
+    "methods that evict by their stored scores"
 )
 
 
@@ -177,7 +177,7 @@ def hold_answer(state: RefreshState, kept: int, seen: Tensor, rows: Tensor | Non
     positions = torch.arange(start, start + room, device=seen.device)
     decoded = positions < seen
     shape = (*full.keys.shape[:2], room)
-    scores = torch.where(decoded, (APPENDED + 1 + positions - start).float(), float("-inf"))
+    scores = torch.where(decoded, answer_scores(positions, start), float("-inf"))
     answer = decoded.view(1, 1, room, 1)
     for target, source in (
         (store.keys[:, :, taken], torch.where(answer, full.keys[:, :, start : start + room], 0)),
