@@ -13,7 +13,7 @@ method's default), greedy. A trial scores the share of the values the answer hol
 shared prefill (`generate_many`).
 
 Answers (10 trials each; docs/results/selection-dev/manual-needles.json and manual-needles-multivalue.json, an Intel
-Xeon, one thread, the commit that gave refreshkv `keep_decoded`): one needle was found by full, snapkv, recycled and
+Xeon, one thread, commit 95a0515 (refreshkv with `keep_decoded`)): one needle was found by full, snapkv, recycled and
 refreshkv (the papers' selection, the default before `keep_decoded` and the default) in 9 trials, the oracle 8, quest
 5: this manual does not reproduce the held-out failure of the papers' selection (issue 47: 0 of 2 there). Four
 values: snapkv and the default 3.75 of 10, the default before 3, the oracle 2.75, recycled 2.5, the papers'
