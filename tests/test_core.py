@@ -114,7 +114,7 @@ def test_fixed_stride_full_step_fraction(llama):
 
 def test_partial_cache_after_prefill_is_pooled_top_k(llama, monkeypatch):
     """C_p after the prompt = the top-K of the last token's max-pooled, group-max attention, per KV head."""
-    from refreshkv.methods import refreshkv as method
+    from refreshkv.methods.refreshkv import policy as method
 
     seen = []
     original = method.attention_probs
@@ -402,11 +402,11 @@ def test_a_refresh_keeps_a_held_token_whose_carried_score_still_ranks(monkeypatc
     )
     method = RefreshKV(budget=2, kernel=1, pooling="centered", carry=carry)
     probs = torch.tensor([[0.0, 0.9, 0.0, 0.0, 0.05, 0.05], [0.0, 0.0, 0.5, 0.4, 0.0, 0.1]]).view(2, 1, 1, 1, 1, 6)
-    method._refresh(layer, probs[0], None, (keys, values))
+    method.selection_rule(layer).refresh(layer, probs[0], None, (keys, values))
     partial = layer.state.partial
     assert partial.store.positions[0, 0, :2].tolist() == [1, 4]
     partial.store.positions[0, 0, 2], partial.scores[0, 0, 2] = 5, APPENDED + 3  # token 5, decoded
-    method._refresh(layer, probs[1], None, (keys, values))
+    method.selection_rule(layer).refresh(layer, probs[1], None, (keys, values))
     assert partial.store.positions[0, 0, :2].tolist() == kept
     assert partial.scores[0, 0, :2].tolist() == pytest.approx(
         [max(0.5 if i == 2 else 0.4 if i == 3 else 0.0, carry * 0.9 if i == 1 else 0) for i in kept]
@@ -432,11 +432,11 @@ def test_the_question_floor_keeps_a_question_token_through_refreshes_that_carry_
     layer = SimpleNamespace(state=state, prompt_spans=None, budget=2, model_type="llama")
     method = RefreshKV(budget=2, kernel=1, pooling="centered", carry=0.5, question_floor=floor)
     probs = torch.tensor([[0.0, 0.9, 0.0, 0.0, 0.05, 0.05], [0.0, 0.0, 0.5, 0.4, 0.0, 0.1]]).view(2, 1, 1, 1, 1, 6)
-    method._select_for_question(layer, probs[0], None, (keys, values))
+    method.selection_rule(layer).select_for_question(layer, probs[0], None, (keys, values))
     assert state.partial.store.positions[0, 0, :2].tolist() == [1, 4]
-    method._refresh(layer, probs[1], None, (keys, values))
+    method.selection_rule(layer).refresh(layer, probs[1], None, (keys, values))
     assert state.partial.store.positions[0, 0, :2].tolist() == [1, 2]  # both: carry alone still holds 0.45
-    method._refresh(layer, probs[1], None, (keys, values))
+    method.selection_rule(layer).refresh(layer, probs[1], None, (keys, values))
     assert state.partial.store.positions[0, 0, :2].tolist() == kept
     if floor:
         assert state.question_positions[0, 0, :2].tolist() == [1, 4]  # the question's selection, left as it was

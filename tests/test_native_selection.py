@@ -137,7 +137,7 @@ def refreshed_partial(monkeypatch, method, probs, valid, keys, values, spans, sl
     )
     with monkeypatch.context() as scoped:
         scoped.setenv("REFRESHKV_NATIVE", native)
-        method._refresh(layer, probs, valid, (keys, values))
+        method.selection_rule(layer).refresh(layer, probs, valid, (keys, values))
     partial = layer.state.partial
     return (
         partial.store.keys,
@@ -289,11 +289,11 @@ def test_a_refresh_carries_the_held_scores_in_c_as_in_pytorch(monkeypatch, carry
             partial=SelectionState.empty_like(keys, slots), question_positions=None, question_scores=None
         )
         layer = SimpleNamespace(state=state, prompt_spans=None, budget=slots - 1, model_type="llama")
-        method._select_for_question(layer, first, None, (keys, values))
+        method.selection_rule(layer).select_for_question(layer, first, None, (keys, values))
         partial = layer.state.partial
         partial.store.positions[:, :, -1], partial.scores[:, :, -1] = length - 1, APPENDED + 1  # a decoded token
         partial.store.positions[:, :, 0], partial.scores[:, :, 0] = -1, float("-inf")  # an emptied slot
-        method._refresh(layer, second, None, (keys, values))
+        method.selection_rule(layer).refresh(layer, second, None, (keys, values))
         held.append((partial.store.positions.clone(), partial.scores.clone()))
     assert torch.equal(held[0][0], held[1][0]) and torch.equal(held[0][1], held[1][1])
     without = RefreshKV(budget=slots - 1, kernel=5, pooling="centered", carry=0.0)
@@ -305,7 +305,7 @@ def test_a_refresh_carries_the_held_scores_in_c_as_in_pytorch(monkeypatch, carry
         budget=slots - 1,
         model_type="llama",
     )
-    without._refresh(layer, second, None, (keys, values))
+    without.selection_rule(layer).refresh(layer, second, None, (keys, values))
     assert not torch.equal(layer.state.partial.store.positions, held[0][0])  # the carry changed the selection
 
 
@@ -405,13 +405,13 @@ def test_c_refreshes_only_the_marked_rows_as_the_pytorch_rows_path_does(monkeypa
             budget=slots - 1,
             model_type="llama",
         )
-        method._refresh(layer, first, None, (keys, values))
+        method.selection_rule(layer).refresh(layer, first, None, (keys, values))
         partial = layer.state.partial
         held = (partial.store.positions.clone(), partial.scores.clone())
         if step_token:  # the step's token took the slot of a selected one, as a partial step's does
             partial.store.positions[:, :, 3], partial.scores[:, :, 3] = length - 1, APPENDED + 1
         before = partial.store.positions.clone()
-        method._refresh(layer, second, None, (keys, values), rows, held=held)
+        method.selection_rule(layer).refresh(layer, second, None, (keys, values), rows, held=held)
         refreshed.append((partial.store.keys, partial.store.positions, partial.scores, partial.filled, partial.empty))
         assert torch.equal(partial.store.positions[0], before[0])  # the row that did not refresh
         assert not torch.equal(partial.store.positions[1:], before[1:])

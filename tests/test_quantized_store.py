@@ -165,7 +165,7 @@ def test_a_refresh_from_a_quantized_cache_loads_what_a_refresh_from_its_dequanti
             )
         )
         layer.prompt_spans, layer.budget, layer.model_type = None, 20, "llama"
-        method._refresh(layer, probs, None, source, marked)
+        method.selection_rule(layer).refresh(layer, probs, None, source, marked)
         partial = layer.state.partial
         kept = partial.store.keys[:, :, :20], partial.store.values[:, :, :20]  # K = 20: the 21st slot is empty
         refreshed.append((*kept, partial.store.positions, partial.scores, partial.filled, partial.empty))

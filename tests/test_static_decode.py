@@ -11,10 +11,11 @@ import torch
 from conftest import random_prompt, tiny_model
 
 from refreshkv import generate, make_policy
+from refreshkv.core.device_steps import only_if
 from refreshkv.core.kvstore import FullStore
 from refreshkv.core.policy import PolicyError
 from refreshkv.runtime.generate import DecodeSettings, decode, prefill
-from refreshkv.runtime.static_decode import StaticCache, StaticDecoder, only_if
+from refreshkv.runtime.static_decode import StaticCache, StaticDecoder
 
 NEW = 20
 METHODS = [

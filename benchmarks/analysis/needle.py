@@ -85,14 +85,14 @@ class RecStreaming(RecSelection, StreamingLLM):
 class RecRefreshKV(Recorder, RefreshKV):
     full_first: bool = False  # a full step (and refresh) at decode step 1, the first query after the prompt
 
-    def _needs_full(self, layer, query):
+    def needs_full(self, layer, query):
         if self.full_first and layer.cache.step == 1:
             return True
-        return super()._needs_full(layer, query)
+        return super().needs_full(layer, query)
 
-    def _full_step(self, layer, query, scaling, rows=None):
+    def full_step(self, layer, query, scaling, rows=None, held=None):
         layer.was_full = True
-        return super()._full_step(layer, query, scaling, rows)
+        return super().full_step(layer, query, scaling, rows, held)
 
     def decode(self, layer, query, key, value, scaling):
         layer.was_full = False

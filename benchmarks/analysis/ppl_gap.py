@@ -47,9 +47,9 @@ REC: dict = {}
 class RecRefreshKV(RefreshKV):
     """RefreshKV that records, per step and layer: full step or not, and which of the last RECENT tokens C_p holds."""
 
-    def _full_step(self, layer, query, scaling, rows=None):
+    def full_step(self, layer, query, scaling, rows=None, held=None):
         layer.was_full = True
-        return super()._full_step(layer, query, scaling, rows)
+        return super().full_step(layer, query, scaling, rows, held)
 
     def decode(self, layer, query, key, value, scaling):
         layer.was_full = False

@@ -22,18 +22,24 @@ import torch
 
 from refreshkv.core import native_selection
 from refreshkv.measure.bench import bench_prompt, split_steps
-from refreshkv.methods.refreshkv import Recycled
+from refreshkv.methods.refreshkv import Recycled, SelectionRule
 from refreshkv.runtime.generate import generate
 from refreshkv.runtime.loading import load_model
+
+
+class PrefillOnly(SelectionRule):
+    """The selection rule at the prompt alone: a later refresh keeps C_p as it is."""
+
+    def refresh(self, layer, *arguments, **options):
+        return super().refresh(layer, *arguments, **options) if layer.step == 0 else 0
 
 
 @dataclasses.dataclass
 class WithoutRefreshes(Recycled):
     """`recycled` that fills C_p at prefill and never again: its full steps are attention over C_f alone."""
 
-    def _refresh(self, layer, probs, valid, full_kv, rows=None):
-        if layer.step == 0:
-            super()._refresh(layer, probs, valid, full_kv, rows)
+    def selection_rule(self, layer):
+        return PrefillOnly(**dataclasses.asdict(super().selection_rule(layer)))
 
 
 class Watched:

@@ -54,10 +54,12 @@ def refresher(package: str, pooling: str, length: int, budget: int, spans, nativ
     probs = torch.rand(1, KV_HEADS, GROUP, 1, length, generator=generator).softmax(-1)
     method = method_module.RefreshKV(budget=budget, pooling=pooling)
     state = method_module.RefreshState(None, selection.SelectionState.empty_like(keys, budget + 1), None)
-    layer = type("Layer", (), {"prompt_spans": spans, "state": state})()
+    layer = type("Layer", (), {"prompt_spans": spans, "state": state, "budget": budget, "model_type": "llama"})()
 
     def refresh():
-        if hasattr(method, "_selection_scores"):  # checkouts before the refresh in one C call took scores
+        if hasattr(method, "selection_rule"):  # the rule in one home (methods/refreshkv/partial_cache.py)
+            method.selection_rule(layer).refresh(layer, probs, None, (keys, values))
+        elif hasattr(method, "_selection_scores"):  # checkouts before the refresh in one C call took scores
             method._refresh(state, method._selection_scores(layer, probs), None, (keys, values))
         else:
             method._refresh(layer, probs, None, (keys, values))

@@ -12,13 +12,16 @@ at `pads[b]`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
 from .attention_math import Scaling
 from .kvstore import LayerState
+
+if TYPE_CHECKING:
+    from .full_cache import FullCacheStore
 
 State = TypeVar("State", bound=LayerState)
 """What a method keeps for a layer: `Policy[State]` hooks receive `MethodLayer[State]` (e.g. a `SelectionState`)."""
@@ -76,6 +79,12 @@ class MethodLayer(Protocol[State]):
 
     def positions(self, device: torch.device) -> Tensor:
         """(B or 1,) RoPE position of the newest token in each row (0 at a row's first real token)."""
+
+    def full_store(self, like: Tensor, full_cache: str = "dense", group_size: int | None = None) -> FullCacheStore:
+        """An empty store for every token of this layer (C_f), shaped like `like` (B, Hkv, L, D): the transformers
+        cache makes one that grows (`make_full_store`: dense, quantized or offloaded); a serving engine gives a view
+        of the blocks it already writes (refreshkv.serving). `group_size`: a quantized store's groups (None: KIVI's 32).
+        A method that keeps every token takes its store from here."""
 
     def capacity(self) -> int:
         """Tokens a store needs to hold the prompt and every announced decoded token (stores grow beyond it)."""

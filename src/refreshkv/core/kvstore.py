@@ -97,6 +97,14 @@ class LayerState:
         attributes a state reads from its rows (a count over them, the widest row) as the batch prefilled at once
         would hold them; by default a state has none."""
 
+    def advance(self, steps: int) -> None:
+        """Catch the host's counters up with `steps` tokens that device steps (core/device_steps.py) wrote."""
+        raise NotImplementedError(f"{type(self).__name__} is not written by device steps")
+
+    def clear_unwritten(self) -> None:
+        """Zero what a fixed-size store holds past its tokens, before device steps attend over the whole of it (a
+        masked entry weighs 0, and 0 x NaN is NaN); by default a state has no such entries."""
+
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows `index` (B',) of the batch, in that order (beam search reorders and repeats rows)."""
         for name, value in vars(self).items():
@@ -138,6 +146,13 @@ class FullStore(LayerState):
     def crop(self, tokens: int) -> None:
         """Forget the last `tokens` tokens (assisted decoding rejects drafted tokens)."""
         self.length -= tokens
+
+    def advance(self, steps: int) -> None:
+        self.length += steps
+
+    def clear_unwritten(self) -> None:
+        self.keys[:, :, self.length :].zero_()
+        self.values[:, :, self.length :].zero_()
 
     def nbytes(self) -> int:
         return _bytes(self.keys, self.values)

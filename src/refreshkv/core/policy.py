@@ -16,12 +16,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Collection
-from typing import Any, ClassVar, Generic, TypeGuard
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeGuard
 
 from torch import Tensor
 
 from .attention_math import Scaling, prompt_attention
 from .contract import MethodLayer, State
+from .kvstore import LayerState
+
+if TYPE_CHECKING:
+    from .device_steps import DeviceLayer
 
 DEFAULT_BUDGET_RATIO = 1 / 8  # the seeds' setting: K = L / 8
 
@@ -93,6 +97,23 @@ class Policy(Generic[State]):
         """Whether decode step `step` (counted from 1) takes a decision from device values (`refreshkv`'s QC steps).
         Under `compile=True` on a CPU, where reading them costs nothing, such a step runs eagerly (compiled.py)."""
         return False
+
+    def device_step_kind(self, step: int) -> str:
+        """The kind of decode step `step` (counted from 1) is under static decoding (runtime/static_decode.py), from
+        its number alone: each kind is captured as its own CUDA graph. "plain": every step alike."""
+        return "plain"
+
+    def runs_on_device(self, states: list[LayerState]) -> bool:
+        """Whether `device_step` can decode from these prefilled layer states (static decoding refuses otherwise)."""
+        return False
+
+    def device_step(
+        self, layer: DeviceLayer[State], query: Tensor, key: Tensor, value: Tensor, scaling: float
+    ) -> Tensor:
+        """One decode step with every per-step number on the device (core/device_steps.py): the new token's key and
+        value written at `layer.counters`' position; returns its attention output (B, 1, Hq, D); calls
+        `layer.record_full_share` once."""
+        raise PolicyError(f"method '{self.name}' has no device step")
 
     def budget_for(self, prompt_length: int) -> int:
         """K for a batch whose longest prompt has `prompt_length` tokens (`MethodLayer.budget`); 0: no budget."""

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from .attention_math import Scaling, attend_with_probs, decode_attention, top_k
 from .contract import MethodLayer
+from .device_steps import DeviceLayer, attend
 from .kvstore import LayerState, SlotStore
 from .policy import BudgetPolicy, PolicyError
 from .quantized_store import QuantizedFullStore
@@ -218,6 +219,10 @@ class SelectionState(LayerState):
             return None
         return self.store.valid(pads)
 
+    def advance(self, steps: int) -> None:
+        self.filled = 0  # mask until the slots are known full again
+        self.empty = int((self.store.positions < 0).sum(-1).min())
+
     def grow(self, extra: int) -> None:
         self.store.grow(extra)
         self.scores = torch.cat([self.scores, self.scores.new_full((*self.scores.shape[:2], extra), float("-inf"))], 2)
@@ -318,6 +323,22 @@ class SelectionPolicy(BudgetPolicy[SelectionState]):
             slots = state.store.slots
             state.grow((2 * slots if limit is None else min(2 * slots, limit)) - slots)
         state.put(self.eviction_scores(layer), key, value, layer.seen - 1, self.appended_score(layer))
+
+    def runs_on_device(self, states: list[LayerState]) -> bool:
+        """Methods that evict by their stored scores alone (the shared decode, append and eviction rule)."""
+        shared = all(
+            getattr(type(self), name) is getattr(SelectionPolicy, name)
+            for name in ("decode", "append", "observe", "eviction_scores", "appended_score")
+        )
+        return shared and all(isinstance(state, SelectionState) for state in states)
+
+    def device_step(
+        self, layer: DeviceLayer[SelectionState], query: Tensor, key: Tensor, value: Tensor, scaling: float
+    ) -> Tensor:
+        state, counters = layer.state, layer.counters
+        layer.record_full_share(0.0)
+        state.put(state.scores, key, value, counters.seen - 1, (APPENDED + counters.step).float())
+        return attend(query, state.store.keys, state.store.values, scaling, positions=state.store.positions)[0]
 
     def decode(self, layer: SelectionLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
         self.append(layer, key, value)

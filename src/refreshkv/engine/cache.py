@@ -27,6 +27,7 @@ from collections import Counter
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..core.full_cache import DEFAULT_GROUP_SIZE, FullCacheStore, make_full_store
 from ..core.policy import Policy, PolicyError, check_positive
 from ..core.rope import inverse_frequencies
 from .continuation import ContinuationCheck
@@ -224,6 +225,9 @@ class PolicyLayer(CacheLayerMixin):
 
     def positions(self, device) -> torch.Tensor:
         return self.cache.positions(self.seen, device)
+
+    def full_store(self, like, full_cache: str = "dense", group_size: int | None = None) -> FullCacheStore:
+        return make_full_store(like, self.capacity(), full_cache, group_size or DEFAULT_GROUP_SIZE)
 
     def capacity(self) -> int:
         return self.cache.capacity()

@@ -12,7 +12,8 @@ from torch import Tensor
 
 from ..core.attention_math import Scaling, decode_attention
 from ..core.contract import MethodLayer
-from ..core.kvstore import FullStore
+from ..core.device_steps import DeviceLayer, attend, write_token
+from ..core.kvstore import FullStore, LayerState
 from ..core.policy import Policy, register
 
 FullLayer = MethodLayer[FullStore]  # the layer of a method that keeps every token in a FullStore
@@ -27,7 +28,9 @@ class Full(Policy[FullStore]):
     summary = "vanilla attention over every token"
 
     def store_prompt(self, layer: FullLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> None:
-        layer.state = FullStore(key, layer.capacity())
+        store = layer.full_store(key)
+        assert isinstance(store, FullStore)  # a dense store: the transformers cache's or an engine's
+        layer.state = store
         layer.state.append(key, value)
 
     def decode(self, layer: FullLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
@@ -45,3 +48,13 @@ class Full(Policy[FullStore]):
 
     def crop(self, layer: FullLayer, tokens: int) -> None:
         layer.state.crop(tokens)
+
+    def runs_on_device(self, states: list[LayerState]) -> bool:
+        return all(type(state) is FullStore for state in states)
+
+    def device_step(
+        self, layer: DeviceLayer[FullStore], query: Tensor, key: Tensor, value: Tensor, scaling: float
+    ) -> Tensor:
+        layer.record_full_share(1.0)
+        write_token(layer.state, key, value, layer.counters.seen - 1)
+        return attend(query, layer.state.keys, layer.state.values, scaling, length=layer.counters.seen)[0]

@@ -59,7 +59,9 @@ class Oracle(BudgetPolicy[FullStore]):
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
 
     def store_prompt(self, layer: FullLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> None:
-        layer.state = FullStore(key, layer.capacity())
+        store = layer.full_store(key)
+        assert isinstance(store, FullStore)  # a dense store: the transformers cache's or an engine's
+        layer.state = store
         layer.state.append(key, value)
 
     def crop(self, layer: FullLayer, tokens: int) -> None:

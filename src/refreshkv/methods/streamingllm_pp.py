@@ -26,13 +26,7 @@ from torch import Tensor
 
 from ..core.attention_math import Scaling, decode_attention
 from ..core.contract import MethodLayer
-from ..core.full_cache import (
-    DEFAULT_GROUP_SIZE,
-    FullCacheStore,
-    check_full_cache,
-    check_group_size,
-    make_full_store,
-)
+from ..core.full_cache import DEFAULT_GROUP_SIZE, FullCacheStore, check_full_cache, check_group_size
 from ..core.kvstore import gather_tokens
 from ..core.policy import BudgetPolicy, check_positive, register
 from .streamingllm import check_sinks, effective_sinks
@@ -66,7 +60,7 @@ class StreamingLLMPlusPlus(BudgetPolicy[FullCacheStore]):
 
     def store_prompt(self, layer: FullCacheLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> None:
         check_group_size(self.full_cache, self.group_size, key.shape[-1])
-        full = make_full_store(key, layer.capacity(), self.full_cache, self.group_size)
+        full = layer.full_store(key, self.full_cache, self.group_size)
         full.append(key, value)
         layer.state = full
 

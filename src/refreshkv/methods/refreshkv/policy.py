@@ -1,4 +1,5 @@
-"""`refreshkv` (RefreshKV, dynamic schedule) and `recycled` (Recycled Attention, fixed stride).
+"""`refreshkv` (RefreshKV, dynamic schedule) and `recycled` (Recycled Attention, fixed stride): the parameters, the
+schedule and the hooks of the method protocol.
 
 Each layer keeps the full cache C_f and a partial cache C_p of K tokens per KV head (refreshkv.txt §2.2, Fig. 2;
 recycled-attention.txt §2.3, §6):
@@ -6,66 +7,53 @@ recycled-attention.txt §2.3, §6):
   SnapKV's observation window, so that a question is read whole; the papers' 1, A.1), max-pooled over positions
   (`kernel`) and aggregated over the query heads of a GQA group (`aggregation`, max by default, A.3);
 - partial step: attend to C_p plus the new token. `refreshkv` keeps every token decoded since the question beside
-  the K (`keep_decoded`, issue 47: C_p holds K + t, as snapkv's cache holds K + T; a refresh selects its K before the
-  answer and keeps the answer so far); `recycled` and the papers let the new token take the slot of the
-  lowest-scored entry, so C_p keeps K entries besides the newest token;
+  the K (`keep_decoded`: C_p holds K + t, as snapkv's cache holds K + T; a refresh selects its K before the answer and
+  keeps the answer so far); `recycled` and the papers let the new token take the slot of the lowest-scored entry, so
+  C_p keeps K entries besides the newest token;
 - full step: attend to all of C_f and rebuild C_p from the current query's attention (as the papers), where each
-  token C_p holds scores at least `carry` x its score there (0.5 by default; the papers' 0 selects from the one
-  query alone, 1 keeps a kept token's best score). Issue 47 (docs/results.md): the window finds the needle of a
-  question asked without an answer prefix, and carry 0.5 keeps it through a refresh in the middle of the answer
-  (SmolLM2 multikey 16 of 30 against 11) at the same perplexity; carry 1 cost Gemma 3 270M 2.8% of perplexity at
-  16K. `recycled` keeps 0: its fixed schedule was not measured with a carry of 0.5.
-  And each token the question's window selected (the prompt's, or a conversation's latest question) scores at
-  least `question_floor` x its score there at every refresh until the next question (the family's: 4, Gemma 3 1;
-  the papers' 0), so that an answer listing several values keeps them: a refresh's one query attends more peakily
-  than the window's mean, and at 1 its ordinary tokens outrank the question's marginal ones. Issue 47
-  (docs/results.md): with `keep_decoded`, SmolLM2 multivalue at snapkv's level where the fixed K with a floor of 1
-  was below it; Gemma 3 keeps 1, which holds its perplexity at 16K. `recycled` keeps 0 and a fixed-size C_p.
+  token C_p holds scores at least `carry` x its score there (0.5; the papers' 0) and each token the question's window
+  selected at least `question_floor` x its score there until the next question (the family's: 4, Gemma 3 1; the
+  papers' 0): a refresh's one query attends more peakily than the window's mean, so an answer that lists several
+  values would lose the question's marginal ones (docs/methods.md gives the measurements behind each default).
+  `recycled` keeps the papers' rule: carry 0, no floor, a fixed-size C_p.
+The rule that rebuilds C_p is partial_cache.py's, the step static decoding replays on the device device_step.py's.
 C_f is read only at full steps, so it can be held in few bits or off the GPU (`full_cache`: dense, int8, int4, int2,
-offload; core/full_cache.py). Then a full step attends to the dequantized C_f and C_p is gathered from it; the
-prefill's selection uses the prompt's exact keys.
+offload; core/full_cache.py), or be a serving engine's own paged blocks (refreshkv.serving). The prefill's selection
+uses the prompt's exact keys.
 Schedules: `stride` S = a full step every S decode steps (Recycled Attention). Otherwise dynamic: every `qc_stride`
 steps each layer compares its head-averaged query with the one of its last full step (the prefill's last token at
-first; with `anchor="window"` the mean of the window's queries, which the selection came from: a candidate of issue
-47, docs/methods.md) and attends fully when the cosine similarity is below `threshold`.
+first; with `anchor="window"` the mean of the window's queries) and attends fully when the cosine similarity is below
+`threshold`.
 
-Choices where the papers are silent:
-- Tokens appended by partial steps are never evicted before recycled ones (the papers evict "the recycled token with
-  the lowest score"); if all recycled tokens are gone, the oldest appended token goes first.
+Choices where the papers are silent (and partial_cache.py's):
 - C_f receives every token as it is decoded (one in-place write) instead of in a batch at the next full step: the
   result is the same and no separate buffer is needed.
 - Pooling keeps whole words by default (`pooling="span"`, engine/spans.py): the papers' centred kernel of 7 cuts a
-  number that the tokenizer spells digit by digit (issue 30; docs/results.md); `preset="paper"` is the papers'.
-- A full step's own token is a candidate for the refreshed C_p; decode steps are counted from 1 after the prompt, so
-  with `stride` S steps S, 2S, ... are full. With rows of a batch on different schedules, the full-step rows are
-  computed on C_f and the others on C_p, and only the full-step rows are refreshed.
+  number that the tokenizer spells digit by digit (docs/results.md); `preset="paper"` is the papers'.
+- Decode steps are counted from 1 after the prompt, so with `stride` S steps S, 2S, ... are full.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..core import native_selection
-from ..core.attention_math import (
+from ...core import native_selection
+from ...core.attention_math import (
     AGGREGATIONS,
     POOLINGS,
     Scaling,
     attend_with_probs,
     attention_probs,
     decode_attention,
-    pool_window,
-    selection_scores,
-    window_mean,
 )
-from ..core.contract import MethodLayer
-from ..core.full_cache import DEFAULT_GROUP_SIZE, FullCacheStore, check_full_cache, check_group_size, make_full_store
-from ..core.kvstore import FullStore, LayerState
-from ..core.policy import (
+from ...core.device_steps import DeviceLayer
+from ...core.full_cache import DEFAULT_GROUP_SIZE, check_full_cache, check_group_size
+from ...core.kvstore import FullStore, LayerState
+from ...core.policy import (
     BudgetPolicy,
     PolicyError,
     check_choice,
@@ -74,17 +62,19 @@ from ..core.policy import (
     is_number,
     register,
 )
-from ..core.quantized_store import QuantizedFullStore
-from ..core.rope import unrotate
-from ..core.selection import APPENDED, SelectionState, keep_top  # APPENDED: decoded tokens outrank recycled ones
+from ...core.quantized_store import QuantizedFullStore
+from ...core.rope import unrotate
+from ...core.selection import APPENDED, SelectionState
+from . import device_step
+from .partial_cache import RefreshLayer, RefreshState, SelectionRule, hold_answer
 
 DEFAULT_QC_STRIDE = 10
 LLAMA_THRESHOLD = 0.85  # A.4: chosen for Llama-3.1-8B; used for every family without a value of its own
 # A.4: 0.95 chosen for Qwen2-7B. Gemma 3 (not in the paper), chosen here as A.4 chose, per family: its normalized
 # queries stay closer to the last full step's, and at 0.85 a global layer kept reading its prefill selection while a
-# number was read (issue 47; docs/failure-analysis.md); 0.9 kept perplexity at 16K level and cost 1% per token at 8K.
+# number was read (docs/failure-analysis.md); 0.9 kept perplexity at 16K level and cost 1% per token at 8K.
 FAMILY_THRESHOLDS = {"qwen2": 0.95, "gemma3_text": 0.9}
-# Issue 47 (docs/results.md): a refresh scores by one query, whose attention is peakier than the question window's mean
+# A refresh scores by one query, whose attention is peakier than the question window's mean
 # over its queries, so the question's selection weighs 4x at a refresh; Gemma 3 keeps 1 (at 4 its three global layers
 # kept the prompt's selection through a long continuation: perplexity at 16K 1.040 of `full`'s against 1.026).
 QUESTION_FLOOR = 4.0
@@ -99,53 +89,6 @@ def default_threshold(model_type: str) -> float:
 
 def default_question_floor(model_type: str) -> float:
     return FAMILY_QUESTION_FLOORS.get(model_type, QUESTION_FLOOR)
-
-
-@dataclasses.dataclass
-class RefreshState(LayerState):
-    full: FullCacheStore  # C_f: dense, quantized or offloaded (core/full_cache.py)
-    partial: SelectionState | None  # C_p: K slots + the newest (keep_decoded: + the answer's); None while K holds all
-    # (B, D) compared query of the last full step (dynamic schedule only; None until a question's first check with
-    # anchor="answer")
-    anchor: torch.Tensor | None
-    # with `question_floor`: (B, Hkv, C_p's slots) positions and scores that the last question's window selected
-    question_positions: Tensor | None = None
-    question_scores: Tensor | None = None
-    answer_start: int = 0  # position of the first token after the last question (its answer's first)
-
-    def nbytes(self) -> int:
-        return self.full.nbytes() + (self.partial.nbytes() if self.partial is not None else 0)
-
-    def nbytes_by_device(self) -> dict[str, int]:
-        total = Counter(self.full.nbytes_by_device())
-        total.update(self.partial.nbytes_by_device() if self.partial is not None else {})
-        return dict(total)
-
-    def kept(self, pads: Tensor | None) -> Tensor:
-        return self.full.kept(pads)
-
-
-def answer_scores(positions: Tensor, answer_start: int) -> Tensor:
-    """The eviction scores of the answer's tokens at `positions`, as `put` scored each at the step that decoded it
-    (eager and static decoding hold the answer alike)."""
-    return (APPENDED + 1 + positions - answer_start).float()
-
-
-def copy_rows(target: Tensor, source: Tensor, rows: Tensor | None) -> None:
-    """Copy `source` into `target` (batch first) in place, only in `rows` ((B,) bool) if given."""
-    target.copy_(source if rows is None else torch.where(rows.view(-1, *[1] * (target.ndim - 1)), source, target))
-
-
-def carried(held: tuple[Tensor, Tensor], scores: Tensor, share: float) -> Tensor:
-    """`scores` (B, Hkv, n), where each token C_p holds (`held`: its positions and scores, (B, Hkv, slots)) scores at
-    least `share` x its score there; decoded tokens, never scored, and empty slots (position -1) carry nothing."""
-    positions, previous = held
-    selected = (positions >= 0) & (previous < APPENDED) & (positions < scores.shape[-1])
-    floor = torch.where(selected, previous * share, float("-inf"))
-    return scores.scatter_reduce(-1, positions.clamp(min=0) * selected, floor, reduce="amax")
-
-
-RefreshLayer = MethodLayer[RefreshState]  # the layer refreshkv works on: C_f, C_p and the schedule's state
 
 
 @register
@@ -190,16 +133,16 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     qc_stride: int | None = None
     threshold: float | None = None
     kernel: int = 7
-    pooling: str = "span"  # the papers' is "centered" (preset "paper"); span keeps whole words: issue 30
-    window: int = 32  # the papers' is 1 (preset "paper"): issue 47
-    carry: float = 0.5  # the papers' is 0 (preset "paper"): issue 47; 1 cost perplexity at 16K
-    question_floor: float | None = None  # the family's (4; Gemma 3 1); the papers' 0 (preset "paper"): issue 47
+    pooling: str = "span"  # the papers' is "centered" (preset "paper"); span keeps whole words
+    window: int = 32  # the papers' is 1 (preset "paper"): a question is read whole
+    carry: float = 0.5  # the papers' is 0 (preset "paper"); 1 cost perplexity at 16K
+    question_floor: float | None = None  # the family's (4; Gemma 3 1); the papers' 0 (preset "paper")
     aggregation: str = "max"
     query: str = "pre_rope"
     full_cache: str = "dense"
     group_size: int = DEFAULT_GROUP_SIZE
     anchor: str = "last"
-    keep_decoded: bool = True  # the papers' is a fixed-size C_p (preset "paper"): issue 47, as snapkv keeps K + T
+    keep_decoded: bool = True  # the papers' is a fixed-size C_p (preset "paper"); snapkv keeps K + T
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -276,7 +219,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     def store_prompt(self, layer: RefreshLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> None:
         length = key.shape[2]
         check_group_size(self.full_cache, self.group_size, key.shape[-1])
-        full = make_full_store(key, layer.capacity(), self.full_cache, self.group_size)
+        full = layer.full_store(key, self.full_cache, self.group_size)
         full.append(key, value)
         anchor = self.question_anchor(layer, query) if self.stride is None else None
         if layer.budget >= layer.capacity():  # K holds the prompt and every announced token: C_p would copy C_f
@@ -286,7 +229,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         layer.state = RefreshState(full, partial, anchor, answer_start=length)
         valid = layer.valid_positions(length, key.device)
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
-        self._select_for_question(layer, probs, valid, (key, value))
+        self.selection_rule(layer).select_for_question(layer, probs, valid, (key, value))
 
     # -- decode ----------------------------------------------------------------------------------------------------
     def decode(self, layer: RefreshLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
@@ -301,23 +244,23 @@ class RefreshKV(BudgetPolicy[RefreshState]):
                 )
             # more tokens came than were announced: from here on a partial cache, first filled by a full step
             state.partial = self._empty_partial(layer, key)
-            output, read = self._full_step(layer, query, scaling)
+            output, read = self.full_step(layer, query, scaling)
             layer.record(1.0, read)
             return output
-        need = self._needs_full(layer, query)
+        need = self.needs_full(layer, query)
         if need is False:
-            output, read = self._partial_step(layer, query, key, value, scaling)
+            output, read = self.partial_step(layer, query, key, value, scaling)
             layer.record(0.0, read)
             return output
         if need is True:
-            output, read = self._full_step(layer, query, scaling)
+            output, read = self.full_step(layer, query, scaling)
             layer.record(1.0, read)
             return output
         # Rows of the batch disagree: compute both and keep each row's own result. A refreshed row carries the scores
         # of C_p as it was before this step's token took a slot, as it would alone.
         held = (state.partial.store.positions.clone(), state.partial.scores.clone()) if self.carry > 0 else None
-        partial_out, partial_read = self._partial_step(layer, query, key, value, scaling)
-        full_out, read = self._full_step(layer, query, scaling, rows=need, held=held)
+        partial_out, partial_read = self.partial_step(layer, query, key, value, scaling)
+        full_out, read = self.full_step(layer, query, scaling, rows=need, held=held)
         layer.record(need.float().mean(), partial_read + read)
         return torch.where(need.view(-1, 1, 1, 1), full_out, partial_out)
 
@@ -337,7 +280,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
                 return output
             state.partial = self._empty_partial(layer, key)
         probs = attention_probs(query[:, :, -self.window :], keys, scaling, valid, causal_tail=True)
-        self._select_for_question(layer, probs, valid, (keys, values))
+        self.selection_rule(layer).select_for_question(layer, probs, valid, (keys, values))
         if self.stride is None:
             state.anchor = self.question_anchor(layer, query)
         return output
@@ -368,14 +311,14 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         partial = layer.state.partial
         return None if partial is None else partial.kept(layer.pads)
 
-    def _scheduled(self, step: int) -> bool:
+    def scheduled(self, step: int) -> bool:
         """A full step of the fixed schedule, or a QC step of the dynamic one."""
         return step % (self.stride or self.qc_stride or DEFAULT_QC_STRIDE) == 0
 
     def decides_on_host(self, step: int) -> bool:
-        return self.stride is None and self._scheduled(step)
+        return self.stride is None and self.scheduled(step)
 
-    def _needs_full(self, layer: RefreshLayer, query: Tensor) -> bool | Tensor:
+    def needs_full(self, layer: RefreshLayer, query: Tensor) -> bool | Tensor:
         """True / False for the whole batch, or a (B,) bool tensor when rows may disagree.
 
         The schedule's step test is a host integer test (never a device read; under torch.compile it selects one
@@ -384,7 +327,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         runs QC steps eagerly on a CPU (`decides_on_host`). Compiled (on a GPU) the decision is not read: a QC step
         computes both paths at every layer and each row keeps its own, which keeps the step one graph without a host
         sync (on the CPU that made a QC step cost 2-3x `full`'s step; docs/benchmark.md)."""
-        if not self._scheduled(layer.step):  # a branch, not a value: under torch.compile a guard
+        if not self.scheduled(layer.step):  # a branch, not a value: under torch.compile a guard
             return False
         if self.stride is not None:
             return True
@@ -404,17 +347,20 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         threshold = default_threshold(layer.model_type) if self.threshold is None else self.threshold
         return F.cosine_similarity(self.compared_query(layer, query), anchor.float(), dim=-1) < threshold
 
-    def _partial_step(
+    def partial_step(
         self, layer: RefreshLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling
     ) -> tuple[Tensor, int]:
         """Attend to C_p with the new token in it: the output and the bytes of C_p read."""
         partial = layer.state.partial
         assert partial is not None  # a partial step has C_p
+        if self.keep_decoded and not partial.empty and not torch.compiler.is_compiling():
+            # more tokens decoded than were announced: the answer's room grows, no selected token is evicted for it
+            partial.grow(max(1, layer.expected_new_tokens()))
         # The new token takes an empty slot first, then the lowest-scored recycled token's.
         partial.put(partial.scores, key, value, layer.state.full.length - 1, APPENDED + layer.step)
         return partial.attend(query, scaling, layer.pads)
 
-    def _full_step(
+    def full_step(
         self,
         layer: RefreshLayer,
         query: Tensor,
@@ -445,9 +391,11 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             read = read * int(read_rows.sum()) // read_rows.numel()
         output, probs = attended
         before = state.answer_start if self.keep_decoded else None
-        kept = self._refresh(layer, probs.unsqueeze(3), valid, source, rows, held=held, before=before)
+        kept = self.selection_rule(layer).refresh(
+            layer, probs.unsqueeze(3), valid, source, rows, held=held, before=before
+        )
         if self.keep_decoded:
-            self._hold_answer(layer, kept, rows)
+            hold_answer(layer, kept, rows)
         if self.stride is None:
             current = self.compared_query(layer, query)
             if rows is not None and state.anchor is not None:  # the other rows keep theirs
@@ -455,140 +403,25 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             state.anchor = current
         return output, read
 
-    def _select_for_question(
-        self, layer: RefreshLayer, probs: Tensor, valid: Tensor | None, full_kv: tuple[Tensor, Tensor]
-    ) -> None:
-        """C_p selected by the window of a new question (the prompt, a conversation's next turn), nothing carried;
-        with `question_floor`, kept aside as the floor of the refreshes until the next question."""
-        self._refresh(layer, probs, valid, full_kv, carry=False)
-        state: RefreshState = layer.state
-        if self.floor_share(layer) > 0 and state.partial is not None:
-            state.question_positions = state.partial.store.positions.clone()
-            state.question_scores = state.partial.scores.clone()
+    # -- static decoding's steps on the device (device_step.py) --------------------------------------------------
+    def device_step_kind(self, step: int) -> str:
+        return device_step.step_kind(self, step)
+
+    def runs_on_device(self, states: list[LayerState]) -> bool:
+        return device_step.runs_on_device(states)
+
+    def device_step(
+        self, layer: DeviceLayer[RefreshState], query: Tensor, key: Tensor, value: Tensor, scaling: float
+    ) -> Tensor:
+        return device_step.step(self, layer, query, key, value, scaling)
+
+    def selection_rule(self, layer: RefreshLayer) -> SelectionRule:
+        """The selection parameters a refresh of `layer` scores by (partial_cache.py), the family's floor resolved."""
+        return SelectionRule(self.kernel, self.pooling, self.aggregation, self.carry, self.floor_share(layer))
 
     def floor_share(self, layer: RefreshLayer) -> float:
         """`question_floor`, or the model family's where it is not given."""
         return default_question_floor(layer.model_type) if self.question_floor is None else self.question_floor
-
-    def _question_floor(self, layer: RefreshLayer) -> tuple[Tensor, Tensor, float] | None:
-        """The question's selection that a refresh keeps as a floor and the share of its scores kept, or None."""
-        state, share = layer.state, self.floor_share(layer)
-        if share == 0 or state.question_positions is None or state.question_scores is None:
-            return None
-        return state.question_positions, state.question_scores, share
-
-    def _refresh(
-        self,
-        layer: RefreshLayer,
-        probs: Tensor,
-        valid: Tensor | None,
-        full_kv: QuantizedFullStore | tuple[Tensor, Tensor],
-        rows: Tensor | None = None,
-        carry: bool = True,
-        held: tuple[Tensor, Tensor] | None = None,
-        before: int | None = None,
-    ) -> int:
-        """Rebuild C_p from window probabilities (B, Hkv, G, w, n) over C_f's keys and values `full_kv` (read once
-        per full step), or over a quantized C_f whose selected tokens alone are dequantized; only `rows` (B,) bool if
-        given; with `before`, from the tokens before that position alone. Returns the tokens selected (k).
-
-        Every selection of this method (prefill, full step, a conversation's next turn) scores tokens alike:
-        pooled, aggregated, spread over words (`selection_scores`). On the CPU, one call of C does all of it, the
-        top K and the load of C_p (core/native_selection.py: a dozen PyTorch operators per layer fewer); elsewhere,
-        for `mean` aggregation and for some rows under torch.compile, PyTorch operators, with the same result."""
-        partial = layer.state.partial
-        assert partial is not None  # a refresh rebuilds C_p
-        n = probs.shape[-1]
-        k = min(layer.budget, n if before is None else before)
-        words = layer.prompt_spans if self.pooling == "span" else None
-        store = (partial.store.keys, partial.store.values, partial.store.positions, partial.scores)
-        queries_valid = None if valid is None else valid.reshape(valid.shape[0], -1)[:, -probs.shape[3] :]
-        if before is not None and before < n:  # the tokens from `before` on are no candidates
-            earlier = torch.arange(n, device=probs.device) < before
-            valid = earlier.view(1, 1, 1, n) if valid is None else valid & earlier
-            valid = valid.expand(probs.shape[0], 1, 1, n).contiguous()
-        per_head = window_mean(probs, queries_valid)  # averaged once, whichever path scores it
-        carry_share = self.carry if carry else 0.0
-        if rows is not None and held is not None and carry_share > 0:
-            # A refreshed row carries C_p as it was before the step's token took a slot (`held`): its positions and
-            # scores go back into the store, which the refresh rewrites whole, so the C reads the carry from there.
-            for target, source in zip((partial.store.positions, partial.scores), held):
-                copy_rows(target, source, rows)
-        floor = self._question_floor(layer) if carry else None
-        if self.aggregation != "mean" and isinstance(full_kv, tuple):
-            keys, values = full_kv
-            window, first_only = pool_window(self.kernel, self.pooling), self.aggregation == "first"
-            if native_selection.refresh_partial(
-                per_head,
-                first_only,
-                window,
-                words,
-                valid,
-                k,
-                keys,
-                values,
-                store,
-                (carry_share, APPENDED),
-                rows,
-                floor,
-            ):
-                if rows is None:
-                    partial.loaded(k)
-                else:  # the other rows keep their slots; the refreshed ones' from k on are empty
-                    partial.filled = min(partial.filled, k)
-                return k
-        scores = selection_scores(per_head.unsqueeze(3), self.kernel, self.aggregation, self.pooling, words)
-        if valid is not None:
-            scores = scores.masked_fill(~valid.view(valid.shape[0], 1, -1), float("-inf"))
-        if carry_share > 0:
-            scores = carried((partial.store.positions, partial.scores), scores, carry_share)
-        if floor is not None:
-            positions, floor_scores, share = floor
-            scores = carried((positions, floor_scores), scores, share)
-        index, kept = keep_top(scores, k)  # pads scored -inf: a top k, no entry -1
-        if not isinstance(full_kv, tuple) and partial.load_quantized(full_kv, index, kept, rows):
-            return k
-        keys, values = full_kv if isinstance(full_kv, tuple) else full_kv.view()
-        refreshed = partial if rows is None else SelectionState.empty_like(keys, partial.store.slots)
-        refreshed.load(keys, values, index, kept, ragged=False)
-        if rows is None:
-            return k
-        for target, source in (
-            (partial.store.keys, refreshed.store.keys),
-            (partial.store.values, refreshed.store.values),
-            (partial.store.positions, refreshed.store.positions),
-            (partial.scores, refreshed.scores),
-        ):
-            copy_rows(target, source, rows)
-        partial.filled = min(partial.filled, refreshed.filled)
-        return k
-
-    def _hold_answer(self, layer: RefreshLayer, kept: int, rows: Tensor | None) -> None:
-        """After a refresh that selected `kept` tokens before the answer, the answer so far (the tokens decoded since
-        the last question, the newest as many as fit) goes into the slots after them, as decoded tokens (only `rows`,
-        (B,) bool, if given)."""
-        state: RefreshState = layer.state
-        partial = state.partial
-        assert partial is not None  # a refresh has C_p
-        end = state.full.length
-        start = max(state.answer_start, end - (partial.store.slots - kept))
-        if start >= end:
-            return
-        keys, values = state.full.span(start, end)
-        store, taken = partial.store, slice(kept, kept + end - start)
-        positions = torch.arange(start, end, device=keys.device).expand(*keys.shape[:3])
-        scores = answer_scores(positions, state.answer_start)
-        for target, source in (
-            (store.keys[:, :, taken], keys),
-            (store.values[:, :, taken], values),
-            (store.positions[:, :, taken], positions),
-            (partial.scores[:, :, taken], scores),
-        ):
-            copy_rows(target, source, rows)
-        if rows is None:
-            partial.loaded(kept + end - start)
-        else:  # the refreshed rows' slots after the answer are empty; the others' as they were
-            partial.empty = min(partial.empty, store.slots - kept - (end - start))
 
 
 @register
@@ -606,6 +439,6 @@ class Recycled(RefreshKV):
     summary = "Recycled Attention: refreshkv with a full step every `stride` steps for all layers"
 
     stride: int | None = 10
-    carry: float = 0.0  # refreshkv's 0.5 was measured on the dynamic schedule only (issue 47)
+    carry: float = 0.0  # refreshkv's 0.5 was measured on the dynamic schedule only
     question_floor: float | None = 0.0  # likewise
     keep_decoded: bool = False  # likewise
