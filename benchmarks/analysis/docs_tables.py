@@ -58,7 +58,7 @@ def pick(method: str, *files: str, **params) -> Pick:
 class Column:
     header: str
     task: str  # a row's `task`
-    figure: str  # "score", "right", "ppl", "kl", "kv", "right_kl"
+    figure: str  # "score" (mean), "right_kl" (sum of scores · mean KL), "ppl" (over `full`'s), "kv" (MB held / read)
     model: str = ""  # a substring of the row's model
     length: int | None = None
     question: str | None = None  # the task option `question` ("bare", "sentence"; None: RULER's prefixed form)
