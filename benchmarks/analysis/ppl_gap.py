@@ -37,8 +37,8 @@ from refreshkv.eval.perplexity import teacher_forced  # noqa: E402
 from refreshkv.eval.tasks.ppl import PerplexityTask  # noqa: E402
 from refreshkv.methods.refreshkv import RefreshKV  # noqa: E402
 
-# the public-domain books beside the repository (../shared/data/books)
-BOOK = str(Path(__file__).resolve().parents[3] / "shared" / "data" / "books" / "austen-persuasion.txt")
+# the repository's public-domain books (data/books)
+BOOK = str(Path(__file__).resolve().parents[2] / "data" / "books" / "austen-persuasion.txt")
 RECENT = 16
 REC: dict = {}
 

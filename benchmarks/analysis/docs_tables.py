@@ -1,0 +1,315 @@
+"""The tables of README.md and docs/results.md, drawn from the committed rows under docs/results/:
+
+    python benchmarks/analysis/docs_tables.py            # rewrite every table between its markers
+    python benchmarks/analysis/docs_tables.py --check    # exit 1, naming the tables, where a file differs
+
+A table sits between `<!-- table: NAME -->` and `<!-- /table -->` in a markdown file; NAME is a key of `TABLES`.
+Each table is a list of rows (a label and the sources of its rows: files, a method, parameters) and columns (model,
+task, question form, length, figure). A column's figures are over the examples that every row with rows there has
+(its `n`), so the rows of a column compare like with like; a row with no rows in a column says so.
+Perplexity is the mean over `full`'s on the same windows with its 95% paired bootstrap interval (as `refreshkv
+report`); a score is the mean of the examples' scores; KL is KL(full || method) per answer token, each method fed
+`full`'s answer; KV is the mean of the rows' KV bytes held and read per step. Speed comes from `refreshkv bench`
+JSON files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from pathlib import Path
+
+from refreshkv.eval import stats
+from refreshkv.eval.distributed import sweep_files
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "docs" / "results"
+NO_DEFAULT = "no row of today's default"
+
+
+@dataclasses.dataclass(frozen=True)
+class Pick:
+    """The rows of `method` in `files` (each with its rank files) whose parameters hold `params` (None: not given)."""
+
+    files: tuple[str, ...]
+    method: str
+    params: tuple[tuple[str, object], ...] = ()
+
+    def rows(self) -> list[dict]:
+        out = []
+        for name in self.files:
+            for path in sweep_files(RESULTS / name):
+                for line in path.read_text(encoding="utf-8").splitlines():
+                    row = json.loads(line)
+                    given = row.get("params") or {}
+                    if row["method"] == self.method and all(given.get(k) == v for k, v in self.params):
+                        out.append(row)
+        return out
+
+
+def pick(method: str, *files: str, **params) -> Pick:
+    return Pick(tuple(files), method, tuple(sorted(params.items())))
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    header: str
+    task: str  # a row's `task`
+    figure: str  # "score" (mean), "right_kl" (sum of scores · mean KL), "ppl" (over `full`'s), "kv" (MB held / read)
+    model: str = ""  # a substring of the row's model
+    length: int | None = None
+    question: str | None = None  # the task option `question` ("bare", "sentence"; None: RULER's prefixed form)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bench:
+    """`refreshkv bench` figures of `method` at `length` in a JSON file under docs/results/."""
+
+    file: str
+    method: str
+    length: int
+
+    def row(self) -> dict:
+        data = json.loads((RESULTS / self.file).read_text(encoding="utf-8"))
+        return next(r for r in data["rows"] if r["method"] == self.method and r["length"] == self.length)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    label: str
+    picks: tuple[Pick, ...]
+    bench: Bench | None = None
+    missing: str = "-"  # a cell where the row has no rows
+
+
+def key(row: dict) -> tuple:
+    return (row["task"], row["length"], row["id"])
+
+
+def selected(rows: list[dict], column: Column) -> dict[tuple, dict]:
+    out = {}
+    for row in rows:
+        if (
+            row["task"] == column.task
+            and column.model in row["model"]
+            and (column.length is None or row["length"] == column.length)
+            and (row.get("task_options") or {}).get("question") == column.question
+        ):
+            out.setdefault(key(row), row)
+    return out
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def cell(column: Column, rows: list[dict], full: dict[tuple, dict]) -> str:
+    if column.figure == "ppl":
+        if all(r["method"] == "full" and not r.get("params") for r in rows):
+            return "1"
+        estimate = stats.macro_ratio([[(r["score"], full[key(r)]["score"]) for r in rows]])
+        low, high = estimate.interval or (float("nan"), float("nan"))
+        return f"{estimate.value:.3f} [{low:.3f}, {high:.3f}]"
+    if column.figure == "score":
+        return f"{mean(r['score'] for r in rows):.2f}"
+    if column.figure == "right_kl":
+        kl = [r["kl_to_full"] for r in rows if r.get("kl_to_full") is not None]
+        return f"{sum(r['score'] for r in rows):g} · {mean(kl):.3f}" if kl else f"{sum(r['score'] for r in rows):g}"
+    if column.figure == "kv":
+        held, read = (mean(r[field] for r in rows) / 2**20 for field in ("kv_bytes_full", "kv_bytes_attended_mean"))
+        return f"{held:.0f} / {read:.0f}"
+    raise ValueError(f"unknown figure {column.figure}")
+
+
+def table(rows: list[Row], columns: list[Column], first: str, full: Pick | None = None, transpose=False) -> str:
+    """Markdown: a header of `first` and the columns' headers with their `n`, then one line per row (`transpose`:
+    one line per column)."""
+    by_row = [[r for p in row.picks for r in p.rows()] for row in rows]
+    full_rows = full.rows() if full else []
+    cells: list[list[str]] = [[row.label] for row in rows]
+    headers = [first]
+    for column in columns:
+        picked = [selected(found, column) for found in by_row]
+        reference = selected(full_rows, column)
+        shared = set.intersection(*(set(p) for p in picked if p)) if any(picked) else set()
+        if column.figure == "ppl":
+            shared &= set(reference)
+        headers.append(f"{column.header} ({len(shared)})")
+        for line, chosen, row in zip(cells, picked, rows):
+            figures = [chosen[k] for k in sorted(shared)] if chosen else []
+            line.append(cell(column, figures, reference) if figures else row.missing)
+    if any(row.bench for row in rows):
+        headers.append("decode ms/token (vs `full`)")
+        for line, row in zip(cells, rows):
+            if row.bench is None:
+                line.append(row.missing)
+                continue
+            found = row.bench.row()
+            line.append(f"{found['decode_ms_per_token']:.1f} ({found['speedup_vs_full']:.2f}x)")
+    lines = [headers, *cells]
+    if transpose:
+        lines = [list(line) for line in zip(*lines)]
+    out = ["| " + " | ".join(lines[0]) + " |", "|---" * len(lines[0]) + "|"]
+    return "\n".join(out + ["| " + " | ".join(line) + " |" for line in lines[1:]])
+
+
+# ---- the tables --------------------------------------------------------------------------------------------------
+
+GEMMA_16K = ("gemma-16k/gemma-16k.jsonl",)
+GEMMA_16K_SPAN = ("gemma-16k-span/gemma-16k-span.jsonl",)
+# refreshkv's default today on Gemma 3 (question_floor 1, threshold 0.9), its parameters written out
+GEMMA_DEFAULT = dict(window=32, carry=0.5, threshold=0.9, question_floor=1.0, keep_decoded=True)
+GEMMA_16K_DEFAULT = pick("refreshkv", "selection-dev/gemma-16k-keep-decoded-qf1.jsonl", **GEMMA_DEFAULT)
+BENCH_16K = "bench-gemma/8k-16k.json"
+
+HEADLINE_COLUMNS = [
+    Column("perplexity / `full`'s, book windows", "ppl", "ppl", "gemma", 16384),
+    Column("niah_multikey_1: right · KL", "ruler/niah_multikey_1", "right_kl", "gemma", 16384),
+    Column("KV MB held / read per step", "ppl", "kv", "gemma", 16384),
+]
+
+
+def headline() -> str:
+    rows = [
+        Row("`full`", (pick("full", *GEMMA_16K),), Bench(BENCH_16K, "full", 16384)),
+        Row("`refreshkv`", (GEMMA_16K_DEFAULT,), missing=NO_DEFAULT),
+        Row("`snapkv`, window 1", (pick("snapkv", *GEMMA_16K_SPAN),), Bench(BENCH_16K, "snapkv", 16384)),
+        Row("`streamingllm`", (pick("streamingllm", *GEMMA_16K),), Bench(BENCH_16K, "streamingllm", 16384)),
+        Row("`quest`", (pick("quest", *GEMMA_16K),), missing="not run at 16K"),
+    ]
+    return table(rows, HEADLINE_COLUMNS, "method", full=pick("full", *GEMMA_16K))
+
+
+def gemma_16k() -> str:
+    rows = [
+        Row("refreshkv, today's default", (GEMMA_16K_DEFAULT,), missing=NO_DEFAULT),
+        Row("refreshkv, window 1 (span pooling)", (pick("refreshkv", *GEMMA_16K_SPAN),)),
+        Row("refreshkv, the papers' setting", (pick("refreshkv", *GEMMA_16K),)),
+        Row("recycled, stride 10 (span pooling)", (pick("recycled", *GEMMA_16K_SPAN),)),
+        Row("snapkv, window 1 (span pooling)", (pick("snapkv", *GEMMA_16K_SPAN),)),
+        Row("snapkv, the papers' setting", (pick("snapkv", *GEMMA_16K),)),
+        Row("quest", (pick("quest", *GEMMA_16K),)),
+        Row("streamingllm", (pick("streamingllm", *GEMMA_16K),)),
+        Row("h2o", (pick("h2o", *GEMMA_16K),)),
+        Row("oracle", (pick("oracle", *GEMMA_16K),)),
+    ]
+    columns = [
+        Column("perplexity / `full`'s", "ppl", "ppl", "gemma", 16384),
+        Column("niah_multikey_1: right · KL", "ruler/niah_multikey_1", "right_kl", "gemma", 16384),
+        Column("KV MB held / read", "ppl", "kv", "gemma", 16384),
+    ]
+    return table(rows, columns, "Gemma 3 270M, 16K, K = 2048", full=pick("full", *GEMMA_16K))
+
+
+DEV = "selection-dev/"
+MULTIVALUE_SEEDS = tuple(f"{DEV}smollm2-multivalue-seed{seed}.jsonl" for seed in (1, 3, 4))
+BASELINES = (  # the files that hold the baselines' rows on the dev sets' examples
+    f"{DEV}smollm2-wider-multivalue.jsonl",
+    *MULTIVALUE_SEEDS,
+    f"{DEV}smollm2-wider-multikey.jsonl",
+    f"{DEV}smollm2-default.jsonl",
+    f"{DEV}smollm2-prefixed-multivalue-keep-decoded.jsonl",
+    f"{DEV}gemma-new.jsonl",
+    f"{DEV}multi-turn-gemma.jsonl",
+)
+
+
+def defaults() -> str:
+    """refreshkv's default today (the answer kept in C_p, the question's floor 4x, Gemma 3 1x) against the one before
+    (C_p of K + 1, floor 1) and the baselines on the dev sets' examples."""
+    today = [("smollm2-multivalue-keep-decoded", 4.0), ("smollm2-keep-decoded", 4.0)]
+    today += [("smollm2-prefixed-multivalue-keep-decoded", 4.0), ("gemma-keep-decoded-qf1", 1.0)]
+    today += [("multi-turn-gemma-keep-decoded-qf1", 1.0)]
+    before = [("smollm2-wider-multivalue-qf1", 1.0), ("smollm2-qf1", 1.0), ("gemma-qf1", 1.0)]
+    before += [("multi-turn-gemma-qf1", 1.0), ("gemma-16k-qf1", 1.0)]
+    rows = [
+        Row(
+            "**today's default**",
+            (
+                *(pick("refreshkv", f"{DEV}{f}.jsonl", keep_decoded=True, question_floor=q) for f, q in today),
+                GEMMA_16K_DEFAULT,
+            ),
+        ),
+        Row(
+            "before (C_p of K + 1, floor 1)",
+            (
+                *(pick("refreshkv", f"{DEV}{f}.jsonl", question_floor=q) for f, q in before),
+                pick("refreshkv", *MULTIVALUE_SEEDS, budget_ratio=0.125, question_floor=None),
+                pick(
+                    "refreshkv",
+                    f"{DEV}smollm2-prefixed-multivalue-keep-decoded.jsonl",
+                    keep_decoded=False,
+                    question_floor=1.0,
+                ),
+            ),
+        ),
+        Row("snapkv", (pick("snapkv", *BASELINES),)),
+        Row("oracle", (pick("oracle", *BASELINES),)),
+        Row("`full`", (pick("full", *BASELINES, *GEMMA_16K),)),
+    ]
+    smollm2 = dict(model="SmolLM2", length=4096)
+    gemma = dict(model="gemma", length=8192)
+    columns = [
+        Column("SmolLM2 niah_multivalue, no prefix", "ruler/niah_multivalue", "score", question="bare", **smollm2),
+        Column("SmolLM2 niah_multikey_1, no prefix", "ruler/niah_multikey_1", "score", question="bare", **smollm2),
+        Column("SmolLM2 niah_multivalue, RULER's prefix", "ruler/niah_multivalue", "score", **smollm2),
+        Column("SmolLM2 perplexity / `full`'s at 4K", "ppl", "ppl", **smollm2),
+        Column("Gemma niah_multikey_1, a sentence", "ruler/niah_multikey_1", "score", question="sentence", **gemma),
+        Column("Gemma niah_single_1, a sentence", "ruler/niah_single_1", "score", question="sentence", **gemma),
+        Column("Gemma niah_single_2, a sentence", "ruler/niah_single_2", "score", question="sentence", **gemma),
+        Column("Gemma multi-turn, prefixed turns", "multiturn/niah", "score", question="prefixed", **gemma),
+        Column("Gemma multi-turn, bare turns", "multiturn/niah", "score", question="bare", **gemma),
+        Column("Gemma perplexity / `full`'s at 16K", "ppl", "ppl", "gemma", 16384),
+    ]
+    full = pick("full", f"{DEV}smollm2-default.jsonl", *GEMMA_16K)
+    return table(rows, columns, "K = L/8 (examples)", full=full, transpose=True)
+
+
+TABLES = {"headline": headline, "gemma-16k": gemma_16k, "defaults": defaults}
+DOCS = [ROOT / "README.md", ROOT / "docs" / "results.md"]
+MARKED = re.compile(r"(<!-- table: ([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.DOTALL)
+
+
+def redraw(text: str, drawn: dict[str, str]) -> str:
+    def fill(match: re.Match) -> str:
+        name = match.group(2)
+        if name not in TABLES:
+            raise ValueError(f"unknown table '{name}'; known: {', '.join(TABLES)}")
+        if name not in drawn:
+            drawn[name] = TABLES[name]()
+        return f"{match.group(1)}{drawn[name]}\n{match.group(4)}"
+
+    return MARKED.sub(fill, text)
+
+
+def stale(paths=DOCS) -> list[Path]:
+    """The files whose tables differ from what the rows draw."""
+    drawn: dict[str, str] = {}
+    return [path for path in paths if redraw(path.read_text(encoding="utf-8"), drawn) != path.read_text()]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 where a table differs")
+    args = parser.parse_args(argv)
+    if args.check:
+        differ = stale()
+        for name in differ:
+            print(f"{name.relative_to(ROOT)}: its tables differ from the rows; run benchmarks/analysis/docs_tables.py")
+        return 1 if differ else 0
+    drawn: dict[str, str] = {}
+    for path in DOCS:
+        text = path.read_text(encoding="utf-8")
+        new = redraw(text, drawn)
+        if new != text:
+            path.write_text(new, encoding="utf-8")
+            print(f"rewrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
