@@ -1,0 +1,185 @@
+"""A request inside a serving engine, and each of its layers as the `MethodLayer` a method's hooks receive.
+
+The method's own `store_prompt` and `decode` run on a `RequestLayer` exactly as on a transformers cache layer: the
+same selection, pooling, query check, question floor and answer hold, over C_f in the engine's blocks
+(`PagedFullStore`). A request is one row (no padding); its state is made at its first decoded token from what the
+engine prefilled (the prompt, or for a request the engine recomputed after preempting it, the prompt and its answer
+so far: then that is its question) and is dropped with the request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from ..core.kvstore import LayerState
+from ..core.policy import Policy, PolicyError
+from .paged_store import PagedBlocks, PagedFullStore
+
+
+@dataclasses.dataclass
+class ModelFacts:
+    """What a method reads of the model: its family, each layer's RoPE inverse frequencies (None: none to undo), and
+    the word index of token ids (`pooling="span"`), or None where no method reads it."""
+
+    model_type: str
+    rope_inv_freq: list[Tensor | None]
+    word_spans: object | None = None  # engine/spans.py's WordTable
+
+
+@dataclasses.dataclass
+class StepCounts:
+    """What the served layers read, summed over decode layer-steps (for `refreshkv serve-bench` and the tests)."""
+
+    layer_steps: int = 0
+    full_layer_steps: float = 0.0
+    bytes_read: int = 0
+
+
+@dataclasses.dataclass
+class Request:
+    """One request of the engine's batch: its method, the tokens prefilled before its first decode, how many it may
+    decode, and per layer the queries of its prefill's last tokens (the question's window) and its method state."""
+
+    policy: Policy
+    prefilled_ids: list[int]
+    new_tokens: int
+    model: ModelFacts
+    counts: StepCounts
+    window_queries: dict[int, Tensor] = dataclasses.field(default_factory=dict)
+    layers: dict[int, RequestLayer] = dataclasses.field(default_factory=dict)
+    _spans: Tensor | None = None
+
+    @property
+    def prefilled(self) -> int:
+        return len(self.prefilled_ids)
+
+    @property
+    def budget(self) -> int:
+        return self.policy.budget_for(self.prefilled)
+
+    @property
+    def served(self) -> bool:
+        """Whether the method acts: else K holds every token it will have, and the engine's own attention runs."""
+        return self.policy.name != "full" and self.budget < self.prefilled + self.new_tokens
+
+    def is_decoding(self, seq_len: int, query_len: int) -> bool:
+        """Whether a batch row of `query_len` tokens ending at `seq_len` holds a decoded token (not the prefill)."""
+        return query_len == 1 and seq_len - 1 >= self.prefilled
+
+    def keep_window(self, layer_idx: int, queries: Tensor) -> None:
+        """The last `window` queries (1, Hq, w, D) of the prefill so far, from one more chunk of it (1, Hq, n, D)."""
+        width = max(getattr(self.policy, "window", 1), 1)
+        earlier = self.window_queries.get(layer_idx)
+        joined = queries if earlier is None else torch.cat([earlier, queries], dim=2)
+        self.window_queries[layer_idx] = joined[:, :, -width:].clone()
+
+    @property
+    def spans(self) -> Tensor | None:
+        if self._spans is None and self.policy.uses_word_spans():
+            if self.model.word_spans is None:
+                raise PolicyError(f"method '{self.policy.name}' with pooling='span' needs the model's tokenizer")
+            self._spans = self.model.word_spans.spans(torch.tensor([self.prefilled_ids]))  # type: ignore[attr-defined]
+        return self._spans
+
+    def decode(
+        self,
+        layer_idx: int,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        scaling: float,
+        blocks: PagedBlocks,
+        block_ids: Tensor,
+        seq_len: int,
+    ) -> Tensor:
+        """The method's decode step for this request at one layer (query (1, Hq, 1, D), key/value (1, Hkv, 1, D)),
+        its state made from the prefill at the first: the attention output (1, 1, Hq, D)."""
+        layer = self.layers.get(layer_idx)
+        if layer is None:
+            if layer_idx not in self.window_queries:
+                raise PolicyError("the plugin saw none of this request's prefill (it was switched on mid-request)")
+            layer = self.layers[layer_idx] = RequestLayer(self, layer_idx, blocks, block_ids)
+            layer.at(blocks, block_ids, seq_len - 1)
+            keys, values = blocks.gather(block_ids, 0, seq_len - 1)
+            self.policy.store_prompt(layer, self.window_queries.pop(layer_idx), keys, values, scaling)
+        layer.at(blocks, block_ids, seq_len)
+        layer.recorded = False
+        output = self.policy.decode(layer, query, key, value, scaling)
+        if not layer.recorded:
+            raise PolicyError(f"method '{self.policy.name}' decoded without calling layer.record(...)")
+        return output
+
+
+class RequestLayer:
+    """One layer of one request: the `MethodLayer` (core/contract.py) a method's hooks receive inside the engine."""
+
+    prompt_scores = None  # no shared prefill inside the engine
+    pads = None  # one request, one row: no padding
+    max_pad = 0
+
+    def __init__(self, request: Request, layer_idx: int, blocks: PagedBlocks, block_ids: Tensor):
+        self.request, self.layer_idx = request, layer_idx
+        self.state: LayerState | None = None
+        self.full: PagedFullStore | None = None  # C_f, once a method asked for it
+        self.recorded = False
+        self.at(blocks, block_ids, 0)
+
+    @property
+    def step(self) -> int:
+        return self.seen - self.request.prefilled
+
+    @property
+    def budget(self) -> int:
+        return self.request.budget
+
+    @property
+    def model_type(self) -> str:
+        return self.request.model.model_type
+
+    @property
+    def prompt_spans(self) -> Tensor | None:
+        return self.request.spans
+
+    @property
+    def rope_inv_freq(self) -> Tensor | None:
+        return self.request.model.rope_inv_freq[self.layer_idx]
+
+    def valid_positions(self, length: int, device: torch.device) -> Tensor | None:
+        return None
+
+    def positions(self, device: torch.device) -> Tensor:
+        return torch.tensor([self.seen - 1], device=device)
+
+    def full_store(self, like: Tensor, full_cache: str = "dense", group_size: int | None = None) -> PagedFullStore:
+        if full_cache != "dense":
+            raise PolicyError("inside vLLM C_f is vLLM's own paged blocks: full_cache must be 'dense'")
+        self.full = PagedFullStore(self.blocks, self.block_ids)
+        return self.full
+
+    def at(self, blocks: PagedBlocks, block_ids: Tensor, seen: int) -> None:
+        """This step's blocks and block table (a request gains blocks as it grows), and its tokens so far."""
+        self.blocks, self.block_ids, self.seen = blocks, block_ids, seen
+        if self.full is not None:
+            self.full.blocks, self.full.block_ids = blocks, block_ids
+
+    def capacity(self) -> int:
+        return self.request.prefilled + self.request.new_tokens
+
+    def expected_new_tokens(self) -> int:
+        return self.request.new_tokens
+
+    def method_layers(self) -> list[RequestLayer]:
+        raise PolicyError(f"method '{self.request.policy.name}' shares a budget across layers: not inside vLLM")
+
+    def decode_each(self, decode, query, key, value, scaling):  # type: ignore[no-untyped-def]
+        raise PolicyError("inside vLLM every decode step is one token")
+
+    def record(self, full_fraction: float | Tensor, attended_bytes: int) -> None:
+        counts = self.request.counts
+        counts.layer_steps += 1
+        counts.full_layer_steps += float(full_fraction)
+        counts.bytes_read += attended_bytes
+        self.recorded = True

@@ -1,0 +1,204 @@
+"""The attention backend the plugin puts in place of vLLM's CPU_ATTN: vLLM's own, plus the method on decoded tokens.
+
+Each step the metadata builder sorts the batch's rows (batch_rows.py says which request each is): prefill chunks
+and the requests the method does not act on go to vLLM's own kernel, as one sub-batch; each served request's
+decoded token goes through its method's `decode` (request_layer.py), which reads C_p, or C_f from vLLM's blocks
+at a full step. Requests at different positions and on their own schedules share a step: some refresh while others
+take partial steps, and prefill chunks run beside them. Sliding-window layers (Gemma 3's local ones) stay vLLM's.
+Without the "refreshkv" key in `--additional-config` every row goes to vLLM's kernel, as without the plugin.
+
+The same structure suits FlashAttention on CUDA (a builder that splits the rows, an implementation that runs the
+engine's kernel on its sub-batch): only `paged_blocks`, the engine's block layout, differs. It is not built here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from torch import Tensor
+from vllm import _custom_ops as ops
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+
+from ..core.policy import PolicyError
+from .batch_rows import ROWS
+from .paged_store import PagedBlocks
+from .request_layer import Request
+from .vllm_rows import engine_policy
+
+
+@dataclasses.dataclass
+class ServePlan:
+    """How a step's rows are served: vLLM's kernel on `engine` (None: no row is vLLM's) over the step's tokens at
+    `engine_tokens` (None: all of them), the method on each of `decodes` (token index, request, sequence length,
+    block ids), and the last queries of each prefill chunk in `prefills` (request, first token, end) kept."""
+
+    engine: CPUAttentionMetadata | None
+    engine_tokens: Tensor | None
+    decodes: list[tuple[int, Request, int, Tensor]]
+    prefills: list[tuple[Request, int, int]]
+
+
+@dataclasses.dataclass
+class PlannedMetadata(CPUAttentionMetadata):
+    plan: ServePlan | None = None
+
+
+class RefreshKVMetadataBuilder(CPUAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.active = engine_policy(vllm_config) is not None and self.window_size == -1
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> CPUAttentionMetadata:
+        whole = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if not self.active or not ROWS.rows:
+            return whole
+        batch = common_attn_metadata
+        starts = batch.query_start_loc_cpu.tolist()
+        lengths = batch.seq_lens.cpu().tolist()
+        engine_rows, decodes, prefills = [], [], []
+        for row in range(batch.num_reqs):
+            request, start, end = ROWS.rows.get(row), starts[row], starts[row + 1]
+            if request is not None and request.is_decoding(lengths[row], end - start):
+                blocks = -(-lengths[row] // self.block_size)
+                decodes.append((start, request, lengths[row], batch.block_table_tensor[row, :blocks]))
+                continue
+            engine_rows.append(row)
+            if request is not None and end > start:
+                prefills.append((request, start, end))
+        planned = PlannedMetadata(**{f.name: getattr(whole, f.name) for f in dataclasses.fields(whole)})
+        if not decodes:
+            planned.plan = ServePlan(whole, None, [], prefills)
+            return planned
+        engine, tokens = self._engine_rows(batch, engine_rows, starts)
+        planned.plan = ServePlan(engine, tokens, decodes, prefills)
+        return planned
+
+    def _engine_rows(
+        self, batch: CommonAttentionMetadata, rows: list[int], starts: list[int]
+    ) -> tuple[CPUAttentionMetadata | None, Tensor | None]:
+        """vLLM's metadata over `rows` alone, and their tokens' indices in the step."""
+        if not rows:
+            return None, None
+        tokens = torch.cat([torch.arange(starts[row], starts[row + 1]) for row in rows])
+        counts = torch.tensor([starts[row + 1] - starts[row] for row in rows])
+        query_start = torch.zeros(len(rows) + 1, dtype=batch.query_start_loc.dtype)
+        query_start[1:] = counts.cumsum(0)
+        index = torch.tensor(rows)
+        seq_lens = batch.seq_lens.index_select(0, index)
+        sub = CommonAttentionMetadata(
+            query_start_loc=query_start,
+            query_start_loc_cpu=query_start,
+            seq_lens=seq_lens,
+            num_reqs=len(rows),
+            num_actual_tokens=len(tokens),
+            max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_table_tensor=batch.block_table_tensor.index_select(0, index),
+            slot_mapping=batch.slot_mapping.index_select(0, tokens),
+            causal=batch.causal,
+        )
+        return super().build(0, sub), tokens
+
+
+class RefreshKVImpl(CPUAttentionBackendImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.policy = engine_policy(get_current_vllm_config())
+        if self.policy is not None and self.attn_type == AttentionType.DECODER and self.sliding_window == -1:
+            unhandled = {
+                "a logit soft cap": bool(self.logits_soft_cap),
+                "ALiBi": self.alibi_slopes is not None,
+                "attention sinks": self.sinks is not None,
+                "a quantized KV cache": self.is_fp8_kv_cache,
+            }
+            named = [name for name, present in unhandled.items() if present]
+            if named:
+                raise PolicyError(
+                    f"the refreshkv plugin does not handle attention with {', '.join(named)}; "
+                    "run this model without the 'refreshkv' key"
+                )
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs) -> Tensor:
+        plan = getattr(attn_metadata, "plan", None)
+        if plan is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        layer_idx = extract_layer_index(layer.layer_name)
+        for request, start, end in plan.prefills:  # the question's window, for the first decoded token
+            request.keep_window(layer_idx, query[start:end].transpose(0, 1).unsqueeze(0))
+        if plan.engine is not None and plan.engine_tokens is None:
+            super().forward(layer, query, key, value, kv_cache, plan.engine, output)
+        elif plan.engine is not None:
+            tokens = plan.engine_tokens
+            theirs = output.new_empty((len(tokens), *output.shape[1:]))
+            super().forward(layer, query.index_select(0, tokens), key, value, kv_cache, plan.engine, theirs)
+            output.index_copy_(0, tokens, theirs)
+        if plan.decodes:
+            blocks = paged_blocks(kv_cache, layer.isa)
+            for token, request, seq_len, block_ids in plan.decodes:
+                one = slice(token, token + 1)
+                q, k, v = (x[one].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+                attended = request.decode(layer_idx, q, k, v, self.scale, blocks, block_ids, seq_len)
+                output[token] = attended.reshape(output.shape[1:])
+        return output
+
+
+def paged_blocks(kv_cache: Tensor, isa: str) -> PagedBlocks:
+    """One layer's vLLM CPU cache, its layout checked once (`checked_layout`)."""
+    checked_layout(isa, kv_cache.dtype, kv_cache.shape[2], kv_cache.shape[3] // 2)
+    return cpu_blocks(kv_cache)
+
+
+def cpu_blocks(kv_cache: Tensor) -> PagedBlocks:
+    """vLLM's CPU cache of one layer, (blocks, Hkv, block_size, 2 D), as keys and values (blocks, Hkv, block_size, D):
+    per block and head its keys lie channel-major (D, block_size), then its values token-major (block_size, D)."""
+    blocks, heads, size, width = kv_cache.shape
+    dim = width // 2
+    regions = kv_cache.reshape(blocks, heads, 2, size * dim)
+    keys = regions[:, :, 0].unflatten(-1, (dim, size)).transpose(2, 3)
+    values = regions[:, :, 1].unflatten(-1, (size, dim))
+    return PagedBlocks(keys, values)
+
+
+@functools.cache
+def checked_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> None:
+    """Refuse (PolicyError) a layout `cpu_blocks` does not read: tokens written by vLLM's own cache kernel must come
+    back as written. Checked once per kind of cache."""
+    heads = 2
+    written = torch.randn(3, heads, head_dim).to(dtype), torch.randn(3, heads, head_dim).to(dtype)
+    cache = torch.zeros(2, heads, block_size, 2 * head_dim, dtype=dtype)
+    halves = cache.view(2, heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    slots = torch.tensor([0, 1, block_size + 2])
+    ops.cpu_attn_reshape_and_cache(*written, *halves, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    read = cpu_blocks(cache).gather(torch.tensor([0, 1]), 0, block_size + 3)
+    for read_back, wrote in zip(read, written):
+        if not torch.equal(read_back[0][:, slots].transpose(0, 1), wrote):
+            raise PolicyError(
+                f"vLLM's CPU attention lays out its {dtype} cache for ISA '{isa}' in a way the refreshkv plugin does "
+                "not read; run with --dtype float32"
+            )
+
+
+class RefreshKVBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"  # vLLM's own name: the engine treats it as its CPU backend
+
+    @staticmethod
+    def get_impl_cls() -> type[RefreshKVImpl]:
+        return RefreshKVImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[RefreshKVMetadataBuilder]:
+        return RefreshKVMetadataBuilder

@@ -1,0 +1,92 @@
+"""The plugin's view of vLLM's persistent batch: a logits processor (vLLM's `vllm.logits_processors` plugin point)
+that leaves the logits as they are and, before each forward pass, applies the engine's batch changes to
+batch_rows.py's `ROWS`: a new request becomes a `Request` with the engine's method (or its own, from
+`extra_args={"refreshkv": {...}}` in its sampling parameters), a finished, aborted or preempted one is dropped.
+A request's own settings are checked when it arrives (`validate_params`): one it cannot serve fails alone, with
+HTTP 400 on an OpenAI server, and the others go on.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from vllm import SamplingParams
+from vllm.config import VllmConfig
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from ..core.policy import Policy, PolicyError
+from ..core.rope import inverse_frequencies
+from .batch_rows import ROWS
+from .plugin_config import CONFIG_KEY, served_policy
+from .request_layer import ModelFacts, Request, StepCounts
+
+COUNTS = StepCounts()  # this worker's decode layer-steps, summed over requests
+
+
+def engine_policy(vllm_config: VllmConfig) -> Policy | None:
+    """The method of `--additional-config`'s "refreshkv" key, None without it (vLLM runs as without the plugin)."""
+    settings = (vllm_config.additional_config or {}).get(CONFIG_KEY)
+    if settings is None:
+        return None
+    return served_policy(settings, vllm_config.model_config.max_model_len)
+
+
+@functools.cache
+def word_spans(tokenizer_folder: str) -> object:
+    from transformers import AutoTokenizer
+
+    from ..engine.spans import WordTable
+
+    return WordTable.of(AutoTokenizer.from_pretrained(tokenizer_folder))
+
+
+def model_facts(vllm_config: VllmConfig, policy: Policy) -> ModelFacts:
+    text = vllm_config.model_config.hf_text_config
+    layer_types = getattr(text, "layer_types", None) or [None] * text.num_hidden_layers
+    spans = word_spans(vllm_config.model_config.tokenizer) if policy.uses_word_spans() else None
+    return ModelFacts(text.model_type, [inverse_frequencies(text, kind) for kind in layer_types], spans)
+
+
+class RequestRows(LogitsProcessor):
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
+        self.config = vllm_config
+        self.policy = engine_policy(vllm_config)
+        self.facts: dict[str, ModelFacts] = {}
+        ROWS.rows.clear()
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        settings = (sampling_params.extra_args or {}).get(CONFIG_KEY)
+        if settings is not None:
+            try:
+                served_policy(settings)
+            except PolicyError as error:
+                raise ValueError(f"{CONFIG_KEY}: {error}") from None
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None or self.policy is None:
+            return
+        added = [
+            (index, self._request(params, prompt or [], output)) for index, params, prompt, output in batch_update.added
+        ]
+        moved = [(a, b, way == MoveDirectionality.SWAP) for a, b, way in batch_update.moved]
+        ROWS.update(list(batch_update.removed), added, moved)
+
+    def _request(self, params: SamplingParams, prompt: list[int], output: list[int]) -> Request | None:
+        settings = (params.extra_args or {}).get(CONFIG_KEY)
+        policy = self.policy if settings is None else served_policy(settings)
+        assert policy is not None  # update_state runs only with the engine's method
+        context = self.config.model_config.max_model_len
+        new_tokens = (params.max_tokens if params.max_tokens is not None else context) - len(output)
+        facts = self.facts.get(policy.name + str(policy.uses_word_spans()))
+        if facts is None:
+            facts = self.facts[policy.name + str(policy.uses_word_spans())] = model_facts(self.config, policy)
+        request = Request(policy, [*prompt, *output], max(new_tokens, 0), facts, COUNTS)
+        return request if request.served else None

@@ -1,0 +1,123 @@
+"""The serving plugin's parts that need no engine: C_f read from paged blocks, the batch's rows followed through the
+engine's changes, a request's method run over paged storage as over the transformers cache, and its settings."""
+
+import pytest
+import torch
+from conftest import random_prompt
+
+from refreshkv import PolicyCache, make_policy, with_cache
+from refreshkv.core.policy import PolicyError
+from refreshkv.serving.batch_rows import BatchRows
+from refreshkv.serving.paged_store import PagedBlocks, PagedFullStore
+from refreshkv.serving.plugin_config import served_policy
+from refreshkv.serving.request_layer import ModelFacts, Request, StepCounts
+
+
+def paged(keys: torch.Tensor, values: torch.Tensor, block_size: int, order: list[int]):
+    """(1, Hkv, L, D) keys and values written into blocks `order` (a block table), as (blocks, Hkv, size, D)."""
+    heads, length, dim = keys.shape[1:]
+    count = -(-length // block_size)
+    store_k = torch.full((max(order) + 1, heads, block_size, dim), float("nan"))
+    store_v = store_k.clone()
+    for i, block in enumerate(order[:count]):
+        span = slice(i * block_size, min((i + 1) * block_size, length))
+        store_k[block, :, : span.stop - span.start] = keys[0, :, span]
+        store_v[block, :, : span.stop - span.start] = values[0, :, span]
+    return PagedBlocks(store_k, store_v), torch.tensor(order)
+
+
+def test_a_span_of_paged_blocks_reads_as_the_tokens_written():
+    keys, values = torch.randn(1, 2, 37, 4), torch.randn(1, 2, 37, 4)
+    blocks, table = paged(keys, values, 8, [5, 0, 3, 7, 1])
+    for start, end in ((0, 37), (3, 30), (8, 16), (36, 37)):
+        read_k, read_v = blocks.gather(table, start, end)
+        assert torch.equal(read_k, keys[:, :, start:end]) and torch.equal(read_v, values[:, :, start:end])
+
+
+@pytest.mark.parametrize(
+    "method, params",
+    [
+        ("refreshkv", {"budget": 12}),
+        ("refreshkv", {"budget": 12, "preset": "paper", "qc_stride": 3}),
+        # a refresh at every query check: full steps read C_f from the blocks, keep the answer and the question floor
+        ("refreshkv", {"budget": 12, "qc_stride": 2, "threshold": 1.0}),
+        ("refreshkv", {"budget": 12, "qc_stride": 3, "threshold": 0.5, "anchor": "window"}),
+        ("recycled", {"budget": 12, "stride": 2}),
+        ("streamingllm++", {"budget": 12, "stride": 3}),
+        ("oracle", {"budget": 12}),
+    ],
+)
+def test_a_request_over_paged_blocks_decodes_as_the_transformers_cache(llama, monkeypatch, method, params):
+    """The method's own hooks on a `RequestLayer` over blocks give the transformers cache's outputs, step by step."""
+    from refreshkv.engine.cache import PolicyLayer
+
+    calls: dict[int, list] = {}  # per layer: (query, key, value, output) of the prompt and of each decode step
+    attend = PolicyLayer.attend
+
+    def recorded(self, module, query, key, value, mask, scaling, sliding_window=None):
+        output = attend(self, module, query, key, value, mask, scaling, sliding_window)
+        calls.setdefault(self.layer_idx, []).append((query, key, value, output, scaling))
+        return output
+
+    monkeypatch.setattr(PolicyLayer, "attend", recorded)
+    policy, length, new = make_policy(method, **params), 40, 8
+    ids = random_prompt(length)
+    cache = PolicyCache(policy, llama, max_new_tokens=new)
+    with torch.no_grad():
+        logits = llama(ids, **with_cache(llama, cache)).logits[:, -1:]
+        for step in range(new - 1):
+            position = torch.tensor([[length + step]])
+            logits = llama(logits.argmax(-1), **with_cache(llama, cache), position_ids=position).logits
+    request = Request(
+        policy, ids[0].tolist(), new, ModelFacts(cache.model_type, cache.rope_inv_freq, cache.word_table), StepCounts()
+    )
+    assert request.served
+    for layer_idx, steps in calls.items():
+        keys = torch.cat([call[1] for call in steps], dim=2)
+        values = torch.cat([call[2] for call in steps], dim=2)
+        request.keep_window(layer_idx, steps[0][0])
+        for step, (query, key, value, expected, scaling) in enumerate(steps[1:], start=1):
+            seen = length + step
+            blocks, table = paged(keys[:, :, :seen], values[:, :, :seen], 16, [3, 0, 2, 1, 4])
+            got = request.decode(layer_idx, query, key, value, scaling, blocks, table, seen)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    state = request.layers[0].state
+    assert isinstance(state if method in ("oracle", "streamingllm++") else state.full, PagedFullStore)
+    assert request.counts.layer_steps == len(calls) * (new - 1)
+
+
+def test_the_batch_rows_follow_removals_additions_and_moves():
+    rows = BatchRows()
+    a, b, c = object(), object(), object()
+    rows.update([], [(0, a), (1, b), (2, None)], [])
+    assert rows.rows == {0: a, 1: b} and rows.count() == 2
+    rows.update([0], [(0, c)], [(1, 2, False)])  # a finished, c took its row, b moved one way
+    assert rows.rows == {0: c, 2: b}
+    rows.update([], [], [(0, 2, True)])  # swapped
+    assert rows.rows == {0: b, 2: c}
+    rows.update([0, 2], [], [])
+    assert rows.count() == 0
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"method": "nope"}, "method 'nope' is unknown; inside vLLM choose from: full, oracle"),
+        ({"method": "snapkv"}, "is an eviction method (it would have to free blocks)"),
+        ({"method": "refreshkv", "budget": 0}, "budget must be an integer >= 1, got 0"),
+        ({"method": "refreshkv", "budget": 9000}, "budget 9000 is above the model's context of 8192 tokens"),
+        ({"method": "refreshkv", "full_cache": "int8"}, "full_cache must be 'dense'"),
+        ({"method": "refreshkv", "windoww": 3}, "method 'refreshkv' has no parameter windoww"),
+        ("{not json", "the 'refreshkv' settings are not JSON"),
+        (["refreshkv"], "the 'refreshkv' settings must be an object"),
+    ],
+)
+def test_what_the_plugin_refuses_at_start(settings, message):
+    with pytest.raises(PolicyError, match="^.*" + message.replace("(", r"\(").replace(")", r"\)")):
+        served_policy(settings, context=8192)
+
+
+def test_the_plugin_serves_each_full_cache_method():
+    assert served_policy({"method": "refreshkv", "budget_ratio": 0.125}).name == "refreshkv"
+    assert served_policy('{"method": "recycled", "stride": 5}').stride == 5
+    assert served_policy({"method": "refreshkv", "preset": "paper"}).window == 1
