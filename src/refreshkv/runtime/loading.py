@@ -100,8 +100,8 @@ def private(folder: Path) -> None:
     write it could change a conversion and the record that vouches for it."""
     try:
         stat = folder.stat()
-    except FileNotFoundError:
-        return  # made by this process (writable), with the umask's mode
+    except OSError:
+        return  # none yet: `writable` makes it (mode 0700) or says why it cannot
     if stat.st_uid != os.geteuid() or stat.st_mode & 0o022:
         raise ModelError(
             f"the model cache {folder} may be written by another user (owner uid {stat.st_uid}, mode "
