@@ -829,3 +829,18 @@ def test_chat_out_that_cannot_be_made_is_refused_before_loading(tmp_path, no_mod
     code, _, err = cli(monkeypatch, capsys, *args)
     assert_one_line_error(code, err, f"--out {out}", message)
     assert not target.exists() and (setup == "dangling link" or not out.exists())
+
+
+# ---- round 5: what a method cannot honour, traces, full disks, overwrites, the cache variable, early checks -------
+
+
+@pytest.mark.parametrize("dense", [2, 100])
+def test_quest_with_every_layer_dense_is_refused_in_one_line(dense):
+    """dense_layers=100 was `full` under quest's name."""
+    from refreshkv.core.policy import PolicyError, make_policy
+    from refreshkv.engine.cache import PolicyCache
+
+    with pytest.raises(PolicyError, match=rf"^dense_layers \({dense}\) covers every layer of this model \(2\)") as e:
+        PolicyCache(make_policy("quest", dense_layers=dense), tiny_model("llama", layers=2))
+    assert "\n" not in str(e.value)
+    PolicyCache(make_policy("quest", dense_layers=1), tiny_model("llama", layers=2))  # one layer still selects
