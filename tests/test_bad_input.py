@@ -11,6 +11,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import tiny_model
 
 import refreshkv.runtime.cache_folder
@@ -844,3 +845,28 @@ def test_quest_with_every_layer_dense_is_refused_in_one_line(dense):
         PolicyCache(make_policy("quest", dense_layers=dense), tiny_model("llama", layers=2))
     assert "\n" not in str(e.value)
     PolicyCache(make_policy("quest", dense_layers=1), tiny_model("llama", layers=2))  # one layer still selects
+
+
+@pytest.mark.parametrize("pooling", ["centered", "forward"])
+def test_a_kernel_wider_than_the_scores_pools_as_the_widest_that_fits(pooling):
+    """--kernel 1000000001 ran past 300 s at 12.7 GB; a side past either end is padding, so it pools as 2n+1 does."""
+    from refreshkv.core.attention_math import pool
+
+    scores = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(pool(scores, 1_000_000_001, pooling), pool(scores, 81, pooling))
+    assert not torch.equal(pool(scores, 7, pooling), pool(scores, 81, pooling))  # a kernel that fits still narrows
+
+
+@pytest.mark.parametrize("method", ["snapkv", "refreshkv"])
+def test_a_huge_kernel_decodes_in_a_moment_as_a_prompt_wide_one_does(method):
+    from refreshkv.runtime.generate import generate
+
+    model, ids = (
+        tiny_model("llama", layers=2),
+        torch.randint(3, 120, (1, 48), generator=torch.Generator().manual_seed(1)),
+    )
+    started = time.perf_counter()
+    huge = generate(model, ids, method=method, budget=16, window=4, kernel=1_000_000_001, max_new_tokens=4)
+    assert time.perf_counter() - started < 5
+    wide = generate(model, ids, method=method, budget=16, window=4, kernel=97, max_new_tokens=4)
+    assert huge.tokens == wide.tokens

@@ -268,7 +268,7 @@ def refresh_partial(
         arguments = (
             per_head,
             first_only,
-            *window,
+            *(min(side, n - 1) for side in window),  # past either end is padding: a wider window pools the same
             words,
             valid,
             k,
