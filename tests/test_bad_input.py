@@ -870,3 +870,43 @@ def test_a_huge_kernel_decodes_in_a_moment_as_a_prompt_wide_one_does(method):
     assert time.perf_counter() - started < 5
     wide = generate(model, ids, method=method, budget=16, window=4, kernel=97, max_new_tokens=4)
     assert huge.tokens == wide.tokens
+
+
+def test_a_streamingllm_pp_trace_records_its_sinks_and_window_not_the_whole_cache():
+    """It said "has no partial cache" and recorded mass 1.000 and top-K overlap 1.000 at every partial step."""
+    from conftest import random_prompt
+
+    from refreshkv import make_policy
+    from refreshkv.measure.trace import trace_generation, what_it_shows
+
+    policy = make_policy("streamingllm++", budget=12, sinks=4, stride=4)
+    result = trace_generation(tiny_model("llama", layers=2, seed=3), random_prompt(60, seed=4), policy, 8, [10, 58])
+    assert "sinks and recent window" in what_it_shows(policy) and "no partial cache" not in result["shows"]
+    steps = result["steps"]
+    full = torch.tensor([step["full"] for step in steps])  # (steps, layers)
+    mass, overlap = (torch.tensor([step[name] for step in steps]) for name in ("mass", "overlap"))
+    assert full[3].all() and not full[:3].any()  # decode step 4 is full
+    assert (mass[~full] < 1).all() and (overlap[~full] < 1).all() and (mass[full] == 1).all()
+    # the needle at 10 lies outside the sinks (0-3) and the window (the last 8): half of it is held at partial steps
+    assert all(share == 0.5 for step in steps[:3] for share in step["needle"])
+
+
+def test_streamingllm_pp_selection_is_the_sinks_and_the_recent_window_of_each_padded_row():
+    from refreshkv import make_policy
+    from refreshkv.engine.cache import PolicyCache
+    from refreshkv.engine.cache_argument import with_cache
+
+    model, policy = tiny_model("llama", layers=2), make_policy("streamingllm++", budget=6, sinks=2, stride=100)
+    ids = torch.randint(3, 120, (2, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # row 1: three pads
+    cache = PolicyCache(policy, model, max_new_tokens=4)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, **with_cache(model, cache))
+        step = out.logits[:, -1:].argmax(-1)
+        model(step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1), **with_cache(model, cache))
+    layer = cache.layers[0]
+    selection = policy.selection(layer, torch.zeros(2, 4, 1, 16), 1.0)
+    assert selection.shape == (2, 2, 6)
+    assert selection[0, 0].tolist() == [0, 1, 17, 18, 19, 20]
+    assert selection[1, 1].tolist() == [3, 4, 17, 18, 19, 20]
