@@ -268,7 +268,8 @@ def refresh_partial(
         arguments = (
             per_head,
             first_only,
-            *(min(side, n - 1) for side in window),  # past either end is padding: a wider window pools the same
+            min(window[0], n - 1),  # past either end is padding: a wider window pools as one that fits
+            min(window[1], n - 1),
             words,
             valid,
             k,
