@@ -1,5 +1,6 @@
 """Bad input and environment faults end in one line (CLI: exit code 2), before any long work; runs resume intact."""
 
+import errno
 import json
 import os
 import signal
@@ -35,6 +36,26 @@ class WordTokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(f"w{i}" for i in ids)
+
+
+class FullDisk:
+    """A file whose writes fail as on a full disk, after `room` bytes."""
+
+    def __init__(self, file, room: int = 0):
+        self.file, self.room = file, room
+
+    def write(self, data):
+        if len(data) > self.room:
+            self.file.write(data[: self.room])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.file.write(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
 
 
 def cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
@@ -910,3 +931,50 @@ def test_streamingllm_pp_selection_is_the_sinks_and_the_recent_window_of_each_pa
     assert selection.shape == (2, 2, 6)
     assert selection[0, 0].tolist() == [0, 1, 17, 18, 19, 20]
     assert selection[1, 1].tolist() == [3, 4, 17, 18, 19, 20]
+
+
+def test_eval_into_a_full_disk_ends_in_one_line_and_a_resume_runs_the_rest(
+    tmp_path, doc, tiny_loader, monkeypatch, capsys
+):
+    """It ended in a 47-line traceback (OSError: short write), and into an empty full disk in another one."""
+    import refreshkv.eval.results_file as results_file
+
+    out = tmp_path / "r.jsonl"
+    real_write, room = os.write, {"bytes": 0}
+
+    def full_disk(fd, data):  # a disk with `room` bytes left: a short write, then ENOSPC
+        if room["bytes"] <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written = real_write(fd, data[: room["bytes"]])
+        room["bytes"] -= written
+        return written
+
+    for left in (0, 30):  # an empty full disk; one with room for a torn part of a row
+        room["bytes"] = left
+        with monkeypatch.context() as full:
+            full.setattr(results_file.os, "write", full_disk)
+            code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, out, "--num-examples", "2"))
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert code == 1 and "Traceback" not in err and len(errors) == 1, err
+        assert errors[0].startswith(f"error: cannot write results file {out}: No space left on device")
+        assert errors[0].endswith("bytes needed); free some space and run the command again")
+        assert out.exists() == bool(left)  # an empty run leaves no file
+    assert out.read_bytes() and not out.read_bytes().endswith(b"\n")  # the torn tail the resume cuts
+    code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, out, "--num-examples", "2"))
+    assert code == 0, err
+    assert len(out.read_text().splitlines()) == 2 and all(json.loads(line) for line in out.read_text().splitlines())
+
+
+def test_report_into_a_full_disk_ends_in_one_line_and_keeps_the_old_file(tmp_path, monkeypatch, capsys):
+    import refreshkv.runtime.output_files as output_files
+
+    results, folder = report_rows(tmp_path / "r.jsonl"), tmp_path / "report"
+    folder.mkdir()
+    (folder / "summary.md").write_text("old")
+
+    real = os.fdopen
+    monkeypatch.setattr(output_files.os, "fdopen", lambda fd, mode: FullDisk(real(fd, mode)))
+    code, _, err = cli(monkeypatch, capsys, "report", results, "--out-dir", folder, "--no-plots")
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"error: cannot write report file {folder / 'summary.md'}: No space left on device (")
+    assert os.listdir(folder) == ["summary.md"] and (folder / "summary.md").read_text() == "old"

@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_bad_input import assert_one_line_error, cli, no_model, report_rows, sweep_file  # noqa: F401 (a fixture)
+from test_bad_input import FullDisk, assert_one_line_error, cli, no_model, report_rows, sweep_file  # noqa: F401 (a fixture)
 from test_core import registry  # noqa: F401  (the fixture)
 
 from refreshkv.eval.results_file import ResultsFile
 from refreshkv.eval.sweep import SweepError, load_sweep
-from refreshkv.runtime.output_files import OutputError, replaced
+from refreshkv.runtime.output_files import OutputError, WriteFailed, write_bytes
 
 # ---- writes: inside the sweep file's folder or the working directory, never through a link -----------------------
 
@@ -81,19 +81,23 @@ def test_bench_refuses_a_linked_output_before_measuring(tmp_path, no_model, monk
     assert not (tmp_path / "elsewhere").exists()
 
 
-def test_a_replaced_file_is_whole_or_untouched(tmp_path):
+def test_a_replaced_file_is_whole_or_untouched(tmp_path, monkeypatch):
+    import refreshkv.runtime.output_files as output_files
+
     path = tmp_path / "out.json"
     path.write_text("old")
-    with pytest.raises(RuntimeError), replaced(path, "--json") as file:
-        file.write(b"half")
-        raise RuntimeError("interrupted")
+    with monkeypatch.context() as full:
+        real = os.fdopen
+        full.setattr(output_files.os, "fdopen", lambda fd, mode: FullDisk(real(fd, mode), room=2))
+        with pytest.raises(
+            WriteFailed, match=rf"^cannot write --json {path}: No space left on device \(4 bytes needed"
+        ):
+            write_bytes(path, b"half", "--json")
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["out.json"]
-    with replaced(path, "--json") as file:
-        file.write(b"new")
+    write_bytes(path, b"new", "--json")
     assert path.read_text() == "new"
     with pytest.raises(OutputError, match="cannot write --json"):
-        with replaced(tmp_path / "missing" / "x.json", "--json"):
-            pass
+        write_bytes(tmp_path / "missing" / "x.json", b"", "--json")
 
 
 # ---- a plugin that replaces a built-in method: said once, and named wherever methods are listed -------------------

@@ -16,6 +16,7 @@ from typer.exceptions import TyperException
 
 from ..core.policy import label_notes
 from ..runtime.generate import GenerationSettings
+from ..runtime.output_files import WriteFailed
 from ..runtime.prepare import check_runtime, load_checked
 from .chat_command import register as register_chat_command
 from .demo import MIN_LENGTH as DEMO_MIN_LENGTH
@@ -60,7 +61,8 @@ def fail(message: str) -> None:
 
 
 def user_errors(command):
-    """Turn the library's input errors (ValueError and subclasses) into one line and exit code 2."""
+    """Turn the library's input errors (ValueError and subclasses) into one line and exit code 2, and a write the
+    system refused (a full disk: `WriteFailed`) into one line and exit code 1."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -68,6 +70,9 @@ def user_errors(command):
             return command(*args, **kwargs)
         except (ValueError, FileNotFoundError) as error:
             fail(str(error).splitlines()[0] if str(error) else type(error).__name__)
+        except WriteFailed as error:
+            print_error(str(error))
+            raise typer.Exit(1) from None
 
     return wrapper
 
@@ -359,7 +364,7 @@ def bench(
     from ..measure.batch_memory import GB
     from ..measure.bench import check_batching, run_bench
     from ..measure.bench_report import bench_tables, check_plotting, plot_bench, plot_paths
-    from ..runtime.output_files import refuse_link, replaced
+    from ..runtime.output_files import refuse_link, write_text
 
     chosen = bench_methods(methods, budget, param)
     length_list = parse_integers(lengths, "--lengths", 16)
@@ -402,8 +407,7 @@ def bench(
     for table in bench_tables(result):
         print_table(out, table)
     if json_out is not None:
-        with replaced(json_out, "--json") as file:
-            file.write(json.dumps(result, indent=1).encode())
+        write_text(json_out, json.dumps(result, indent=1), "--json")
     if plot is not None:
         plot_bench(result, plot)
 
