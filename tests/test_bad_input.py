@@ -978,3 +978,34 @@ def test_report_into_a_full_disk_ends_in_one_line_and_keeps_the_old_file(tmp_pat
     assert code == 1 and err.count("\n") == 1, err
     assert err.startswith(f"error: cannot write report file {folder / 'summary.md'}: No space left on device (")
     assert os.listdir(folder) == ["summary.md"] and (folder / "summary.md").read_text() == "old"
+
+
+@pytest.mark.parametrize("command", ["trace", "bench"])
+def test_an_output_that_exists_is_refused_before_loading_unless_forced(tmp_path, monkeypatch, capsys, command):
+    """`trace --out` replaced an existing file without a word."""
+    out = tmp_path / "kept.json"
+    out.write_text("an earlier trace")
+    option = "--out" if command == "trace" else "--json"
+    args = [command, option, out, *(["--prompt", "hi"] if command == "trace" else ["--lengths", "40"])]
+
+    def loaded(*a, **k):
+        raise ValueError("the model loads now")
+
+    monkeypatch.setattr(refreshkv.runtime.loading, "load_model", loaded)
+    code, _, err = cli(monkeypatch, capsys, *args)
+    assert_one_line_error(code, err, f"{out} exists; give --force to replace it")
+    assert out.read_text() == "an earlier trace"
+    code, _, err = cli(monkeypatch, capsys, *args, "--force")
+    assert_one_line_error(code, err, "the model loads now")  # past every check on the outputs
+
+
+def test_a_trace_into_a_read_only_folder_is_refused_before_loading(tmp_path, monkeypatch, capsys, no_model):
+    """It failed after the whole trace."""
+    import refreshkv.runtime.output_files as output_files
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(output_files.tempfile, "TemporaryFile", read_only)
+    code, _, err = cli(monkeypatch, capsys, "trace", "--out", tmp_path / "t.json", "--prompt", "hi")
+    assert_one_line_error(code, err, f"cannot write trace file {tmp_path / 't.json'} (Read-only file system)")

@@ -27,6 +27,7 @@ from .options import (
     CompileOpt,
     DeviceOpt,
     DtypeOpt,
+    ForceOpt,
     KernelOpt,
     MethodOpt,
     ModelOpt,
@@ -357,6 +358,7 @@ def bench(
             "after the prefill, each copy its own KV, so that B rows cost N prefills (default: every row distinct)."
         ),
     ] = None,
+    force: ForceOpt = False,
 ):
     """Decode speed, memory and distance to the bandwidth floor of methods, interleaved in one run."""
     from tqdm.auto import tqdm
@@ -364,7 +366,7 @@ def bench(
     from ..measure.batch_memory import GB
     from ..measure.bench import check_batching, run_bench
     from ..measure.bench_report import bench_tables, check_plotting, plot_bench, plot_paths
-    from ..runtime.output_files import refuse_link, write_text
+    from ..runtime.output_files import check_output, write_text
 
     chosen = bench_methods(methods, budget, param)
     length_list = parse_integers(lengths, "--lengths", 16)
@@ -375,7 +377,7 @@ def bench(
         check_plotting()
     for output in [json_out, *(plot_paths(plot) if plot is not None else ())]:
         if output is not None:
-            refuse_link(output, "bench output")  # before minutes of measuring, not after
+            check_output(output, "bench output", force)  # before minutes of measuring, not after
     lm, tokenizer, layout = load_checked(model, check_runtime(dtype, device, compile, weight_layout, threads))
     runs = rounds * len(chosen) * len(length_list) * len(set(batches))
     bars = []  # opened once run_bench has checked everything, so that a refusal stays one line

@@ -48,6 +48,7 @@ WeightLayoutOpt = Annotated[
         "see runtime/weight_layout.py) or packed (oneDNN's layout, CPU only; runtime/packed_linear.py)."
     ),
 ]
+ForceOpt = Annotated[bool, typer.Option(help="Replace output files that exist (otherwise refused before any work).")]
 CompileOpt = Annotated[
     bool,
     typer.Option(

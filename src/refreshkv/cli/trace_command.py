@@ -11,11 +11,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..runtime.output_files import refuse_link, write_text
+from ..runtime.output_files import check_output, write_text
 from ..runtime.prepare import check_runtime, load_checked
 from .options import (
     BudgetOpt,
     DtypeOpt,
+    ForceOpt,
     KernelOpt,
     ModelOpt,
     ParamOpt,
@@ -59,7 +60,7 @@ def register(app: typer.Typer, user_errors) -> None:
     @app.command()
     @user_errors
     def trace(
-        out: Annotated[Path, typer.Option(help="The trace as JSON (a new file); beside it, --plot's PNG.")],
+        out: Annotated[Path, typer.Option(help="The trace as JSON (a new file, or --force); beside it, --plot's PNG.")],
         method: Annotated[str, typer.Option(help="KV method (see `refreshkv methods`).")] = "refreshkv",
         model: ModelOpt = None,
         budget: BudgetOpt = None,
@@ -90,6 +91,7 @@ def register(app: typer.Typer, user_errors) -> None:
         max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (at most 1024).")] = 64,
         plot: Annotated[Optional[Path], typer.Option(help="Also write the heatmap here (PNG).")] = None,
         dtype: DtypeOpt = "float32",
+        force: ForceOpt = False,
     ):
         """Trace one generation: per decode step and layer, whether it attended fully, the exact attention mass
         and top-K it kept, and whether a needle's tokens are in its selection (JSON, PNG heatmap)."""
@@ -101,9 +103,7 @@ def register(app: typer.Typer, user_errors) -> None:
         check_steps(max_new_tokens)
         for path, what in ((out, "trace file"), (plot, "trace plot")):
             if path is not None:
-                refuse_link(path, what)
-                if not path.parent.is_dir():
-                    raise ValueError(f"{what} {path}: its folder does not exist")
+                check_output(path, what, force)
         options = parse_pairs(task_option, "--task-option", repeat_as_list=True)
         if task is None:
             if options or example:

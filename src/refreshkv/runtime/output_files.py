@@ -7,6 +7,8 @@ rows, benchmark JSON and plots, a training run's records). docs/evaluation.md, "
 - A file is never written through a symbolic link: a link at the path (even one whose target is missing, which
   would be created) is refused in one line, never followed and never replaced (`refuse_link`, and O_NOFOLLOW or
   O_EXCL on every open, so that a link made after the check is not followed either).
+- An output that a run cannot resume (a trace, a benchmark's JSON and plots) never replaces a file without --force,
+  and its folder is checked before the work (`check_output`).
 - A file is written whole or not at all: a new file is created exclusively (`create_new`), and a file that is
   replaced is written beside it and renamed over it (`replaced`). The folders leading to a file are the user's
   (given, or the sweep file's): a folder that is a link is followed.
@@ -24,6 +26,7 @@ import errno
 import io
 import os
 import secrets
+import tempfile
 from pathlib import Path
 
 
@@ -53,6 +56,21 @@ def refuse_link(path: Path, what: str) -> None:
         raise OutputError(
             f"{what} {path} is a symbolic link; files are never written through one: remove it or give another path"
         )
+
+
+def check_output(path: Path, what: str, force: bool) -> None:
+    """Refuse, before any work, an output that could not be written at the end (a link, a folder that is missing or
+    cannot take a file) or that would replace a file without `force` (the command's --force)."""
+    refuse_link(path, what)
+    if path.exists() and not force:
+        raise OutputError(f"{what} {path} exists; give --force to replace it, or choose another file")
+    if path.is_dir():
+        raise OutputError(f"{what} {path} is a folder; give a file path")
+    try:
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as error:
+        raise _cannot(path, what, error) from None
 
 
 def _cannot(path: Path, what: str, error: OSError) -> OutputError:
