@@ -1009,3 +1009,59 @@ def test_a_trace_into_a_read_only_folder_is_refused_before_loading(tmp_path, mon
     monkeypatch.setattr(output_files.tempfile, "TemporaryFile", read_only)
     code, _, err = cli(monkeypatch, capsys, "trace", "--out", tmp_path / "t.json", "--prompt", "hi")
     assert_one_line_error(code, err, f"cannot write trace file {tmp_path / 't.json'} (Read-only file system)")
+
+
+def test_chat_refuses_a_method_given_twice_before_loading(tmp_path, no_model, monkeypatch, capsys):
+    """Two snapkv rows that nothing told apart."""
+    document, questions = tmp_path / "doc.txt", tmp_path / "q.txt"
+    document.write_text("some text")
+    questions.write_text("a question?\n")
+    args = ["chat", "--prompt-file", document, "--questions", questions, "--method", "snapkv", "--method", "snapkv"]
+    code, _, err = cli(monkeypatch, capsys, *args)
+    assert_one_line_error(code, err, "--method snapkv is given 2 times; give each method once")
+
+
+@pytest.fixture(scope="module")
+def small():
+    return tiny_model("llama", layers=2)
+
+
+@pytest.mark.parametrize(
+    "keywords, message",
+    [
+        ({"methods": "snapkv"}, "methods must be a list of methods, e.g. methods=['full', 'snapkv'], got str 'snapkv'"),
+        ({"methods": ["full"], "return_logits": "no"}, "return_logits must be True or False, got 'no'"),
+        ({"methods": ["full"], "progress": 1}, "progress must be True or False, got 1"),
+        ({"methods": ["full", "snapkv"], "fidelity": "yes"}, "fidelity must be True or False, got 'yes'"),
+    ],
+)
+def test_generate_many_refuses_a_string_for_a_list_and_a_non_boolean_in_one_line(small, keywords, message):
+    """methods="snapkv" was read letter by letter ("unknown method 's'"); return_logits="no" was truthy."""
+    from refreshkv.runtime.generate import generate_many
+
+    with pytest.raises(ValueError) as error:
+        generate_many(small, torch.ones(1, 8, dtype=torch.long), max_new_tokens=2, **keywords)
+    assert str(error.value) == message
+
+
+def test_fidelity_names_its_reference_method(small):
+    from refreshkv import make_policy
+    from refreshkv.runtime.generate import generate_many
+
+    ids = torch.randint(3, 120, (1, 40), generator=torch.Generator().manual_seed(0))
+    snapkv = make_policy("snapkv", budget=8, window=4)
+    outs = generate_many(small, ids, methods=[snapkv, "streamingllm"], fidelity=True, max_new_tokens=3)
+    assert set(outs[1].fidelity) == {"kl_to_snapkv", "top1_agreement", "first_divergence"}
+    outs = generate_many(small, ids, methods=["full", snapkv], fidelity=True, max_new_tokens=3)
+    assert "kl_to_full" in outs[1].fidelity
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int8, torch.bool, torch.float32])
+def test_token_ids_of_a_narrow_or_non_integer_dtype_are_refused_in_one_line(small, dtype):
+    """uint8 and int16 ids passed the check, then raised deep inside F.embedding."""
+    from refreshkv.runtime.generate import generate
+
+    with pytest.raises(ValueError, match=rf"^input_ids must hold integer token ids as torch.long .*got {dtype}") as e:
+        generate(small, torch.ones(1, 8, dtype=dtype), method="full", max_new_tokens=2)
+    assert "\n" not in str(e.value)
+    assert generate(small, torch.ones(1, 8, dtype=torch.int32), method="full", max_new_tokens=2).tokens  # int32 is fine

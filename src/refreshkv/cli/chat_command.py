@@ -101,6 +101,8 @@ def register(app, user_errors) -> None:
         params = method_params(budget, budget_ratio, None, None, None, None, None, None, param, preset)
         for name in method:
             make_policy(name)  # an unknown name: one line naming the methods
+            if method.count(name) > 1:
+                raise ValueError(f"--method {name} is given {method.count(name)} times; give each method once")
         unused = sorted(k for k in params if not any(k in accepted_parameters(METHODS[name]) for name in method))
         if unused:
             raise ValueError(f"no method of {', '.join(method)} takes {', '.join(unused)}")
