@@ -488,7 +488,7 @@ def test_the_demo_prompt_fits_its_length_and_holds_the_needle_once():
 
 def test_prompt_files_that_are_folders_or_not_utf8_are_named(tmp_path, no_model, monkeypatch, capsys):
     code, _, err = cli(monkeypatch, capsys, "generate", "--prompt-file", tmp_path)
-    assert_one_line_error(code, err, f"prompt file '{tmp_path}' is not a file")
+    assert_one_line_error(code, err, f"prompt file '{tmp_path}' is not a file or a pipe")
     latin = tmp_path / "latin1.txt"
     latin.write_bytes("café".encode("latin-1"))
     code, _, err = cli(monkeypatch, capsys, "generate", "--prompt-file", latin)
@@ -1065,3 +1065,37 @@ def test_token_ids_of_a_narrow_or_non_integer_dtype_are_refused_in_one_line(smal
         generate(small, torch.ones(1, 8, dtype=dtype), method="full", max_new_tokens=2)
     assert "\n" not in str(e.value)
     assert generate(small, torch.ones(1, 8, dtype=torch.int32), method="full", max_new_tokens=2).tokens  # int32 is fine
+
+
+def test_a_prompt_comes_from_a_pipe_or_stdin_read_once(tmp_path, monkeypatch):
+    """`--prompt-file <(cat doc.txt)` was refused as "not a file"."""
+    import io
+
+    from refreshkv.cli.options import read_prompt
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("a document from a pipe ünïcode"))
+    writer.start()
+    assert read_prompt(None, fifo) == "a document from a pipe ünïcode"
+    writer.join()
+    stdin = io.TextIOWrapper(io.BytesIO(b"from stdin\n"))
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert read_prompt(None, Path("-")) == "from stdin\n"
+    assert stdin.buffer.read() == b""  # read once, whole
+
+
+def test_generate_reads_its_prompt_from_stdin(monkeypatch, capsys, tiny_loader):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"w1 w2 w3 w4")))
+    code, out, err = cli(
+        monkeypatch, capsys, "generate", "--method", "full", "--prompt-file", "-", "--max-new-tokens", "2", "--json"
+    )
+    assert code in (0, None), err
+    assert json.loads(out)["prompt_tokens"] == 4
+
+
+def test_chat_with_its_document_on_stdin_needs_a_questions_file(tmp_path, no_model, monkeypatch, capsys):
+    code, _, err = cli(monkeypatch, capsys, "chat", "--prompt-file", "-")
+    assert_one_line_error(code, err, "--prompt-file - reads the document from standard input: give the questions")

@@ -110,6 +110,10 @@ def register(app, user_errors) -> None:
             make_policy(name, **{k: v for k, v in params.items() if k in accepted_parameters(METHODS[name])})
             for name in method
         ]
+        if str(prompt_file) == "-" and questions is None:
+            raise ValueError(
+                "--prompt-file - reads the document from standard input: give the questions in --questions"
+            )
         document = read_prompt(None, prompt_file)
         asked = read_questions(questions) if questions is not None else None
         if out is not None and asked is None:

@@ -4,6 +4,7 @@ runtime/prepare.py)."""
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -115,14 +116,23 @@ def method_params(
 
 
 def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
+    """The prompt given as text, or read once from a file: a regular file, a pipe (`<(command)`, a FIFO) or, for
+    `-`, standard input."""
     if (prompt is None) == (prompt_file is None):
         raise ValueError("give exactly one of --prompt TEXT or --prompt-file FILE")
     if prompt_file is not None:
-        if not prompt_file.is_file():
-            problem = "is not a file" if prompt_file.exists() else "does not exist"
-            raise ValueError(f"prompt file '{prompt_file}' {problem}; give a UTF-8 text file")
+        if str(prompt_file) == "-":
+            data = sys.stdin.buffer.read()
+        elif prompt_file.is_file() or prompt_file.is_fifo():
+            try:
+                data = prompt_file.read_bytes()
+            except OSError as error:
+                raise ValueError(f"prompt file '{prompt_file}' cannot be read ({error.strerror or error})") from None
+        else:
+            problem = "is not a file or a pipe" if prompt_file.exists() else "does not exist"
+            raise ValueError(f"prompt file '{prompt_file}' {problem}; give a UTF-8 text file, a pipe, or - for stdin")
         try:
-            prompt = prompt_file.read_text(encoding="utf-8")
+            prompt = data.decode("utf-8")
         except UnicodeDecodeError as error:
             raise ValueError(f"prompt file '{prompt_file}' is not UTF-8 text (byte {error.start})") from None
     if not prompt.strip():
