@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_bad_input import FullDisk, assert_one_line_error, cli, no_model, report_rows, sweep_file  # noqa: F401 (a fixture)
+from test_bad_input import FullDisk, assert_one_line_error, cli, doc, no_model, report_rows, sweep_file, tiny_loader  # noqa: F401
 from test_core import registry  # noqa: F401  (the fixture)
 
 from refreshkv.eval.results_file import ResultsFile
@@ -365,3 +365,33 @@ def test_the_cache_folder_variable_empty_means_the_default_and_a_tilde_is_home(m
     assert cache_dir() == tmp_path / ".cache" / "refreshkv"
     monkeypatch.setenv("REFRESHKV_CACHE", "~/x")
     assert cache_dir() == tmp_path / "x"
+
+
+def test_a_replacing_plugins_rows_never_count_as_the_built_ins(
+    tmp_path, doc, tiny_loader, monkeypatch, registry, capsys
+):
+    """A built-in snapkv eval, then the same eval under a plugin replacing snapkv, said "1 run, 2 already"."""
+    import dataclasses
+
+    from test_bad_input import ppl_eval_args
+    from test_core import load_plugins
+
+    from refreshkv import make_policy
+    from refreshkv.eval.config import RunConfig
+
+    out = tmp_path / "r.jsonl"
+    args = ppl_eval_args(doc, out, "--method", "snapkv", "--budget", "8", "--window", "4", "--num-examples", "2")
+    code, _, err = cli(monkeypatch, capsys, *args)
+    assert code == 0, err
+    built_in = RunConfig(task="ppl", method="snapkv", length=40).key()
+    plugin = type("Faster", (type(make_policy("snapkv")),), {"name": "snapkv", "replaces": True})
+    load_plugins(monkeypatch, {("snapkv", "otherpkg"): dataclasses.dataclass(plugin)})
+    assert RunConfig(task="ppl", method="snapkv", length=40).key() != built_in
+    assert RunConfig(task="ppl", method="full", length=40).fields().get("provider") is None  # built-in keys as before
+    code, _, err = cli(monkeypatch, capsys, *args)
+    assert_one_line_error(code, err, f"{out} holds results of another configuration")
+    other = tmp_path / "plugin.jsonl"
+    code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, other, *args[len(ppl_eval_args(doc, out)) :]))
+    assert code == 0, err
+    rows = [json.loads(line) for line in other.read_text().splitlines()]
+    assert len(rows) == 2 and {row["provider"] for row in rows} == {"otherpkg"}
