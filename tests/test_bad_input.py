@@ -1099,3 +1099,17 @@ def test_generate_reads_its_prompt_from_stdin(monkeypatch, capsys, tiny_loader):
 def test_chat_with_its_document_on_stdin_needs_a_questions_file(tmp_path, no_model, monkeypatch, capsys):
     code, _, err = cli(monkeypatch, capsys, "chat", "--prompt-file", "-")
     assert_one_line_error(code, err, "--prompt-file - reads the document from standard input: give the questions")
+
+
+def test_report_tables_escape_html_and_pipes_in_what_they_print(tmp_path, monkeypatch, capsys):
+    """A method named `<script>...</script>|x` kept its HTML in summary.md, and its `|` shifted the columns."""
+    name = "<script>alert(1)</script>|x"
+    results = report_rows(tmp_path / "r.jsonl", method=name, config="d")
+    code, _, err = cli(monkeypatch, capsys, "report", results, "--no-plots", "--out-dir", tmp_path / "rep")
+    assert code == 0, err
+    summary = (tmp_path / "rep" / "summary.md").read_text()
+    assert "<script>" not in summary and "&lt;script&gt;alert(1)&lt;/script&gt;\\|x" in summary
+    tables = [block.splitlines() for block in summary.split("\n\n") if block.startswith("|")]
+    assert tables
+    for table in tables:  # every row of a table has its header's number of cells
+        assert len({line.replace("\\|", "").count("|") for line in table}) == 1, table
