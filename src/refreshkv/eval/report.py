@@ -29,10 +29,10 @@ of the group's losses over that of `full` on the same examples; recovery curves 
 
 from __future__ import annotations
 
-import html
 import os
 from pathlib import Path
 
+from ..runtime.markdown import md_row, md_text
 from ..runtime.output_files import refuse_link, write_text
 from . import stats
 from .summary import (
@@ -151,17 +151,6 @@ def rich_tables(groups: list[Group]) -> list:
 
 def markdown_table(groups: list[Group]) -> str:
     return _markdown(summary_rows(groups), COLUMNS)
-
-
-def md_text(value) -> str:
-    """`value` as Markdown text that shows as written: on one line, HTML escaped (a method named `<script>` is text),
-    and `|` escaped so that it cannot split a table's cell."""
-    return html.escape(" ".join(str(value).split()), quote=False).replace("|", "\\|")
-
-
-def md_row(cells) -> str:
-    """One Markdown table row of `cells`, each escaped (`md_text`)."""
-    return "| " + " | ".join(md_text(c) for c in cells) + " |"
 
 
 def _markdown(rows: list[dict], columns) -> str:
