@@ -1113,3 +1113,39 @@ def test_report_tables_escape_html_and_pipes_in_what_they_print(tmp_path, monkey
     assert tables
     for table in tables:  # every row of a table has its header's number of cells
         assert len({line.replace("\\|", "").count("|") for line in table}) == 1, table
+
+
+def test_chat_drop_answers_with_a_method_that_cannot_is_refused_before_loading(tmp_path, no_model, monkeypatch, capsys):
+    document, questions = tmp_path / "doc.txt", tmp_path / "q.txt"
+    document.write_text("some text")
+    questions.write_text("a question?\n")
+    args = ["chat", "--prompt-file", document, "--questions", questions, "--method", "snapkv", "--drop-answers"]
+    code, _, err = cli(monkeypatch, capsys, *args)
+    assert_one_line_error(code, err, "method 'snapkv' cannot forget its answers")
+
+
+def test_chat_refuses_a_document_longer_than_the_model_before_its_prefill(tmp_path, monkeypatch, capsys):
+    """A 19,755-token document on an 8K model prefilled for minutes before the length check."""
+    import refreshkv.runtime.conversation as conversation
+
+    small = tiny_model("llama", layers=2)
+    small.config.max_position_embeddings = 64
+    monkeypatch.setattr(refreshkv.runtime.loading, "load_model", lambda *a, **k: (small, WordTokenizer()))
+    monkeypatch.setattr(conversation, "prefill", lambda *a, **k: pytest.fail("prefilled before the length check"))
+    monkeypatch.setattr(
+        conversation.TurnFormat, "__init__", lambda self, tokenizer: setattr(self, "tokenizer", tokenizer)
+    )
+    monkeypatch.setattr(
+        conversation.TurnFormat, "context", lambda self, text: torch.tensor([self.tokenizer.encode(text)])
+    )
+    document, questions = tmp_path / "doc.txt", tmp_path / "q.txt"
+    document.write_text("word " * 100)
+    questions.write_text("a question?\n")
+    args = ["chat", "--prompt-file", document, "--questions", questions, "--method", "full"]
+    code, _, err = cli(monkeypatch, capsys, *args)
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and lines == [
+        "error: prompt (100 tokens) + max_new_tokens (64) exceeds the model's context of 64 tokens"
+    ], err
+    with pytest.raises(ValueError, match=r"^prompt \(64 tokens\) \+ max_new_tokens \(1\) exceeds the model's context"):
+        conversation.Conversation(small, torch.ones(1, 64, dtype=torch.long), "full")  # the API: before its prefill

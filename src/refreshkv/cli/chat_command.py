@@ -96,7 +96,8 @@ def register(app, user_errors) -> None:
     ):
         """Ask questions about a document, answered from one prefilled cache per method (no re-prefill per turn)."""
         from ..core.policy import METHODS, accepted_parameters, make_policy
-        from ..runtime.conversation import Conversation, TurnFormat
+        from ..runtime.conversation import Conversation, TurnFormat, check_can_forget
+        from ..runtime.generate import check_length
 
         params = method_params(budget, budget_ratio, None, None, None, None, None, None, param, preset)
         for name in method:
@@ -114,6 +115,9 @@ def register(app, user_errors) -> None:
             raise ValueError(
                 "--prompt-file - reads the document from standard input: give the questions in --questions"
             )
+        if drop_answers:
+            for policy in policies:
+                check_can_forget(policy)
         document = read_prompt(None, prompt_file)
         asked = read_questions(questions) if questions is not None else None
         if out is not None and asked is None:
@@ -124,6 +128,7 @@ def register(app, user_errors) -> None:
             lm, tokenizer, _ = load_checked(model, runtime)
             form = TurnFormat(tokenizer)
             context = form.context(document).to(lm.device)
+            check_length(lm, context.shape[1], max_new_tokens)  # before minutes of prefill
             print(f"prefilling the document ({context.shape[1]} tokens) for {', '.join(method)} ...", file=sys.stderr)
             if question_aware:
                 conversations = [
