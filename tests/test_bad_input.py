@@ -351,9 +351,9 @@ def test_bad_method_parameters_are_one_line_before_loading(args, message, no_mod
 
 
 def test_method_params_refuses_an_option_also_given_as_param():
-    assert method_params(4, None, None, None, None, None, None, None, ["qc_stride=3"]) == {"budget": 4, "qc_stride": 3}
+    assert method_params(["qc_stride=3"], budget=4, kernel=None) == {"budget": 4, "qc_stride": 3}
     with pytest.raises(ValueError, match="budget_ratio is given both as --budget-ratio and as --param budget_ratio"):
-        method_params(None, 0.5, None, None, None, None, None, None, ["budget_ratio=0.25"])
+        method_params(["budget_ratio=0.25"], budget=None, budget_ratio=0.5)
 
 
 def test_text_in_a_sweep_where_a_number_is_expected(tmp_path):

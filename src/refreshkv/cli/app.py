@@ -22,25 +22,16 @@ from .chat_command import register as register_chat_command
 from .demo import MIN_LENGTH as DEMO_MIN_LENGTH
 from .eval_commands import register as register_eval_commands
 from .options import (
-    AggOpt,
     BudgetOpt,
     CompileOpt,
     DeviceOpt,
     DtypeOpt,
     ForceOpt,
-    KernelOpt,
     MethodOpt,
     ModelOpt,
-    ParamOpt,
-    PresetOpt,
-    QcOpt,
-    RatioOpt,
-    StrideOpt,
     ThreadsOpt,
-    ThresholdOpt,
     WeightLayoutOpt,
-    WindowOpt,
-    method_params,
+    method_options,
     parse_pairs,
     read_prompt,
 )
@@ -169,19 +160,11 @@ def show(results: list[dict], as_json: bool) -> None:
 
 @app.command()
 @user_errors
+@method_options()
 def generate(
     method: MethodOpt = "refreshkv",
     model: ModelOpt = None,
-    budget: BudgetOpt = None,
-    budget_ratio: RatioOpt = None,
-    stride: StrideOpt = None,
-    qc_stride: QcOpt = None,
-    threshold: ThresholdOpt = None,
-    kernel: KernelOpt = None,
-    window: WindowOpt = None,
-    aggregation: AggOpt = None,
-    preset: PresetOpt = None,
-    param: ParamOpt = [],
+    params: Optional[dict] = None,  # the method options (`method_options`)
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 64,
     prompt: Annotated[Optional[str], typer.Option(help="Prompt text.")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(help="UTF-8 file holding the prompt.")] = None,
@@ -208,9 +191,7 @@ def generate(
     """Generate from a prompt with a KV method and report its speed and KV memory."""
     from ..core.policy import make_policy
 
-    params = method_params(
-        budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param, preset
-    )
+    params = params or {}
     make_policy(method, **params)  # validate before loading anything
     if compare is not None:
         make_policy(compare)

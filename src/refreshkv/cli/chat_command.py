@@ -19,14 +19,10 @@ import typer
 from ..runtime.output_files import new_text_file
 from ..runtime.prepare import check_runtime, load_checked
 from .options import (
-    BudgetOpt,
     DeviceOpt,
     DtypeOpt,
     ModelOpt,
-    ParamOpt,
-    PresetOpt,
-    RatioOpt,
-    method_params,
+    method_options,
     read_prompt,
 )
 
@@ -70,15 +66,13 @@ def register(app, user_errors) -> None:
 
     @app.command("chat")
     @user_errors
+    @method_options("budget", "budget_ratio", "preset", "param")
     def chat_command(
         prompt_file: Annotated[Path, typer.Option(help="UTF-8 file holding the document the questions are about.")],
         method: Annotated[
             list[str], typer.Option("--method", help="KV method (repeatable: every method answers every question).")
         ] = ["refreshkv"],
-        budget: BudgetOpt = None,
-        budget_ratio: RatioOpt = None,
-        preset: PresetOpt = None,
-        param: ParamOpt = [],
+        params: Optional[dict] = None,  # the method options (`method_options`)
         questions: Annotated[
             Optional[Path], typer.Option(help="Ask these questions (one per line) instead of prompting.")
         ] = None,
@@ -99,7 +93,7 @@ def register(app, user_errors) -> None:
         from ..runtime.conversation import Conversation, TurnFormat, check_can_forget
         from ..runtime.generate import check_length
 
-        params = method_params(budget, budget_ratio, None, None, None, None, None, None, param, preset)
+        params = params or {}
         for name in method:
             make_policy(name)  # an unknown name: one line naming the methods
             if method.count(name) > 1:

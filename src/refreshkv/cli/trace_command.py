@@ -14,19 +14,11 @@ import typer
 from ..runtime.output_files import check_output, write_text
 from ..runtime.prepare import check_runtime, load_checked
 from .options import (
-    BudgetOpt,
     DtypeOpt,
     ForceOpt,
-    KernelOpt,
+    MethodOpt,
     ModelOpt,
-    ParamOpt,
-    PresetOpt,
-    QcOpt,
-    RatioOpt,
-    StrideOpt,
-    ThresholdOpt,
-    WindowOpt,
-    method_params,
+    method_options,
     parse_pairs,
     read_prompt,
 )
@@ -59,19 +51,12 @@ def needle_positions(tokenizer, text: str, needle: str) -> list[int]:
 def register(app: typer.Typer, user_errors) -> None:
     @app.command()
     @user_errors
+    @method_options("budget", "budget_ratio", "stride", "qc_stride", "threshold", "kernel", "window", "preset", "param")
     def trace(
         out: Annotated[Path, typer.Option(help="The trace as JSON (a new file, or --force); beside it, --plot's PNG.")],
-        method: Annotated[str, typer.Option(help="KV method (see `refreshkv methods`).")] = "refreshkv",
+        method: MethodOpt = "refreshkv",
         model: ModelOpt = None,
-        budget: BudgetOpt = None,
-        budget_ratio: RatioOpt = None,
-        stride: StrideOpt = None,
-        qc_stride: QcOpt = None,
-        threshold: ThresholdOpt = None,
-        kernel: KernelOpt = None,
-        window: WindowOpt = None,
-        preset: PresetOpt = None,
-        param: ParamOpt = [],
+        params: Optional[dict] = None,  # the method options (`method_options`)
         prompt: Annotated[Optional[str], typer.Option(help="Prompt text.")] = None,
         prompt_file: Annotated[Optional[Path], typer.Option(help="UTF-8 file holding the prompt.")] = None,
         chat: Annotated[bool, typer.Option(help="Wrap --prompt in the model's chat template.")] = False,
@@ -98,7 +83,7 @@ def register(app: typer.Typer, user_errors) -> None:
         from ..core.policy import make_policy
         from ..measure.trace import check_steps, trace_generation, what_it_shows
 
-        params = method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, window, None, param, preset)
+        params = params or {}
         policy = make_policy(method, **params)
         check_steps(max_new_tokens)
         for path, what in ((out, "trace file"), (plot, "trace plot")):
