@@ -997,6 +997,10 @@ def test_an_output_that_exists_is_refused_before_loading_unless_forced(tmp_path,
     assert out.read_text() == "an earlier trace"
     code, _, err = cli(monkeypatch, capsys, *args, "--force")
     assert_one_line_error(code, err, "the model loads now")  # past every check on the outputs
+    out.unlink()
+    out.mkdir()
+    code, _, err = cli(monkeypatch, capsys, *args, "--force")
+    assert_one_line_error(code, err, f"{out} is a folder; give a file path")
 
 
 def test_a_trace_into_a_read_only_folder_is_refused_before_loading(tmp_path, monkeypatch, capsys, no_model):

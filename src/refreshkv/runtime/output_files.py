@@ -62,10 +62,10 @@ def check_output(path: Path, what: str, force: bool) -> None:
     """Refuse, before any work, an output that could not be written at the end (a link, a folder that is missing or
     cannot take a file) or that would replace a file without `force` (the command's --force)."""
     refuse_link(path, what)
-    if path.exists() and not force:
-        raise OutputError(f"{what} {path} exists; give --force to replace it, or choose another file")
     if path.is_dir():
         raise OutputError(f"{what} {path} is a folder; give a file path")
+    if path.exists() and not force:
+        raise OutputError(f"{what} {path} exists; give --force to replace it, or choose another file")
     try:
         with tempfile.TemporaryFile(dir=path.parent):
             pass
