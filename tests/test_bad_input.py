@@ -1100,6 +1100,14 @@ def test_generate_reads_its_prompt_from_stdin(monkeypatch, capsys, tiny_loader):
     assert json.loads(out)["prompt_tokens"] == 4
 
 
+def test_an_empty_chat_document_is_named_as_the_document(tmp_path, no_model, monkeypatch, capsys):
+    document, questions = tmp_path / "doc.txt", tmp_path / "q.txt"
+    document.write_text("  \n")
+    questions.write_text("a question?\n")
+    code, _, err = cli(monkeypatch, capsys, "chat", "--prompt-file", document, "--questions", questions)
+    assert_one_line_error(code, err, f"the document is empty ({document})")
+
+
 def test_chat_with_its_document_on_stdin_needs_a_questions_file(tmp_path, no_model, monkeypatch, capsys):
     code, _, err = cli(monkeypatch, capsys, "chat", "--prompt-file", "-")
     assert_one_line_error(code, err, "--prompt-file - reads the document from standard input: give the questions")

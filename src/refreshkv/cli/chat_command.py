@@ -112,7 +112,7 @@ def register(app, user_errors) -> None:
         if drop_answers:
             for policy in policies:
                 check_can_forget(policy)
-        document = read_prompt(None, prompt_file)
+        document = read_prompt(None, prompt_file, what="document")
         asked = read_questions(questions) if questions is not None else None
         if out is not None and asked is None:
             raise ValueError("--out writes the rows of a --questions run; give --questions FILE too")

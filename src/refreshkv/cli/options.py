@@ -151,9 +151,9 @@ def method_options(*names: str):
     return decorate
 
 
-def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
+def read_prompt(prompt: Optional[str], prompt_file: Optional[Path], what: str = "prompt") -> str:
     """The prompt given as text, or read once from a file: a regular file, a pipe (`<(command)`, a FIFO) or, for
-    `-`, standard input."""
+    `-`, standard input; `what` names it in a refusal (chat's document)."""
     if (prompt is None) == (prompt_file is None):
         raise ValueError("give exactly one of --prompt TEXT or --prompt-file FILE")
     if prompt_file is not None:
@@ -172,5 +172,5 @@ def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
         except UnicodeDecodeError as error:
             raise ValueError(f"prompt file '{prompt_file}' is not UTF-8 text (byte {error.start})") from None
     if not prompt.strip():
-        raise ValueError("the prompt is empty")
+        raise ValueError(f"the {what} is empty" + (f" ({prompt_file})" if prompt_file is not None else ""))
     return prompt
