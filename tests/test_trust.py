@@ -235,8 +235,11 @@ def test_a_planted_native_library_with_a_forged_record_never_runs(tmp_path, monk
     planted.write_text(
         f'#include <stdio.h>\n__attribute__((constructor)) static void run(void) {{ fclose(fopen("{mark}", "w")); }}\n'
     )
-    source = hashlib.sha256(native_selection.SOURCE.read_bytes()).hexdigest()
-    for name in ("selection", "selection-openmp", "selection-0123456789abcdef", "selection-0123456789abcdef-openmp"):
+    code = native_selection.SOURCE.read_bytes()
+    source = hashlib.sha256(code).hexdigest()
+    # the names a cached library had: keyed by the source's, the compiler's and the machine's identity
+    identity = hashlib.sha256(code + compiler.encode() + os.uname().machine.encode()).hexdigest()[:16]
+    for name in (f"selection-{identity}", f"selection-{identity}-openmp", "selection", "selection-openmp"):
         library = cache / "native" / f"{name}.so"
         subprocess.run([compiler, "-shared", "-fPIC", str(planted), "-o", str(library)], check=True)
         record = {"source_sha256": source, "library_sha256": hashlib.sha256(library.read_bytes()).hexdigest()}
