@@ -1161,3 +1161,15 @@ def test_chat_refuses_a_document_longer_than_the_model_before_its_prefill(tmp_pa
     ], err
     with pytest.raises(ValueError, match=r"^prompt \(64 tokens\) \+ max_new_tokens \(1\) exceeds the model's context"):
         conversation.Conversation(small, torch.ones(1, 64, dtype=torch.long), "full")  # the API: before its prefill
+
+
+def test_chat_rows_into_a_full_disk_end_in_one_line_naming_the_file(tmp_path):
+    from refreshkv.runtime.output_files import WriteFailed, new_text_file
+
+    out = tmp_path / "turns.jsonl"
+    with pytest.raises(WriteFailed, match=rf"^cannot write --out {out}: No space left on device; free some space"):
+        with new_text_file(out, "--out"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as print(..., flush=True) raises it
+    assert not out.exists()  # nothing was written: no empty file left
+    with pytest.raises(OSError, match="not a full disk"), new_text_file(out, "--out"):
+        raise OSError(errno.EIO, "not a full disk")  # other errors pass as they are
