@@ -41,7 +41,7 @@ def small_budget(case: str) -> dict:
     if "page_size" in params:
         chosen["page_size"] = 4  # two pages of the budget
     if "dense_layers" in params:
-        chosen["dense_layers"] = 1  # quest selects in the second layer (its default of 2 is every layer here)
+        chosen["dense_layers"] = 0  # quest selects in every layer (its default of 2 is every layer of these models)
     return {**chosen, **OPTIONS.get(case, {})}
 
 
