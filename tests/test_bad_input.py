@@ -1,5 +1,6 @@
 """Bad input and environment faults end in one line (CLI: exit code 2), before any long work; runs resume intact."""
 
+import errno
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import tiny_model
 
 import refreshkv.runtime.cache_folder
@@ -34,6 +36,26 @@ class WordTokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(f"w{i}" for i in ids)
+
+
+class FullDisk:
+    """A file whose writes fail as on a full disk, after `room` bytes."""
+
+    def __init__(self, file, room: int = 0):
+        self.file, self.room = file, room
+
+    def write(self, data):
+        if len(data) > self.room:
+            self.file.write(data[: self.room])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.file.write(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
 
 
 def cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
@@ -329,9 +351,9 @@ def test_bad_method_parameters_are_one_line_before_loading(args, message, no_mod
 
 
 def test_method_params_refuses_an_option_also_given_as_param():
-    assert method_params(4, None, None, None, None, None, None, None, ["qc_stride=3"]) == {"budget": 4, "qc_stride": 3}
+    assert method_params(["qc_stride=3"], budget=4, kernel=None) == {"budget": 4, "qc_stride": 3}
     with pytest.raises(ValueError, match="budget_ratio is given both as --budget-ratio and as --param budget_ratio"):
-        method_params(None, 0.5, None, None, None, None, None, None, ["budget_ratio=0.25"])
+        method_params(["budget_ratio=0.25"], budget=None, budget_ratio=0.5)
 
 
 def test_text_in_a_sweep_where_a_number_is_expected(tmp_path):
@@ -466,7 +488,7 @@ def test_the_demo_prompt_fits_its_length_and_holds_the_needle_once():
 
 def test_prompt_files_that_are_folders_or_not_utf8_are_named(tmp_path, no_model, monkeypatch, capsys):
     code, _, err = cli(monkeypatch, capsys, "generate", "--prompt-file", tmp_path)
-    assert_one_line_error(code, err, f"prompt file '{tmp_path}' is not a file")
+    assert_one_line_error(code, err, f"prompt file '{tmp_path}' is not a file or a pipe")
     latin = tmp_path / "latin1.txt"
     latin.write_bytes("café".encode("latin-1"))
     code, _, err = cli(monkeypatch, capsys, "generate", "--prompt-file", latin)
@@ -829,3 +851,325 @@ def test_chat_out_that_cannot_be_made_is_refused_before_loading(tmp_path, no_mod
     code, _, err = cli(monkeypatch, capsys, *args)
     assert_one_line_error(code, err, f"--out {out}", message)
     assert not target.exists() and (setup == "dangling link" or not out.exists())
+
+
+# ---- round 5: what a method cannot honour, traces, full disks, overwrites, the cache variable, early checks -------
+
+
+@pytest.mark.parametrize("dense", [2, 100])
+def test_quest_with_every_layer_dense_is_refused_in_one_line(dense):
+    """dense_layers=100 was `full` under quest's name."""
+    from refreshkv.core.policy import PolicyError, make_policy
+    from refreshkv.engine.cache import PolicyCache
+
+    with pytest.raises(PolicyError, match=rf"^dense_layers \({dense}\) covers every layer of this model \(2\)") as e:
+        PolicyCache(make_policy("quest", dense_layers=dense), tiny_model("llama", layers=2))
+    assert "\n" not in str(e.value)
+    PolicyCache(make_policy("quest", dense_layers=1), tiny_model("llama", layers=2))  # one layer still selects
+
+
+@pytest.mark.parametrize("pooling", ["centered", "forward"])
+def test_a_kernel_wider_than_the_scores_pools_as_the_widest_that_fits(pooling):
+    """--kernel 1000000001 ran past 300 s at 12.7 GB; a side past either end is padding, so it pools as 2n+1 does."""
+    from refreshkv.core.attention_math import pool
+
+    scores = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(pool(scores, 1_000_000_001, pooling), pool(scores, 81, pooling))
+    assert not torch.equal(pool(scores, 7, pooling), pool(scores, 81, pooling))  # a kernel that fits still narrows
+
+
+@pytest.mark.parametrize("method", ["snapkv", "refreshkv"])
+def test_a_huge_kernel_decodes_in_a_moment_as_a_prompt_wide_one_does(method):
+    from refreshkv.runtime.generate import generate
+
+    model, ids = (
+        tiny_model("llama", layers=2),
+        torch.randint(3, 120, (1, 48), generator=torch.Generator().manual_seed(1)),
+    )
+    started = time.perf_counter()
+    huge = generate(model, ids, method=method, budget=16, window=4, kernel=1_000_000_001, max_new_tokens=4)
+    assert time.perf_counter() - started < 5
+    wide = generate(model, ids, method=method, budget=16, window=4, kernel=97, max_new_tokens=4)
+    assert huge.tokens == wide.tokens
+
+
+def test_a_streamingllm_pp_trace_records_its_sinks_and_window_not_the_whole_cache():
+    """It said "has no partial cache" and recorded mass 1.000 and top-K overlap 1.000 at every partial step."""
+    from conftest import random_prompt
+
+    from refreshkv import make_policy
+    from refreshkv.measure.trace import trace_generation, what_it_shows
+
+    policy = make_policy("streamingllm++", budget=12, sinks=4, stride=4)
+    result = trace_generation(tiny_model("llama", layers=2, seed=3), random_prompt(60, seed=4), policy, 8, [10, 58])
+    assert "sinks and recent window" in what_it_shows(policy) and "no partial cache" not in result["shows"]
+    steps = result["steps"]
+    full = torch.tensor([step["full"] for step in steps])  # (steps, layers)
+    mass, overlap = (torch.tensor([step[name] for step in steps]) for name in ("mass", "overlap"))
+    assert full[3].all() and not full[:3].any()  # decode step 4 is full
+    assert (mass[~full] < 1).all() and (overlap[~full] < 1).all() and (mass[full] == 1).all()
+    # the needle at 10 lies outside the sinks (0-3) and the window (the last 8): half of it is held at partial steps
+    assert all(share == 0.5 for step in steps[:3] for share in step["needle"])
+
+
+def test_streamingllm_pp_selection_is_the_sinks_and_the_recent_window_of_each_padded_row():
+    from refreshkv import make_policy
+    from refreshkv.engine.cache import PolicyCache
+    from refreshkv.engine.cache_argument import with_cache
+
+    model, policy = tiny_model("llama", layers=2), make_policy("streamingllm++", budget=6, sinks=2, stride=100)
+    ids = torch.randint(3, 120, (2, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # row 1: three pads
+    cache = PolicyCache(policy, model, max_new_tokens=4)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, **with_cache(model, cache))
+        step = out.logits[:, -1:].argmax(-1)
+        model(step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1), **with_cache(model, cache))
+    layer = cache.layers[0]
+    selection = policy.selection(layer, torch.zeros(2, 4, 1, 16), 1.0)
+    assert selection.shape == (2, 2, 6)
+    assert selection[0, 0].tolist() == [0, 1, 17, 18, 19, 20]
+    assert selection[1, 1].tolist() == [3, 4, 17, 18, 19, 20]
+
+
+def test_eval_into_a_full_disk_ends_in_one_line_and_a_resume_runs_the_rest(
+    tmp_path, doc, tiny_loader, monkeypatch, capsys
+):
+    """It ended in a 47-line traceback (OSError: short write), and into an empty full disk in another one."""
+    import refreshkv.eval.results_file as results_file
+
+    out = tmp_path / "r.jsonl"
+    real_write, room = os.write, {"bytes": 0}
+
+    def full_disk(fd, data):  # a disk with `room` bytes left: a short write, then ENOSPC
+        if room["bytes"] <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written = real_write(fd, data[: room["bytes"]])
+        room["bytes"] -= written
+        return written
+
+    for left in (0, 30):  # an empty full disk; one with room for a torn part of a row
+        room["bytes"] = left
+        with monkeypatch.context() as full:
+            full.setattr(results_file.os, "write", full_disk)
+            code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, out, "--num-examples", "2"))
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert code == 1 and "Traceback" not in err and len(errors) == 1, err
+        assert errors[0].startswith(f"error: cannot write results file {out}: No space left on device")
+        assert errors[0].endswith("bytes needed); free some space and run the command again")
+        assert out.exists() == bool(left)  # an empty run leaves no file
+    assert out.read_bytes() and not out.read_bytes().endswith(b"\n")  # the torn tail the resume cuts
+    code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, out, "--num-examples", "2"))
+    assert code == 0, err
+    assert len(out.read_text().splitlines()) == 2 and all(json.loads(line) for line in out.read_text().splitlines())
+
+
+def test_report_into_a_full_disk_ends_in_one_line_and_keeps_the_old_file(tmp_path, monkeypatch, capsys):
+    import refreshkv.runtime.output_files as output_files
+
+    results, folder = report_rows(tmp_path / "r.jsonl"), tmp_path / "report"
+    folder.mkdir()
+    (folder / "summary.md").write_text("old")
+
+    real = os.fdopen
+    monkeypatch.setattr(output_files.os, "fdopen", lambda fd, mode: FullDisk(real(fd, mode)))
+    code, _, err = cli(monkeypatch, capsys, "report", results, "--out-dir", folder, "--no-plots")
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"error: cannot write report file {folder / 'summary.md'}: No space left on device (")
+    assert os.listdir(folder) == ["summary.md"] and (folder / "summary.md").read_text() == "old"
+
+
+@pytest.mark.parametrize("command", ["trace", "bench"])
+def test_an_output_that_exists_is_refused_before_loading_unless_forced(tmp_path, monkeypatch, capsys, command):
+    """`trace --out` replaced an existing file without a word."""
+    out = tmp_path / "kept.json"
+    out.write_text("an earlier trace")
+    option = "--out" if command == "trace" else "--json"
+    args = [command, option, out, *(["--prompt", "hi"] if command == "trace" else ["--lengths", "40"])]
+
+    def loaded(*a, **k):
+        raise ValueError("the model loads now")
+
+    monkeypatch.setattr(refreshkv.runtime.loading, "load_model", loaded)
+    code, _, err = cli(monkeypatch, capsys, *args)
+    assert_one_line_error(code, err, f"{out} exists; give --force to replace it")
+    assert out.read_text() == "an earlier trace"
+    code, _, err = cli(monkeypatch, capsys, *args, "--force")
+    assert_one_line_error(code, err, "the model loads now")  # past every check on the outputs
+    out.unlink()
+    out.mkdir()
+    code, _, err = cli(monkeypatch, capsys, *args, "--force")
+    assert_one_line_error(code, err, f"{out} is a folder; give a file path")
+
+
+def test_a_trace_into_a_read_only_folder_is_refused_before_loading(tmp_path, monkeypatch, capsys, no_model):
+    """It failed after the whole trace."""
+    import refreshkv.runtime.output_files as output_files
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(output_files.tempfile, "TemporaryFile", read_only)
+    code, _, err = cli(monkeypatch, capsys, "trace", "--out", tmp_path / "t.json", "--prompt", "hi")
+    assert_one_line_error(code, err, f"cannot write trace file {tmp_path / 't.json'} (Read-only file system)")
+
+
+def test_chat_refuses_a_method_given_twice_before_loading(tmp_path, no_model, monkeypatch, capsys):
+    """Two snapkv rows that nothing told apart."""
+    document, questions = tmp_path / "doc.txt", tmp_path / "q.txt"
+    document.write_text("some text")
+    questions.write_text("a question?\n")
+    args = ["chat", "--prompt-file", document, "--questions", questions, "--method", "snapkv", "--method", "snapkv"]
+    code, _, err = cli(monkeypatch, capsys, *args)
+    assert_one_line_error(code, err, "--method snapkv is given 2 times; give each method once")
+
+
+@pytest.fixture(scope="module")
+def small():
+    return tiny_model("llama", layers=2)
+
+
+@pytest.mark.parametrize(
+    "keywords, message",
+    [
+        ({"methods": "snapkv"}, "methods must be a list of methods, e.g. methods=['full', 'snapkv'], got str 'snapkv'"),
+        ({"methods": ["full"], "return_logits": "no"}, "return_logits must be True or False, got 'no'"),
+        ({"methods": ["full"], "progress": 1}, "progress must be True or False, got 1"),
+        ({"methods": ["full", "snapkv"], "fidelity": "yes"}, "fidelity must be True or False, got 'yes'"),
+    ],
+)
+def test_generate_many_refuses_a_string_for_a_list_and_a_non_boolean_in_one_line(small, keywords, message):
+    """methods="snapkv" was read letter by letter ("unknown method 's'"); return_logits="no" was truthy."""
+    from refreshkv.runtime.generate import generate_many
+
+    with pytest.raises(ValueError) as error:
+        generate_many(small, torch.ones(1, 8, dtype=torch.long), max_new_tokens=2, **keywords)
+    assert str(error.value) == message
+
+
+def test_fidelity_names_its_reference_method(small):
+    from refreshkv import make_policy
+    from refreshkv.runtime.generate import generate_many
+
+    ids = torch.randint(3, 120, (1, 40), generator=torch.Generator().manual_seed(0))
+    snapkv = make_policy("snapkv", budget=8, window=4)
+    outs = generate_many(small, ids, methods=[snapkv, "streamingllm"], fidelity=True, max_new_tokens=3)
+    assert set(outs[1].fidelity) == {"kl_to_snapkv", "top1_agreement", "first_divergence"}
+    outs = generate_many(small, ids, methods=["full", snapkv], fidelity=True, max_new_tokens=3)
+    assert "kl_to_full" in outs[1].fidelity
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int8, torch.bool, torch.float32])
+def test_token_ids_of_a_narrow_or_non_integer_dtype_are_refused_in_one_line(small, dtype):
+    """uint8 and int16 ids passed the check, then raised deep inside F.embedding."""
+    from refreshkv.runtime.generate import generate
+
+    with pytest.raises(ValueError, match=rf"^input_ids must hold integer token ids as torch.long .*got {dtype}") as e:
+        generate(small, torch.ones(1, 8, dtype=dtype), method="full", max_new_tokens=2)
+    assert "\n" not in str(e.value)
+    assert generate(small, torch.ones(1, 8, dtype=torch.int32), method="full", max_new_tokens=2).tokens  # int32 is fine
+
+
+def test_a_prompt_comes_from_a_pipe_or_stdin_read_once(tmp_path, monkeypatch):
+    """`--prompt-file <(cat doc.txt)` was refused as "not a file"."""
+    import io
+
+    from refreshkv.cli.options import read_prompt
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("a document from a pipe ünïcode"))
+    writer.start()
+    assert read_prompt(None, fifo) == "a document from a pipe ünïcode"
+    writer.join()
+    stdin = io.TextIOWrapper(io.BytesIO(b"from stdin\n"))
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert read_prompt(None, Path("-")) == "from stdin\n"
+    assert stdin.buffer.read() == b""  # read once, whole
+
+
+def test_generate_reads_its_prompt_from_stdin(monkeypatch, capsys, tiny_loader):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"w1 w2 w3 w4")))
+    code, out, err = cli(
+        monkeypatch, capsys, "generate", "--method", "full", "--prompt-file", "-", "--max-new-tokens", "2", "--json"
+    )
+    assert code in (0, None), err
+    assert json.loads(out)["prompt_tokens"] == 4
+
+
+def test_an_empty_chat_document_is_named_as_the_document(tmp_path, no_model, monkeypatch, capsys):
+    document, questions = tmp_path / "doc.txt", tmp_path / "q.txt"
+    document.write_text("  \n")
+    questions.write_text("a question?\n")
+    code, _, err = cli(monkeypatch, capsys, "chat", "--prompt-file", document, "--questions", questions)
+    assert_one_line_error(code, err, f"the document is empty ({document})")
+
+
+def test_chat_with_its_document_on_stdin_needs_a_questions_file(tmp_path, no_model, monkeypatch, capsys):
+    code, _, err = cli(monkeypatch, capsys, "chat", "--prompt-file", "-")
+    assert_one_line_error(code, err, "--prompt-file - reads the document from standard input: give the questions")
+
+
+def test_report_tables_escape_html_and_pipes_in_what_they_print(tmp_path, monkeypatch, capsys):
+    """A method named `<script>...</script>|x` kept its HTML in summary.md, and its `|` shifted the columns."""
+    name = "<script>alert(1)</script>|x"
+    results = report_rows(tmp_path / "r.jsonl", method=name, config="d")
+    code, _, err = cli(monkeypatch, capsys, "report", results, "--no-plots", "--out-dir", tmp_path / "rep")
+    assert code == 0, err
+    summary = (tmp_path / "rep" / "summary.md").read_text()
+    assert "<script>" not in summary and "&lt;script&gt;alert(1)&lt;/script&gt;\\|x" in summary
+    tables = [block.splitlines() for block in summary.split("\n\n") if block.startswith("|")]
+    assert tables
+    for table in tables:  # every row of a table has its header's number of cells
+        assert len({line.replace("\\|", "").count("|") for line in table}) == 1, table
+
+
+def test_chat_drop_answers_with_a_method_that_cannot_is_refused_before_loading(tmp_path, no_model, monkeypatch, capsys):
+    document, questions = tmp_path / "doc.txt", tmp_path / "q.txt"
+    document.write_text("some text")
+    questions.write_text("a question?\n")
+    args = ["chat", "--prompt-file", document, "--questions", questions, "--method", "snapkv", "--drop-answers"]
+    code, _, err = cli(monkeypatch, capsys, *args)
+    assert_one_line_error(code, err, "method 'snapkv' cannot forget its answers")
+
+
+def test_chat_refuses_a_document_longer_than_the_model_before_its_prefill(tmp_path, monkeypatch, capsys):
+    """A 19,755-token document on an 8K model prefilled for minutes before the length check."""
+    import refreshkv.runtime.conversation as conversation
+
+    small = tiny_model("llama", layers=2)
+    small.config.max_position_embeddings = 64
+    monkeypatch.setattr(refreshkv.runtime.loading, "load_model", lambda *a, **k: (small, WordTokenizer()))
+    monkeypatch.setattr(conversation, "prefill", lambda *a, **k: pytest.fail("prefilled before the length check"))
+    monkeypatch.setattr(
+        conversation.TurnFormat, "__init__", lambda self, tokenizer: setattr(self, "tokenizer", tokenizer)
+    )
+    monkeypatch.setattr(
+        conversation.TurnFormat, "context", lambda self, text: torch.tensor([self.tokenizer.encode(text)])
+    )
+    document, questions = tmp_path / "doc.txt", tmp_path / "q.txt"
+    document.write_text("word " * 100)
+    questions.write_text("a question?\n")
+    args = ["chat", "--prompt-file", document, "--questions", questions, "--method", "full"]
+    code, _, err = cli(monkeypatch, capsys, *args)
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and lines == [
+        "error: prompt (100 tokens) + max_new_tokens (64) exceeds the model's context of 64 tokens"
+    ], err
+    with pytest.raises(ValueError, match=r"^prompt \(64 tokens\) \+ max_new_tokens \(1\) exceeds the model's context"):
+        conversation.Conversation(small, torch.ones(1, 64, dtype=torch.long), "full")  # the API: before its prefill
+
+
+def test_chat_rows_into_a_full_disk_end_in_one_line_naming_the_file(tmp_path):
+    from refreshkv.runtime.output_files import WriteFailed, new_text_file
+
+    out = tmp_path / "turns.jsonl"
+    with pytest.raises(WriteFailed, match=rf"^cannot write --out {out}: No space left on device; free some space"):
+        with new_text_file(out, "--out"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as print(..., flush=True) raises it
+    assert not out.exists()  # nothing was written: no empty file left
+    with pytest.raises(OSError, match="not a full disk"), new_text_file(out, "--out"):
+        raise OSError(errno.EIO, "not a full disk")  # other errors pass as they are

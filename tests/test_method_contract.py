@@ -32,13 +32,16 @@ def method(case: str) -> str:
 
 
 def small_budget(case: str) -> dict:
-    """A budget well below the prompt, and windows that fit short prompts, for methods that take them."""
+    """A budget well below the prompt, windows that fit short prompts, and a layer that selects, for methods that
+    take them."""
     params = METHODS[method(case)].parameters()
     chosen = {"budget": 8} if "budget" in params else {}
     if "window" in params:
         chosen["window"] = 4
     if "page_size" in params:
         chosen["page_size"] = 4  # two pages of the budget
+    if "dense_layers" in params:
+        chosen["dense_layers"] = 0  # quest selects in every layer (its default of 2 is every layer of these models)
     return {**chosen, **OPTIONS.get(case, {})}
 
 

@@ -100,7 +100,7 @@ def test_the_json_holds_one_row_per_step_and_traced_layer(model, tmp_path):
         (["--task", "ruler/niah_single_1", "--prompt", "hi"], "give --task or a prompt"),
         (["--task", "ruler/niah_single_1", "--task-option", "question=last"], "unknown question form 'last'"),
         (["--prompt", "hi", "--method", "nope"], "unknown method 'nope'"),
-        (["--prompt", "hi", "--out", "missing/t.json"], "its folder does not exist"),
+        (["--prompt", "hi", "--out", "missing/t.json"], "cannot write trace file missing/t.json (No such file"),
     ],
 )
 def test_trace_bad_input_is_one_line_before_the_model_loads(monkeypatch, capsys, no_model, tmp_path, args, fragment):

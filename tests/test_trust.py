@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_bad_input import assert_one_line_error, cli, no_model, report_rows, sweep_file  # noqa: F401 (a fixture)
+from test_bad_input import FullDisk, assert_one_line_error, cli, doc, no_model, report_rows, sweep_file, tiny_loader  # noqa: F401
 from test_core import registry  # noqa: F401  (the fixture)
 
 from refreshkv.eval.results_file import ResultsFile
 from refreshkv.eval.sweep import SweepError, load_sweep
-from refreshkv.runtime.output_files import OutputError, replaced
+from refreshkv.runtime.output_files import OutputError, WriteFailed, write_bytes
 
 # ---- writes: inside the sweep file's folder or the working directory, never through a link -----------------------
 
@@ -81,19 +81,23 @@ def test_bench_refuses_a_linked_output_before_measuring(tmp_path, no_model, monk
     assert not (tmp_path / "elsewhere").exists()
 
 
-def test_a_replaced_file_is_whole_or_untouched(tmp_path):
+def test_a_replaced_file_is_whole_or_untouched(tmp_path, monkeypatch):
+    import refreshkv.runtime.output_files as output_files
+
     path = tmp_path / "out.json"
     path.write_text("old")
-    with pytest.raises(RuntimeError), replaced(path, "--json") as file:
-        file.write(b"half")
-        raise RuntimeError("interrupted")
+    with monkeypatch.context() as full:
+        real = os.fdopen
+        full.setattr(output_files.os, "fdopen", lambda fd, mode: FullDisk(real(fd, mode), room=2))
+        with pytest.raises(
+            WriteFailed, match=rf"^cannot write --json {path}: No space left on device \(4 bytes needed"
+        ):
+            write_bytes(path, b"half", "--json")
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["out.json"]
-    with replaced(path, "--json") as file:
-        file.write(b"new")
+    write_bytes(path, b"new", "--json")
     assert path.read_text() == "new"
     with pytest.raises(OutputError, match="cannot write --json"):
-        with replaced(tmp_path / "missing" / "x.json", "--json"):
-            pass
+        write_bytes(tmp_path / "missing" / "x.json", b"", "--json")
 
 
 # ---- a plugin that replaces a built-in method: said once, and named wherever methods are listed -------------------
@@ -207,8 +211,12 @@ def test_transformers_is_told_never_to_run_a_folders_code(tmp_path, monkeypatch)
 # ---- the compiled selection library: loaded only as this package built it ----------------------------------------
 
 
-def test_a_planted_native_library_is_built_over_and_never_loaded(tmp_path, monkeypatch):
+def test_a_planted_native_library_with_a_forged_record_never_runs(tmp_path, monkeypatch):
+    """An attacker who can write the cache folder plants a library whose constructor writes a marker, with a record
+    beside it holding its SHA-256 and the source's: the process builds its own library, in its own folder."""
+    import hashlib
     import subprocess
+    import tempfile
 
     import torch
 
@@ -217,29 +225,33 @@ def test_a_planted_native_library_is_built_over_and_never_loaded(tmp_path, monke
     compiler = native_selection._compiler()
     if compiler is None:
         pytest.skip("no C compiler on this machine")
-    monkeypatch.setenv("REFRESHKV_CACHE", str(tmp_path / "cache"))
-    native_selection._library.cache_clear()
-    scores = torch.tensor([[0.1, 0.3, 0.2]])
-    try:
-        assert native_selection.top_k_in_order(scores, 2).tolist() == [[1, 2]]  # built, with its record
-        [library] = (tmp_path / "cache" / "native").glob("*.so")
-        source = native_selection._sha256(native_selection.SOURCE.read_bytes())
-        record = json.loads(library.with_suffix(".json").read_text())
-        assert record["source_sha256"] == source and record["library_sha256"] == native_selection._sha256(
-            library.read_bytes()
-        )
-        mark = tmp_path / "planted-ran"
-        planted = tmp_path / "planted.c"
-        planted.write_text(
-            f'#include <stdio.h>\n__attribute__((constructor)) static void run(void) {{ fclose(fopen("{mark}", "w")); }}\n'
-        )
+    cache, scratch = tmp_path / "cache", tmp_path / "tmp"
+    (cache / "native").mkdir(parents=True)
+    scratch.mkdir()
+    monkeypatch.setenv("REFRESHKV_CACHE", str(cache))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    mark = tmp_path / "planted-ran"
+    planted = tmp_path / "planted.c"
+    planted.write_text(
+        f'#include <stdio.h>\n__attribute__((constructor)) static void run(void) {{ fclose(fopen("{mark}", "w")); }}\n'
+    )
+    code = native_selection.SOURCE.read_bytes()
+    source = hashlib.sha256(code).hexdigest()
+    # the names a cached library had: keyed by the source's, the compiler's and the machine's identity
+    identity = hashlib.sha256(code + compiler.encode() + os.uname().machine.encode()).hexdigest()[:16]
+    for name in (f"selection-{identity}", f"selection-{identity}-openmp", "selection", "selection-openmp"):
+        library = cache / "native" / f"{name}.so"
         subprocess.run([compiler, "-shared", "-fPIC", str(planted), "-o", str(library)], check=True)
-        native_selection._library.cache_clear()
-        with pytest.warns(UserWarning, match=rf"{library.name} is not the library this package built .* building it"):
-            assert native_selection.top_k_in_order(scores, 2).tolist() == [[1, 2]]
-        assert not mark.exists() and native_selection._recorded(library, source)  # built over
+        record = {"source_sha256": source, "library_sha256": hashlib.sha256(library.read_bytes()).hexdigest()}
+        library.with_suffix(".json").write_text(json.dumps(record))
+    native_selection._library.cache_clear()
+    try:
+        assert native_selection.top_k_in_order(torch.tensor([[0.1, 0.3, 0.2]]), 2).tolist() == [[1, 2]]
+        assert native_selection._library() is not None  # the C path ran: this process's own build
     finally:
         native_selection._library.cache_clear()
+    assert not mark.exists()
+    assert list(scratch.iterdir()) == []  # its private build folder is gone once the library is loaded
 
 
 # ---- the converted-model cache: used only as its conversion wrote it ---------------------------------------------
@@ -288,7 +300,8 @@ def test_a_changed_conversion_is_converted_again_never_used(recorded_conversion,
     monkeypatch.setattr(
         refreshkv.runtime.cache_folder.hashlib, "file_digest", lambda f, name: digests.append(f) or real(f, name)
     )
-    assert resolve_model_dir(gguf) == target and len(calls) == 1 and digests == []  # intact: stat only, no hashing
+    assert resolve_model_dir(gguf) == target and len(calls) == 1
+    assert [Path(f.name).name for f in digests] == ["config.json"]  # intact: the weights only stat'ed
     config, weights = target / "config.json", target / "model.safetensors"
     if tamper == "a config value":
         config.write_text(config.read_text().replace("10000.0", "20000.0"))
@@ -308,3 +321,80 @@ def test_a_changed_conversion_is_converted_again_never_used(recorded_conversion,
         assert resolve_model_dir(gguf) == target
     assert len(calls) == 2 and json.loads(config.read_text())["rope_theta"] == 10000.0
     assert conversion_record.problem(target) is None
+
+
+def test_a_tampered_config_with_a_forged_hash_memo_is_never_used(recorded_conversion, monkeypatch):
+    """rope_theta changed in place (same size), and a memo forged in hashes/ for the changed file's path, inode, size,
+    mtime and ctime holding the recorded SHA-256: the config is hashed anew, found changed, and converted again."""
+    import hashlib
+
+    from refreshkv.runtime import conversion_record
+    from refreshkv.runtime.loading import resolve_model_dir
+
+    gguf, calls = recorded_conversion
+    target = resolve_model_dir(gguf)
+    config = target / "config.json"
+    recorded = json.loads((target / conversion_record.RECORD).read_text())["files"]["config.json"]["sha256"]
+    config.write_text(config.read_text().replace("10000.0", "90000.0"))
+    stat = config.stat()
+    identity = f"{config.resolve()}|{stat.st_ino}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}"
+    memo = Path(os.environ["REFRESHKV_CACHE"]) / "hashes" / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    assert memo.parent.is_dir()  # the memos of the conversion's own hashes
+    memo.write_text(recorded)
+    with pytest.warns(UserWarning, match=r"config.json is not the file its conversion wrote") as said:
+        assert resolve_model_dir(gguf) == target
+    assert len(said) == 1 and "\n" not in str(said[0].message)
+    assert len(calls) == 2 and json.loads(config.read_text())["rope_theta"] == 10000.0
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775])
+def test_a_cache_folder_another_user_may_write_is_refused_in_one_line(recorded_conversion, mode):
+    from refreshkv.runtime.loading import resolve_model_dir
+    from refreshkv.runtime.models import ModelError
+
+    gguf, calls = recorded_conversion
+    target = resolve_model_dir(gguf)
+    target.parent.chmod(mode)
+    with pytest.raises(ModelError, match=rf"^the model cache .* may be written by another user .*mode {mode:o}\)"):
+        resolve_model_dir(gguf)
+    assert len(calls) == 1
+
+
+def test_the_cache_folder_variable_empty_means_the_default_and_a_tilde_is_home(monkeypatch, tmp_path):
+    from refreshkv.core.cache_root import cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("REFRESHKV_CACHE", "")
+    assert cache_dir() == tmp_path / ".cache" / "refreshkv"
+    monkeypatch.setenv("REFRESHKV_CACHE", "~/x")
+    assert cache_dir() == tmp_path / "x"
+
+
+def test_a_replacing_plugins_rows_never_count_as_the_built_ins(
+    tmp_path, doc, tiny_loader, monkeypatch, registry, capsys
+):
+    """A built-in snapkv eval, then the same eval under a plugin replacing snapkv, said "1 run, 2 already"."""
+    import dataclasses
+
+    from test_bad_input import ppl_eval_args
+    from test_core import load_plugins
+
+    from refreshkv import make_policy
+    from refreshkv.eval.config import RunConfig
+
+    out = tmp_path / "r.jsonl"
+    args = ppl_eval_args(doc, out, "--method", "snapkv", "--budget", "8", "--window", "4", "--num-examples", "2")
+    code, _, err = cli(monkeypatch, capsys, *args)
+    assert code == 0, err
+    built_in = RunConfig(task="ppl", method="snapkv", length=40).key()
+    plugin = type("Faster", (type(make_policy("snapkv")),), {"name": "snapkv", "replaces": True})
+    load_plugins(monkeypatch, {("snapkv", "otherpkg"): dataclasses.dataclass(plugin)})
+    assert RunConfig(task="ppl", method="snapkv", length=40).key() != built_in
+    assert RunConfig(task="ppl", method="full", length=40).fields().get("provider") is None  # built-in keys as before
+    code, _, err = cli(monkeypatch, capsys, *args)
+    assert_one_line_error(code, err, f"{out} holds results of another configuration")
+    other = tmp_path / "plugin.jsonl"
+    code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, other, *args[len(ppl_eval_args(doc, out)) :]))
+    assert code == 0, err
+    rows = [json.loads(line) for line in other.read_text().splitlines()]
+    assert len(rows) == 2 and {row["provider"] for row in rows} == {"otherpkg"}

@@ -16,29 +16,22 @@ from typer.exceptions import TyperException
 
 from ..core.policy import label_notes
 from ..runtime.generate import GenerationSettings
+from ..runtime.output_files import WriteFailed
 from ..runtime.prepare import check_runtime, load_checked
 from .chat_command import register as register_chat_command
 from .demo import MIN_LENGTH as DEMO_MIN_LENGTH
 from .eval_commands import register as register_eval_commands
 from .options import (
-    AggOpt,
     BudgetOpt,
     CompileOpt,
     DeviceOpt,
     DtypeOpt,
-    KernelOpt,
+    ForceOpt,
     MethodOpt,
     ModelOpt,
-    ParamOpt,
-    PresetOpt,
-    QcOpt,
-    RatioOpt,
-    StrideOpt,
     ThreadsOpt,
-    ThresholdOpt,
     WeightLayoutOpt,
-    WindowOpt,
-    method_params,
+    method_options,
     parse_pairs,
     read_prompt,
 )
@@ -60,7 +53,8 @@ def fail(message: str) -> None:
 
 
 def user_errors(command):
-    """Turn the library's input errors (ValueError and subclasses) into one line and exit code 2."""
+    """Turn the library's input errors (ValueError and subclasses) into one line and exit code 2, and a write the
+    system refused (a full disk: `WriteFailed`) into one line and exit code 1."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -68,6 +62,9 @@ def user_errors(command):
             return command(*args, **kwargs)
         except (ValueError, FileNotFoundError) as error:
             fail(str(error).splitlines()[0] if str(error) else type(error).__name__)
+        except WriteFailed as error:
+            print_error(str(error))
+            raise typer.Exit(1) from None
 
     return wrapper
 
@@ -163,19 +160,11 @@ def show(results: list[dict], as_json: bool) -> None:
 
 @app.command()
 @user_errors
+@method_options()
 def generate(
     method: MethodOpt = "refreshkv",
     model: ModelOpt = None,
-    budget: BudgetOpt = None,
-    budget_ratio: RatioOpt = None,
-    stride: StrideOpt = None,
-    qc_stride: QcOpt = None,
-    threshold: ThresholdOpt = None,
-    kernel: KernelOpt = None,
-    window: WindowOpt = None,
-    aggregation: AggOpt = None,
-    preset: PresetOpt = None,
-    param: ParamOpt = [],
+    params: Optional[dict] = None,  # the method options (`method_options`)
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 64,
     prompt: Annotated[Optional[str], typer.Option(help="Prompt text.")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(help="UTF-8 file holding the prompt.")] = None,
@@ -202,9 +191,7 @@ def generate(
     """Generate from a prompt with a KV method and report its speed and KV memory."""
     from ..core.policy import make_policy
 
-    params = method_params(
-        budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param, preset
-    )
+    params = params or {}
     make_policy(method, **params)  # validate before loading anything
     if compare is not None:
         make_policy(compare)
@@ -352,6 +339,7 @@ def bench(
             "after the prefill, each copy its own KV, so that B rows cost N prefills (default: every row distinct)."
         ),
     ] = None,
+    force: ForceOpt = False,
 ):
     """Decode speed, memory and distance to the bandwidth floor of methods, interleaved in one run."""
     from tqdm.auto import tqdm
@@ -359,7 +347,7 @@ def bench(
     from ..measure.batch_memory import GB
     from ..measure.bench import check_batching, run_bench
     from ..measure.bench_report import bench_tables, check_plotting, plot_bench, plot_paths
-    from ..runtime.output_files import refuse_link, replaced
+    from ..runtime.output_files import check_output, write_text
 
     chosen = bench_methods(methods, budget, param)
     length_list = parse_integers(lengths, "--lengths", 16)
@@ -370,7 +358,7 @@ def bench(
         check_plotting()
     for output in [json_out, *(plot_paths(plot) if plot is not None else ())]:
         if output is not None:
-            refuse_link(output, "bench output")  # before minutes of measuring, not after
+            check_output(output, "bench output", force)  # before minutes of measuring, not after
     lm, tokenizer, layout = load_checked(model, check_runtime(dtype, device, compile, weight_layout, threads))
     runs = rounds * len(chosen) * len(length_list) * len(set(batches))
     bars = []  # opened once run_bench has checked everything, so that a refusal stays one line
@@ -402,8 +390,7 @@ def bench(
     for table in bench_tables(result):
         print_table(out, table)
     if json_out is not None:
-        with replaced(json_out, "--json") as file:
-            file.write(json.dumps(result, indent=1).encode())
+        write_text(json_out, json.dumps(result, indent=1), "--json")
     if plot is not None:
         plot_bench(result, plot)
 

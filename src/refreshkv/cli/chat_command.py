@@ -19,14 +19,10 @@ import typer
 from ..runtime.output_files import new_text_file
 from ..runtime.prepare import check_runtime, load_checked
 from .options import (
-    BudgetOpt,
     DeviceOpt,
     DtypeOpt,
     ModelOpt,
-    ParamOpt,
-    PresetOpt,
-    RatioOpt,
-    method_params,
+    method_options,
     read_prompt,
 )
 
@@ -70,15 +66,13 @@ def register(app, user_errors) -> None:
 
     @app.command("chat")
     @user_errors
+    @method_options("budget", "budget_ratio", "preset", "param")
     def chat_command(
         prompt_file: Annotated[Path, typer.Option(help="UTF-8 file holding the document the questions are about.")],
         method: Annotated[
             list[str], typer.Option("--method", help="KV method (repeatable: every method answers every question).")
         ] = ["refreshkv"],
-        budget: BudgetOpt = None,
-        budget_ratio: RatioOpt = None,
-        preset: PresetOpt = None,
-        param: ParamOpt = [],
+        params: Optional[dict] = None,  # the method options (`method_options`)
         questions: Annotated[
             Optional[Path], typer.Option(help="Ask these questions (one per line) instead of prompting.")
         ] = None,
@@ -96,11 +90,14 @@ def register(app, user_errors) -> None:
     ):
         """Ask questions about a document, answered from one prefilled cache per method (no re-prefill per turn)."""
         from ..core.policy import METHODS, accepted_parameters, make_policy
-        from ..runtime.conversation import Conversation, TurnFormat
+        from ..runtime.conversation import Conversation, TurnFormat, check_can_forget
+        from ..runtime.generate import check_length
 
-        params = method_params(budget, budget_ratio, None, None, None, None, None, None, param, preset)
+        params = params or {}
         for name in method:
             make_policy(name)  # an unknown name: one line naming the methods
+            if method.count(name) > 1:
+                raise ValueError(f"--method {name} is given {method.count(name)} times; give each method once")
         unused = sorted(k for k in params if not any(k in accepted_parameters(METHODS[name]) for name in method))
         if unused:
             raise ValueError(f"no method of {', '.join(method)} takes {', '.join(unused)}")
@@ -108,7 +105,14 @@ def register(app, user_errors) -> None:
             make_policy(name, **{k: v for k, v in params.items() if k in accepted_parameters(METHODS[name])})
             for name in method
         ]
-        document = read_prompt(None, prompt_file)
+        if str(prompt_file) == "-" and questions is None:
+            raise ValueError(
+                "--prompt-file - reads the document from standard input: give the questions in --questions"
+            )
+        if drop_answers:
+            for policy in policies:
+                check_can_forget(policy)
+        document = read_prompt(None, prompt_file, what="document")
         asked = read_questions(questions) if questions is not None else None
         if out is not None and asked is None:
             raise ValueError("--out writes the rows of a --questions run; give --questions FILE too")
@@ -118,6 +122,7 @@ def register(app, user_errors) -> None:
             lm, tokenizer, _ = load_checked(model, runtime)
             form = TurnFormat(tokenizer)
             context = form.context(document).to(lm.device)
+            check_length(lm, context.shape[1], max_new_tokens)  # before minutes of prefill
             print(f"prefilling the document ({context.shape[1]} tokens) for {', '.join(method)} ...", file=sys.stderr)
             if question_aware:
                 conversations = [

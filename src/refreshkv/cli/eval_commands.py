@@ -14,21 +14,11 @@ from rich.console import Console
 
 from ..runtime.prepare import check_runtime, load_checked
 from .options import (
-    AggOpt,
-    BudgetOpt,
     DeviceOpt,
     DtypeOpt,
-    KernelOpt,
     MethodOpt,
     ModelOpt,
-    ParamOpt,
-    PresetOpt,
-    QcOpt,
-    RatioOpt,
-    StrideOpt,
-    ThresholdOpt,
-    WindowOpt,
-    method_params,
+    method_options,
     parse_pairs,
 )
 from .tables import print_table
@@ -38,7 +28,7 @@ CONSOLE = Console()
 
 def register(app, user_errors) -> None:
     """Add the evaluation commands to the CLI app; `user_errors` wraps a command so ValueErrors exit with code 2."""
-    app.command("eval")(user_errors(eval_command))
+    app.command("eval")(user_errors(method_options()(eval_command)))
     app.command("sweep")(user_errors(sweep_command))
     app.command("report")(user_errors(report_command))
 
@@ -47,16 +37,7 @@ def eval_command(
     task: Annotated[str, typer.Option(help="Task name, e.g. ruler/niah_single_1, ppl, recovery.")],
     out: Annotated[Path, typer.Option(help="JSONL results file (appended to; re-running resumes).")],
     method: MethodOpt = "full",
-    budget: BudgetOpt = None,
-    budget_ratio: RatioOpt = None,
-    stride: StrideOpt = None,
-    qc_stride: QcOpt = None,
-    threshold: ThresholdOpt = None,
-    kernel: KernelOpt = None,
-    window: WindowOpt = None,
-    aggregation: AggOpt = None,
-    preset: PresetOpt = None,
-    param: ParamOpt = [],
+    params: Optional[dict] = None,  # the method options (`method_options`)
     task_option: Annotated[
         list[str],
         typer.Option("--task-option", help="Task option NAME=VALUE (repeatable; repeat a name for a list)."),
@@ -87,9 +68,7 @@ def eval_command(
     from ..eval.results_file import ResultsFile
     from ..eval.runner import run_eval
 
-    params = method_params(
-        budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param, preset
-    )
+    params = params or {}
     config = RunConfig(
         task=task,
         method=method,

@@ -3,7 +3,11 @@ runtime/prepare.py)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -48,6 +52,7 @@ WeightLayoutOpt = Annotated[
         "see runtime/weight_layout.py) or packed (oneDNN's layout, CPU only; runtime/packed_linear.py)."
     ),
 ]
+ForceOpt = Annotated[bool, typer.Option(help="Replace output files that exist (otherwise refused before any work).")]
 CompileOpt = Annotated[
     bool,
     typer.Option(
@@ -89,23 +94,26 @@ def parse_pairs(pairs: list[str], option: str, repeat_as_list: bool = False) -> 
     return values
 
 
-def method_params(
-    budget, budget_ratio, stride, qc_stride, threshold, kernel, window, aggregation, param, preset=None
-) -> dict:
-    """The method parameters given on the command line (unset options are left to the method's defaults)."""
-    given = dict(
-        preset=preset,
-        budget=budget,
-        budget_ratio=budget_ratio,
-        stride=stride,
-        qc_stride=qc_stride,
-        threshold=threshold,
-        kernel=kernel,
-        window=window,
-        aggregation=aggregation,
-    )
+# The method options, defined once: name -> (typer annotation, default). `method_options` gives them to a command.
+METHOD_OPTIONS: dict[str, tuple[object, object]] = {
+    "budget": (BudgetOpt, None),
+    "budget_ratio": (RatioOpt, None),
+    "stride": (StrideOpt, None),
+    "qc_stride": (QcOpt, None),
+    "threshold": (ThresholdOpt, None),
+    "kernel": (KernelOpt, None),
+    "window": (WindowOpt, None),
+    "aggregation": (AggOpt, None),
+    "preset": (PresetOpt, None),
+    "param": (ParamOpt, []),
+}
+
+
+def method_params(param: Sequence[str] = (), **given) -> dict:
+    """The method parameters given on the command line: the options in `given` that are set (unset ones are left
+    to the method's defaults), and the --param NAME=VALUE pairs; a parameter given both ways is refused."""
     given = {k: v for k, v in given.items() if v is not None}
-    extra = parse_pairs(param, "--param")
+    extra = parse_pairs(list(param), "--param")
     both = sorted(set(given) & set(extra))
     if both:
         name = both[0]
@@ -113,17 +121,56 @@ def method_params(
     return {**given, **extra}
 
 
-def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
+def method_options(*names: str):
+    """Give a command the method options `names` (all of METHOD_OPTIONS when none are named), in place of its
+    `params` parameter: typer sees each option in the command's signature, and the command receives what was given
+    as one dict, `params` (`method_params`)."""
+    chosen = names or tuple(METHOD_OPTIONS)
+
+    def decorate(command):
+        signature = inspect.signature(command, eval_str=True)
+        own = list(signature.parameters.values())
+        at = [p.name for p in own].index("params")
+        options = [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=METHOD_OPTIONS[name][1], annotation=kind)
+            for name in chosen
+            for kind in [METHOD_OPTIONS[name][0]]
+        ]
+        keyword_only = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
+        parameters = keyword_only[:at] + options + keyword_only[at + 1 :]
+
+        @functools.wraps(command)
+        def with_params(**values):
+            given = {name: values.pop(name) for name in chosen}
+            return command(**values, params=method_params(**given))
+
+        with_params.__signature__ = signature.replace(parameters=parameters)
+        with_params.__annotations__ = {p.name: p.annotation for p in parameters}
+        return with_params
+
+    return decorate
+
+
+def read_prompt(prompt: Optional[str], prompt_file: Optional[Path], what: str = "prompt") -> str:
+    """The prompt given as text, or read once from a file: a regular file, a pipe (`<(command)`, a FIFO) or, for
+    `-`, standard input; `what` names it in a refusal (chat's document)."""
     if (prompt is None) == (prompt_file is None):
         raise ValueError("give exactly one of --prompt TEXT or --prompt-file FILE")
     if prompt_file is not None:
-        if not prompt_file.is_file():
-            problem = "is not a file" if prompt_file.exists() else "does not exist"
-            raise ValueError(f"prompt file '{prompt_file}' {problem}; give a UTF-8 text file")
+        if str(prompt_file) == "-":
+            data = sys.stdin.buffer.read()
+        elif prompt_file.is_file() or prompt_file.is_fifo():
+            try:
+                data = prompt_file.read_bytes()
+            except OSError as error:
+                raise ValueError(f"prompt file '{prompt_file}' cannot be read ({error.strerror or error})") from None
+        else:
+            problem = "is not a file or a pipe" if prompt_file.exists() else "does not exist"
+            raise ValueError(f"prompt file '{prompt_file}' {problem}; give a UTF-8 text file, a pipe, or - for stdin")
         try:
-            prompt = prompt_file.read_text(encoding="utf-8")
+            prompt = data.decode("utf-8")
         except UnicodeDecodeError as error:
             raise ValueError(f"prompt file '{prompt_file}' is not UTF-8 text (byte {error.start})") from None
     if not prompt.strip():
-        raise ValueError("the prompt is empty")
+        raise ValueError(f"the {what} is empty" + (f" ({prompt_file})" if prompt_file is not None else ""))
     return prompt

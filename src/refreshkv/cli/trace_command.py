@@ -11,21 +11,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..runtime.output_files import refuse_link, write_text
+from ..runtime.output_files import check_output, write_text
 from ..runtime.prepare import check_runtime, load_checked
 from .options import (
-    BudgetOpt,
     DtypeOpt,
-    KernelOpt,
+    ForceOpt,
+    MethodOpt,
     ModelOpt,
-    ParamOpt,
-    PresetOpt,
-    QcOpt,
-    RatioOpt,
-    StrideOpt,
-    ThresholdOpt,
-    WindowOpt,
-    method_params,
+    method_options,
     parse_pairs,
     read_prompt,
 )
@@ -58,19 +51,12 @@ def needle_positions(tokenizer, text: str, needle: str) -> list[int]:
 def register(app: typer.Typer, user_errors) -> None:
     @app.command()
     @user_errors
+    @method_options("budget", "budget_ratio", "stride", "qc_stride", "threshold", "kernel", "window", "preset", "param")
     def trace(
-        out: Annotated[Path, typer.Option(help="The trace as JSON (a new file); beside it, --plot's PNG.")],
-        method: Annotated[str, typer.Option(help="KV method (see `refreshkv methods`).")] = "refreshkv",
+        out: Annotated[Path, typer.Option(help="The trace as JSON (a new file, or --force); beside it, --plot's PNG.")],
+        method: MethodOpt = "refreshkv",
         model: ModelOpt = None,
-        budget: BudgetOpt = None,
-        budget_ratio: RatioOpt = None,
-        stride: StrideOpt = None,
-        qc_stride: QcOpt = None,
-        threshold: ThresholdOpt = None,
-        kernel: KernelOpt = None,
-        window: WindowOpt = None,
-        preset: PresetOpt = None,
-        param: ParamOpt = [],
+        params: Optional[dict] = None,  # the method options (`method_options`)
         prompt: Annotated[Optional[str], typer.Option(help="Prompt text.")] = None,
         prompt_file: Annotated[Optional[Path], typer.Option(help="UTF-8 file holding the prompt.")] = None,
         chat: Annotated[bool, typer.Option(help="Wrap --prompt in the model's chat template.")] = False,
@@ -90,20 +76,19 @@ def register(app: typer.Typer, user_errors) -> None:
         max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (at most 1024).")] = 64,
         plot: Annotated[Optional[Path], typer.Option(help="Also write the heatmap here (PNG).")] = None,
         dtype: DtypeOpt = "float32",
+        force: ForceOpt = False,
     ):
         """Trace one generation: per decode step and layer, whether it attended fully, the exact attention mass
         and top-K it kept, and whether a needle's tokens are in its selection (JSON, PNG heatmap)."""
         from ..core.policy import make_policy
         from ..measure.trace import check_steps, trace_generation, what_it_shows
 
-        params = method_params(budget, budget_ratio, stride, qc_stride, threshold, kernel, window, None, param, preset)
+        params = params or {}
         policy = make_policy(method, **params)
         check_steps(max_new_tokens)
         for path, what in ((out, "trace file"), (plot, "trace plot")):
             if path is not None:
-                refuse_link(path, what)
-                if not path.parent.is_dir():
-                    raise ValueError(f"{what} {path}: its folder does not exist")
+                check_output(path, what, force)
         options = parse_pairs(task_option, "--task-option", repeat_as_list=True)
         if task is None:
             if options or example:

@@ -183,12 +183,15 @@ def attention_probs(
 def pool(scores: torch.Tensor, kernel: int, pooling: str = "centered") -> torch.Tensor:
     """Max-pool over positions (last dim), same length, so a selected token brings its neighbours (SnapKV); with
     `forward` pooling a peak at p lifts p - 1 .. p + kernel - 2 (see POOLINGS); `span` pools as `centered` here
-    (its spread over words is `selection_scores`')."""
+    (its spread over words is `selection_scores`'). A side wider than the scores pools as one of length - 1 does (all
+    of that side): a kernel of a billion costs what one as long as the prompt does."""
     if kernel == 1:
         return scores
     shape = scores.shape
     flat = scores.reshape(-1, 1, shape[-1])
-    padded = F.pad(flat, pool_window(kernel, pooling), value=float("-inf"))
+    before, after = (min(side, shape[-1] - 1) for side in pool_window(kernel, pooling))
+    kernel = before + after + 1
+    padded = F.pad(flat, (before, after), value=float("-inf"))
     if torch.compiler.is_compiling():
         # max_pool1d specializes the compiled step on the length (one recompile per full step); windows do not
         return padded.unfold(-1, kernel, 1).amax(-1).view(shape)

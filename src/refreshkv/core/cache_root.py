@@ -1,5 +1,6 @@
-"""Where the package keeps what it builds on a machine: $REFRESHKV_CACHE, default ~/.cache/refreshkv (converted
-models: runtime/cache_folder.py; the compiled selection kernels: core/native_selection.py)."""
+"""Where the package keeps what it converts on a machine: $REFRESHKV_CACHE, default ~/.cache/refreshkv (converted
+models: runtime/cache_folder.py). As with XDG_CACHE_HOME, an empty value means the default, and a leading `~` is the
+home folder."""
 
 from __future__ import annotations
 
@@ -8,4 +9,4 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("REFRESHKV_CACHE", Path.home() / ".cache" / "refreshkv"))
+    return Path(os.environ.get("REFRESHKV_CACHE") or "~/.cache/refreshkv").expanduser()

@@ -7,23 +7,21 @@ Why: a refresh step on an AVX2 CPU cost 1.2-1.27x `full`'s step (issue 33, targe
 selection, a dozen small operators per layer whose dispatch and passes over memory cost more than their arithmetic.
 The results are the PyTorch reference's exactly (core/attention_math.py; tests/test_native_selection.py).
 
-The C file is compiled once per machine with the system's C compiler (`$CC`, else `cc`) into the cache folder
-($REFRESHKV_CACHE/native, keyed by the source's and the compiler's identity) and loaded with ctypes, only if the record
-written beside it when it was built (the SHA-256 of its source and its own) matches: any other file there is built over,
-never loaded (`_build`); whoever can write the cache folder can also forge a record: keep it yours. Where it cannot be
-(no compiler, a failed build; a GPU tensor), the callers use the PyTorch operators, which give the same results; a
-missing compiler or a failed build is said once, as a warning. Where PyTorch runs on GNU OpenMP it is built with OpenMP
-and each call shares its work between `torch.get_num_threads()` of PyTorch's own threads (`_torch_openmp`): alone, a
-refresh's C used one of the cores while the others waited for it. REFRESHKV_NATIVE=0 turns the C path off (to compare
-the two; a compiled step reads it when it is traced). Under torch.compile the C calls are torch.library operators.
+The C file is compiled by each process, on first use, with the system's C compiler (`$CC`, else `cc`; under two seconds)
+into a private temporary folder (mode 0700, made by this process) and loaded with ctypes; the folder is removed once the
+library is loaded. Nothing is read from the cache folder: a library kept there, and any record vouching for it, could be
+written by whoever can write that folder, so no file this process did not build ever runs. Where it cannot be (no
+compiler, a failed build; a GPU tensor), the callers use the PyTorch operators, which give the same results; a missing
+compiler or a failed build is said once, as a warning. Where PyTorch runs on GNU OpenMP it is built with OpenMP and each
+call shares its work between `torch.get_num_threads()` of PyTorch's own threads (`_torch_openmp`): alone, a refresh's C
+used one of the cores while the others waited for it. REFRESHKV_NATIVE=0 turns the C path off (to compare the two; a
+compiled step reads it when it is traced). Under torch.compile the C calls are torch.library operators.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -32,8 +30,6 @@ import warnings
 from pathlib import Path
 
 import torch
-
-from .cache_root import cache_dir
 
 SOURCE = Path(__file__).with_name("selection_kernels.c")
 
@@ -70,76 +66,39 @@ def _torch_openmp() -> bool:
         return False
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _recorded(target: Path, source_sha256: str) -> bool:
-    """Whether the record beside the library says this package built it from this source and its bytes hash as
-    recorded (False for a planted or damaged file, one built from an older source, one without a record)."""
-    try:
-        record = json.loads(target.with_suffix(".json").read_text())
-        library_sha256 = _sha256(target.read_bytes())
-    except (OSError, ValueError):
-        return False
-    expected = {"source_sha256": source_sha256, "library_sha256": library_sha256}
-    return isinstance(record, dict) and all(record.get(key) == value for key, value in expected.items())
-
-
-def _build(compiler: str, source: Path, flags: list[str], target: Path) -> ctypes.CDLL | str:
-    """The library compiled with `flags` into `target` and loaded, or why not. Beside it a record (target.json)
-    holds the SHA-256 of the source it was built from and its own; a library found there is loaded only if both
-    match, and any other is built again (said once): a file placed in the cache folder never runs."""
-    code = source.read_bytes()
-    if not _recorded(target, _sha256(code)):
-        if target.exists():
-            warnings.warn(
-                f"refreshkv: {target} is not the library this package built from {source.name} (no record, or "
-                "another SHA-256 than recorded): building it again",
-                stacklevel=5,
-            )
-        staging = target.with_suffix(f".{os.getpid()}.so")
-        command = [compiler, "-O3", "-std=c11", "-shared", "-fPIC", *flags, str(source), "-o", str(staging)]
-        built = subprocess.run(command, capture_output=True, text=True)
-        if built.returncode != 0:
-            last_line = (built.stderr.strip().splitlines() or ["no message"])[-1]
-            return f"compiling {source.name} failed ({last_line})"
-        record = {
-            "source_sha256": _sha256(code),
-            "library_sha256": _sha256(staging.read_bytes()),
-            "command": command[:-2],
-        }
-        record_staging = staging.with_suffix(".json")
-        record_staging.write_text(json.dumps(record, indent=1) + "\n")
-        staging.replace(target)  # atomic: another process never loads half a file
-        record_staging.replace(target.with_suffix(".json"))
+def _build(compiler: str, flags: list[str], folder: Path) -> ctypes.CDLL | str:
+    """The library compiled with `flags` into `folder` (this process's own) and loaded, or why not."""
+    target = folder / ("selection-openmp.so" if flags else "selection.so")
+    command = [compiler, "-O3", "-std=c11", "-shared", "-fPIC", *flags, str(SOURCE), "-o", str(target)]
+    built = subprocess.run(command, capture_output=True, text=True)
+    if built.returncode != 0:
+        last_line = (built.stderr.strip().splitlines() or ["no message"])[-1]
+        return f"compiling {SOURCE.name} failed ({last_line})"
     try:
         return ctypes.CDLL(str(target))
     except OSError as error:
-        return f"loading {target} failed ({error})"
+        return f"loading the compiled {SOURCE.name} failed ({error})"
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernels, built on first use, with OpenMP where PyTorch's runtime is GNU OpenMP (else, or if that
-    build fails, without: one thread); None where they cannot be built at all (said once)."""
+    """The compiled kernels, built on first use in a folder only this process made, with OpenMP where PyTorch's
+    runtime is GNU OpenMP (else, or if that build fails, without: one thread); None where they cannot be built at
+    all (said once)."""
     compiler = _compiler()
     if compiler is None:
         _without_c("no C compiler (set $CC or install cc)")
         return None
-    source = SOURCE.read_bytes()
-    identity = hashlib.sha256(source + compiler.encode() + os.uname().machine.encode()).hexdigest()[:16]
-    folder = cache_dir() / "native"
+    folder = Path(tempfile.mkdtemp(prefix="refreshkv-native-"))  # mode 0700: no other user can write into it
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:  # a read-only cache folder: build for this process only
-        folder = Path(tempfile.mkdtemp(prefix="refreshkv-native-"))
-    if _torch_openmp():
-        library = _build(compiler, SOURCE, ["-fopenmp"], folder / f"selection-{identity}-openmp.so")
-        if not isinstance(library, str):
-            return _declared(library)
-        warnings.warn(f"refreshkv: {library}: the selection's C runs on one thread", stacklevel=3)
-    library = _build(compiler, SOURCE, [], folder / f"selection-{identity}.so")
+        if _torch_openmp():
+            library = _build(compiler, ["-fopenmp"], folder)
+            if not isinstance(library, str):
+                return _declared(library)
+            warnings.warn(f"refreshkv: {library}: the selection's C runs on one thread", stacklevel=3)
+        library = _build(compiler, [], folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # a loaded library stays mapped; nothing is left behind
     if isinstance(library, str):
         _without_c(library)
         return None
@@ -309,7 +268,8 @@ def refresh_partial(
         arguments = (
             per_head,
             first_only,
-            *window,
+            min(window[0], n - 1),  # past either end is padding: a wider window pools as one that fits
+            min(window[1], n - 1),
             words,
             valid,
             k,

@@ -128,6 +128,10 @@ class Policy(Generic[State]):
         """Refuse (PolicyError) a batch whose shortest real prompt has `shortest` tokens if the method cannot work
         on it (e.g. a window longer than the prompt); called once per generation, before any layer's prefill."""
 
+    def check_layers(self, layers: int) -> None:
+        """Refuse (PolicyError) a model of `layers` layers if the method cannot work on it (e.g. no layer left to
+        select in); called once, when the cache is built."""
+
     def crop(self, layer: MethodLayer[State], tokens: int) -> None:
         """Forget the last `tokens` tokens (assisted decoding, a conversation that drops its answers); only a method
         that keeps every token can."""

@@ -319,6 +319,7 @@ class PolicyCache(Cache):
             )
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_layers = text_config.num_hidden_layers
+        policy.check_layers(self.num_layers)
         self.model_type = text_config.model_type  # some methods' defaults depend on the family (e.g. a threshold)
         layer_types = getattr(text_config, "layer_types", None) or [None] * self.num_layers
         # per layer (layer types may rotate differently); None: no RoPE the package can undo

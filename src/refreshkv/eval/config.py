@@ -10,7 +10,7 @@ import os
 import typing
 from pathlib import Path
 
-from ..core.policy import make_policy
+from ..core.policy import BUILT_IN, PROVIDERS, make_policy
 from ..runtime.models import DEFAULT_MODEL, NAMED_MODELS
 from .recovery import RecoveryTask
 from .results_file import is_number, short_hash
@@ -115,9 +115,14 @@ class RunConfig:
             object.__setattr__(self, "task_options", resolve(self.task_options))
 
     def fields(self) -> dict:
-        """What the key and the rows record (a task may record its options without machine-specific parts)."""
+        """What the key and the rows record (a task may record its options without machine-specific parts). A method
+        that a plugin provides (one that replaces a built-in name included) adds its provider, so that its rows never
+        count as the built-in's; a built-in method's key is what it always was."""
         record = getattr(all_tasks().get(self.task), "recorded_options", None)
         fields = dataclasses.asdict(self)
+        provider = PROVIDERS.get(self.method, BUILT_IN)
+        if provider != BUILT_IN:
+            fields["provider"] = provider
         return fields if record is None else {**fields, "task_options": record(self.task_options)}
 
     def key(self) -> str:

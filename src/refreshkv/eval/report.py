@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..runtime.markdown import md_row, md_text
 from ..runtime.output_files import refuse_link, write_text
 from . import stats
 from .summary import (
@@ -153,8 +154,8 @@ def markdown_table(groups: list[Group]) -> str:
 
 
 def _markdown(rows: list[dict], columns) -> str:
-    lines = ["| " + " | ".join(label for label, _, _ in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(render(row, key, fmt) for _, key, fmt in columns) + " |" for row in rows]
+    lines = [md_row(label for label, _, _ in columns), "|" + "---|" * len(columns)]
+    lines += [md_row(render(row, key, fmt) for _, key, fmt in columns) for row in rows]
     return "\n".join(lines)
 
 
@@ -164,12 +165,12 @@ def score_by_task(groups: list[Group]) -> str:
     labels = list(dict.fromkeys(g.label for g in sorted(groups, key=lambda g: not g.is_reference)))
     cells = {(g.task, g.options, g.length, g.label): g.summary() for g in groups}
     tasks = list(dict.fromkeys((g.task, g.options, g.length) for g in groups))
-    lines = ["| task | L | n | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)]
+    lines = [md_row(["task", "L", "n", *labels]), "|---|---|---|" + "---|" * len(labels)]
     for task, options, length in tasks:
         found = [cells.get((task, options, length, label)) for label in labels]
         n = next(summary["n"] for summary in found if summary)
         scores = [cell(summary["score"], "{:.3f}") if summary else "" for summary in found]
-        lines.append(f"| {task} | {length} | {n} | " + " | ".join(scores) + " |")
+        lines.append(md_row([task, length, n, *scores]))
     return "\n".join(lines)
 
 
@@ -178,11 +179,11 @@ def _per_layer_table(title: str, series: dict[str, list], fmt: str) -> list[str]
     lines = [
         f"### {title}",
         "",
-        "| method | " + " | ".join(f"L{i}" for i in range(width)) + " |",
+        md_row(["method", *(f"L{i}" for i in range(width))]),
         "|---|" + "---|" * width,
     ]
     for name, values in series.items():
-        lines.append(f"| {name} | " + " | ".join(cell(v, fmt) for v in values) + " |")
+        lines.append(md_row([name, *(cell(v, fmt) for v in values)]))
     return lines + [""]
 
 
@@ -198,9 +199,9 @@ def markdown_summary(groups: list[Group], sources, plots: list[Path]) -> str:
     lines = [
         "# Evaluation report",
         "",
-        "Sources: " + ", ".join(f"`{s}`" for s in sources),
+        "Sources: " + ", ".join(md_text(s) for s in sources),
         "",
-        f"Model: {', '.join(sorted({g.model for g in groups}))}",
+        f"Model: {md_text(', '.join(sorted({g.model for g in groups})))}",
         "",
     ]
     summaries = method_summaries(groups)
@@ -210,7 +211,7 @@ def markdown_summary(groups: list[Group], sources, plots: list[Path]) -> str:
             "",
             _markdown([r for s in summaries for r in s.rows], SUMMARY_COLUMNS),
             "",
-            *(f"- {s.note}" for s in summaries),
+            *(f"- {md_text(s.note)}" for s in summaries),
             "",
             LEGEND,
             "",
@@ -219,7 +220,7 @@ def markdown_summary(groups: list[Group], sources, plots: list[Path]) -> str:
     frontiers = [(s, f) for s, f in frontiers if any(len(row["shares"]) > 1 for row in f)]
     for s, frontier in frontiers:
         lines += [
-            f"## Budget frontier: {s.kind} at {s.length} tokens",
+            f"## Budget frontier: {md_text(s.kind)} at {s.length} tokens",
             "",
             f"The smallest K (as a share of L) at which each method keeps {FRONTIER_TARGET:.0%} of full's score"
             + (" (a perplexity within 1/0.95 of full's)" if s.kind == "ppl" else "")
@@ -227,10 +228,7 @@ def markdown_summary(groups: list[Group], sources, plots: list[Path]) -> str:
             "",
             "| method | K / L run | smallest K at 95% of full |",
             "|---|---|---|",
-            *(
-                f"| {row['method']} | {', '.join(f'{x:.4g}' for x in row['shares'])} | {row['text']} |"
-                for row in frontier
-            ),
+            *(md_row([row["method"], ", ".join(f"{x:.4g}" for x in row["shares"]), row["text"]]) for row in frontier),
             "",
             "Each budget beside the oracle (the exact top-K of the current query at every step, the best any method "
             "that attends to K tokens can do), on the same examples: `gap` = the method's `vs full` minus the "
@@ -247,9 +245,10 @@ def markdown_summary(groups: list[Group], sources, plots: list[Path]) -> str:
             "| task | L | method | conversations | turn 1 | turns 2..N | later / turn 1 |",
             "|---|---|---|---|---|---|---|",
             *(
-                f"| {r['task']} | {r['length']} | {r['method']} | {r['conversations']} | "
-                + " | ".join(render(r, key, "{:.2f}") for key in ("turn_1", "later_turns", "later_vs_turn_1"))
-                + " |"
+                md_row(
+                    [r["task"], r["length"], r["method"], r["conversations"]]
+                    + [render(r, key, "{:.2f}") for key in ("turn_1", "later_turns", "later_vs_turn_1")]
+                )
                 for r in turns
             ),
             "",
@@ -271,7 +270,7 @@ def markdown_summary(groups: list[Group], sources, plots: list[Path]) -> str:
         curve = g.ppl_ratio_by_position()
         if curve and not g.is_reference:
             lines += [
-                f"### PPL ratio to full by position: L={g.length} {g.label}",
+                f"### PPL ratio to full by position: L={g.length} {md_text(g.label)}",
                 "",
                 "| positions from | " + " | ".join(map(str, curve[0])) + " |",
                 "|---|" + "---|" * len(curve[0]),
@@ -289,9 +288,7 @@ def markdown_summary(groups: list[Group], sources, plots: list[Path]) -> str:
                 "| offset i | " + " | ".join(map(str, range(offsets))) + " |",
                 "|---|" + "---|" * offsets,
                 "| top-K of step t | " + " | ".join(f"{v:.3f}" for v in topk) + " |",
-                f"| StreamingLLM ({recovery['sinks']} sinks + recent) | "
-                + " | ".join(f"{v:.3f}" for v in streaming)
-                + " |",
+                md_row([f"StreamingLLM ({recovery['sinks']} sinks + recent)", *(f"{v:.3f}" for v in streaming)]),
                 "",
             ]
     if plots:

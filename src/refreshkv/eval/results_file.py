@@ -14,6 +14,7 @@ so the example is simply run again. A complete line that is not a JSON object is
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -22,7 +23,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..runtime.output_files import refuse_link
+from ..runtime.output_files import refuse_link, write_failed
 
 
 class ResultsError(ValueError):
@@ -179,10 +180,13 @@ class ResultsFile:
             os.ftruncate(self._fd, self._end)
             self._torn = False
         data = "".join(json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n" for row in rows).encode()
-        written = os.write(self._fd, data)  # O_APPEND: one write of the whole lines at the end of the file
-        if written != len(data):
-            raise OSError(f"short write to {self.path} ({written} of {len(data)} bytes)")
-        os.fsync(self._fd)
+        try:
+            written = os.write(self._fd, data)  # O_APPEND: one write of the whole lines at the end of the file
+            if written != len(data):  # the rest would not fit: what was written is a torn tail, cut on resume
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} after {written} of {len(data)} bytes")
+            os.fsync(self._fd)
+        except OSError as error:
+            raise write_failed(self.path, "results file", error, len(data)) from None
         self.done.update(done_key(row) for row in rows)
 
     def close(self) -> None:

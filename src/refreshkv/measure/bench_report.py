@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from ..runtime.markdown import md_row
 from ..runtime.output_files import save_figure
 
 SPEED = (
@@ -148,10 +149,10 @@ def markdown_table(result: dict) -> str:
     shown = {key for _, key, _ in COLUMNS}
     columns = COLUMNS + (tuple(c for c in BATCH if c[1] not in shown) if batched(result) else ())
     header = ["context", *(label for label, _, _ in columns)]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = [md_row(header), "|" + "---|" * len(header)]
     for row in result["rows"]:
         cells = [str(row["length"])] + [_cell({"label": row["method"], **row}.get(k), fmt) for (_, k, fmt) in columns]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(md_row(cells))
     return "\n".join(lines)
 
 

@@ -8,9 +8,9 @@ out), after the method's own step:
 - `overlap`: the share of the exact top-K (the current query's K highest probabilities, max over a GQA group, the
   newest token aside, as `oracle` chooses) among the tokens attended to, mean over KV heads; 1 at a full step;
 - `needle`: the share of the needle's prompt tokens in the method's selection (`Policy.selection`: C_p for
-  refreshkv and recycled, the tokens held for an eviction method, the step's own choice for quest and oracle),
-  mean over KV heads, and `needle_attention`: the exact attention on the needle's tokens (the largest over query
-  heads), which says when the model reads it.
+  refreshkv and recycled, the sinks and window for streamingllm++, the tokens held for an eviction method, the
+  step's own choice for quest and oracle), mean over KV heads, and `needle_attention`: the exact attention on the
+  needle's tokens (the largest over query heads), which says when the model reads it.
 A method whose every step attends to everything (`full`) has no selection: every step shows 1. The trace holds
 one row of numbers per step and layer, so a generation is refused above `MAX_STEPS` decode steps.
 """
@@ -41,6 +41,11 @@ def what_it_shows(policy: Policy) -> str:
         return (
             f"method '{policy.name}' has no partial cache: its selection is the tokens it holds, which every step "
             "attends to"
+        )
+    if hasattr(policy, "stride") and hasattr(policy, "sinks"):  # streamingllm++
+        return (
+            f"method '{policy.name}': its selection is the sinks and recent window that partial steps attend to; "
+            "full steps read the whole cache"
         )
     if hasattr(policy, "stride"):  # refreshkv, recycled
         return f"method '{policy.name}': its selection is C_p, which partial steps attend to; full steps read C_f"

@@ -160,6 +160,13 @@ class Quest(BudgetPolicy[PagedStore]):
         if self.budget is not None and self.budget < self.page_size:
             raise PolicyError(f"budget ({self.budget}) must hold at least one page (page_size {self.page_size} tokens)")
 
+    def check_layers(self, layers: int) -> None:
+        if self.dense_layers >= layers:
+            raise PolicyError(
+                f"dense_layers ({self.dense_layers}) covers every layer of this model ({layers}): that is `full`; "
+                f"give dense_layers below {layers}, or use method full"
+            )
+
     def budget_for(self, prompt_length: int) -> int:
         budget = super().budget_for(prompt_length)
         if budget < self.page_size:

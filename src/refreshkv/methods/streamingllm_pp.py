@@ -78,6 +78,24 @@ class StreamingLLMPlusPlus(BudgetPolicy[FullCacheStore]):
         layer.record(0.0, full.attended_bytes() * keys.shape[2] // length)
         return decode_attention(query, keys, values, scaling, valid)
 
+    def selection(self, layer: FullCacheLayer, query: Tensor, scaling: Scaling) -> Tensor | None:
+        """The (B, Hkv, sinks + window) positions a partial step attends to (-1: a padded or twice-counted one), as
+        `_window` reads them; None at a full step, or where the window holds the whole sequence."""
+        full, budget = layer.state, layer.budget
+        length = full.length
+        if layer.step % self.stride == 0 or (layer.pads is None and length <= budget):
+            return None
+        sinks = effective_sinks(self.sinks, budget)
+        device = query.device
+        recent = torch.arange(max(0, length - (budget - sinks)), length, device=device)
+        pads = torch.zeros(query.shape[0], dtype=torch.long, device=device) if layer.pads is None else layer.pads
+        sink_pos = pads.view(-1, 1) + torch.arange(sinks, device=device)  # (B, s)
+        sink_pos = sink_pos.masked_fill(sink_pos >= length, -1)
+        recent_pos = recent.expand(pads.shape[0], -1).masked_fill(recent < pads.view(-1, 1) + sinks, -1)
+        positions = torch.cat([sink_pos, recent_pos], dim=1)
+        heads = full.span(0, 1)[0].shape[1]
+        return positions[:, None].expand(-1, heads, -1)
+
     @staticmethod
     def _window(
         full: FullCacheStore, pads: Tensor | None, max_pad: int, sinks: int, budget: int

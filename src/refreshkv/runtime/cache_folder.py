@@ -18,6 +18,12 @@ from pathlib import Path
 from ..core.cache_root import cache_dir
 
 
+def content_hash(path: Path) -> str:
+    """SHA-256 of a file's content, computed now."""
+    with path.open("rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
 def file_hash(path: Path) -> str:
     """SHA-256 of a file's content, remembered in the cache by path, inode, size, mtime and ctime so that it is
     computed once."""
@@ -26,8 +32,7 @@ def file_hash(path: Path) -> str:
     memo = cache_dir() / "hashes" / hashlib.sha256(identity.encode()).hexdigest()[:32]
     if memo.is_file():
         return memo.read_text().strip()
-    with path.open("rb") as file:
-        digest = hashlib.file_digest(file, "sha256").hexdigest()
+    digest = content_hash(path)
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
         staging = memo.with_suffix(f".{os.getpid()}")

@@ -43,6 +43,15 @@ class Turn:
     kv_bytes_read_per_step: float  # keys and values read per decode step of this turn
 
 
+def check_can_forget(policy: Policy) -> None:
+    """Refuse, in one line, a method that cannot forget its answers (`keep_answers=False`)."""
+    if type(policy).crop is Policy.crop:
+        raise PolicyError(
+            f"method '{policy.name}' cannot forget its answers (keep_answers=False); methods that can: "
+            f"{', '.join(croppable_methods())}"
+        )
+
+
 class Conversation:
     """Questions over one prefilled context, under one KV method; see the module docstring.
 
@@ -65,11 +74,9 @@ class Conversation:
         check_token_ids("context_ids", context_ids, vocabulary_size(model))
         if context_ids.shape[0] != 1:
             raise ValueError(f"a conversation takes one context (a batch of 1), got {context_ids.shape[0]} rows")
-        if not keep_answers and type(policy).crop is Policy.crop:
-            raise PolicyError(
-                f"method '{policy.name}' cannot forget its answers (keep_answers=False); methods that can: "
-                f"{', '.join(croppable_methods())}"
-            )
+        if not keep_answers:
+            check_can_forget(policy)
+        check_length(model, context_ids.shape[1], 1)  # before the prefill: a context with no room for an answer
         check_eos(eos_token_id)
         self.model, self.policy = model, policy
         self.keep_answers = keep_answers

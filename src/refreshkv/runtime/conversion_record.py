@@ -5,10 +5,12 @@ weights) changed the answers without a word (issue 50). The conversion therefore
 converted folder, the name, size and SHA-256 of every file it wrote; a load checks that the folder holds exactly
 those files with those sizes and hashes (`problem`), and the caller converts again otherwise, saying why.
 
-Cost: a file's SHA-256 is computed once and remembered by its path, inode, size, modification and change times
-(cache_folder.file_hash); the conversion remembers the hashes it records, so a load only lists the folder and stats
-its files (about a millisecond for the embedded model). A file rewritten in place gets a new change time, which no
-user-level tool can set back, so it is hashed again even with its old modification time restored.
+Cost: the weights' SHA-256 is computed once and remembered by their path, inode, size, modification and change
+times (cache_folder.file_hash); the conversion remembers the hashes it records, so a load only stats them. A file
+rewritten in place gets a new change time, which no user-level tool can set back, so it is hashed again even with its
+old modification time restored. That memo lies in the cache folder too, where whoever can write the folder can forge
+it; so every file that is not weights (config, generation config, tokenizer files: a few MB at most, milliseconds)
+is hashed anew at every load, and a changed config is found whatever the memo says.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .cache_folder import file_hash
+from .cache_folder import content_hash, file_hash
 
 RECORD = "refreshkv-conversion.json"
+WEIGHTS = (".safetensors",)  # hashed once and remembered; every other file is hashed at every load
 
 
 def record(folder: Path) -> None:
@@ -47,6 +50,7 @@ def problem(folder: Path) -> str | None:
         path = folder / name
         if path.is_symlink() or not path.is_file():
             return f"{name} is not a plain file"
-        if path.stat().st_size != expected["size"] or file_hash(path) != expected["sha256"]:
+        digest = file_hash(path) if path.suffix in WEIGHTS else content_hash(path)
+        if path.stat().st_size != expected["size"] or digest != expected["sha256"]:
             return f"{name} is not the file its conversion wrote (size or SHA-256 differs)"
     return None

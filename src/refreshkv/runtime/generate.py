@@ -26,6 +26,7 @@ from .fidelity import fidelity as fidelity_to
 from .inputs import (
     SamplingSettings,
     check_attention_mask,
+    check_bool,
     check_eos,
     check_new_tokens,
     check_token_ids,
@@ -143,8 +144,7 @@ class DecodeSettings(SamplingSettings):
     def __post_init__(self):
         super().__post_init__()
         check_positive("eos_check_every", self.eos_check_every)
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"compile must be True or False, got {self.compile!r}")
+        check_bool("compile", self.compile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +176,11 @@ class GenerationSettings(SamplingSettings):
     compile: bool = False
     prefill_rows: int | None = None
     decode_rows: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("return_logits", "progress", "compile"):
+            check_bool(name, getattr(self, name))
 
     @classmethod
     def of(cls, settings: GenerationSettings | None = None, **keywords) -> GenerationSettings:
@@ -233,12 +238,19 @@ def generate_many(
 
     `fidelity=True` (greedy, one row): every method after the first also gets a second cache, prefilled by the same
     forward, that is fed the first method's answer (teacher forcing); its output's `fidelity` compares the two
-    next-token distributions step by step (runtime/fidelity.py). The first method is the reference (`full`).
+    next-token distributions step by step (runtime/fidelity.py). The first method is the reference, named in the
+    KL's key (`kl_to_full` where it is `full`).
     """
     settings = GenerationSettings.of(settings, **keywords)
     max_new_tokens, eos_token_id, forced_tokens = settings.max_new_tokens, settings.eos_token_id, settings.forced_tokens
+    if isinstance(methods, (str, Policy)) or not isinstance(methods, Sequence):
+        raise ValueError(
+            f"methods must be a list of methods, e.g. methods=['full', 'snapkv'], got {type(methods).__name__} "
+            f"{methods!r}"[:200]
+        )
     if not methods:
         raise ValueError("methods must name at least one method")
+    check_bool("fidelity", fidelity)
     policies = [m if isinstance(m, Policy) else make_policy(m) for m in methods]
     check_token_ids("input_ids", input_ids, vocabulary_size(model))
     if forced_tokens is not None:
@@ -291,7 +303,7 @@ def generate_many(
                     settings.progress,
                 )
                 outputs[id(follows[id(cache)])].fidelity = fidelity_to(
-                    reference.logits, out.logits, reference.tokens[0]
+                    reference.logits, out.logits, reference.tokens[0], caches[0].policy.name
                 )
                 continue
             out = decode(

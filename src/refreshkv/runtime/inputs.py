@@ -32,8 +32,11 @@ def check_token_ids(name: str, ids, vocabulary: int) -> None:
                 "e.g. tokenizer(texts, padding=True, padding_side='left', return_tensors='pt')"
             )
         raise ValueError(f"{name} must be a torch tensor of token ids, got {type(ids).__name__}")
-    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-        raise ValueError(f"{name} must hold integer token ids (torch.long), got {ids.dtype}")
+    if ids.dtype not in (torch.long, torch.int32):  # what the embedding takes; uint8, int16 fail deep inside it
+        raise ValueError(
+            f"{name} must hold integer token ids as torch.long (or torch.int32), got {ids.dtype}"
+            + ("" if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex() else ": pass ids.long()")
+        )
     if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
         raise ValueError(f"{name} must be a non-empty (batch, length) tensor, got shape {tuple(ids.shape)}")
     low, high = int(ids.min()), int(ids.max())
@@ -59,6 +62,12 @@ def check_attention_mask(mask, input_ids: torch.Tensor) -> torch.Tensor:
     return mask.long()
 
 
+def check_bool(name: str, value) -> None:
+    """True or False, nothing else (a string such as "no" is truthy)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def check_eos(eos_token_id) -> None:
     """None, an int, or a list of ints."""
     ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
@@ -77,8 +86,7 @@ class SamplingSettings:
     seed: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.do_sample, bool):
-            raise ValueError(f"do_sample must be True or False, got {self.do_sample!r}")
+        check_bool("do_sample", self.do_sample)
         if not (is_number(self.temperature) and self.temperature > 0):
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
         check_positive("top_k", self.top_k, allow_none=True)

@@ -82,9 +82,9 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
 
 
 def writable(folder: Path) -> None:
-    """Create the cache folder, or refuse in one line before any long work."""
+    """Create the cache folder (mode 0700), or refuse in one line before any long work."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         probe = folder / f".write-test-{os.getpid()}"
         probe.touch()
         probe.unlink()
@@ -95,6 +95,20 @@ def writable(folder: Path) -> None:
         ) from None
 
 
+def private(folder: Path) -> None:
+    """Refuse, in one line, a cache folder that another user may write (ssh's rule for its own files): whoever can
+    write it could change a conversion and the record that vouches for it."""
+    try:
+        stat = folder.stat()
+    except OSError:
+        return  # none yet: `writable` makes it (mode 0700) or says why it cannot
+    if stat.st_uid != os.geteuid() or stat.st_mode & 0o022:
+        raise ModelError(
+            f"the model cache {folder} may be written by another user (owner uid {stat.st_uid}, mode "
+            f"{stat.st_mode & 0o777:o}); give a folder only you can write (chmod go-w), or set REFRESHKV_CACHE"
+        )
+
+
 def converted(stem: str, key: str, gguf_of) -> Path:
     """The conversion of a GGUF with content hash `key` (cache/<stem>-<key[:16]>), made once under a lock:
     concurrent first loads convert once, the others wait and then find it. `gguf_of(folder)` gives the GGUF, written
@@ -102,6 +116,7 @@ def converted(stem: str, key: str, gguf_of) -> Path:
     only if its folder holds exactly what the conversion recorded (conversion_record.py); any other is converted
     again, said in one warning line."""
     target = cache_dir() / f"{stem}-{key[:16]}"
+    private(cache_dir())
     if target.is_dir() and conversion_record.problem(target) is None:
         return target
     writable(target.parent)

@@ -7,9 +7,14 @@ rows, benchmark JSON and plots, a training run's records). docs/evaluation.md, "
 - A file is never written through a symbolic link: a link at the path (even one whose target is missing, which
   would be created) is refused in one line, never followed and never replaced (`refuse_link`, and O_NOFOLLOW or
   O_EXCL on every open, so that a link made after the check is not followed either).
+- An output that a run cannot resume (a trace, a benchmark's JSON and plots) never replaces a file without --force,
+  and its folder is checked before the work (`check_output`).
 - A file is written whole or not at all: a new file is created exclusively (`create_new`), and a file that is
   replaced is written beside it and renamed over it (`replaced`). The folders leading to a file are the user's
   (given, or the sweep file's): a folder that is a link is followed.
+
+- A write that fails part way (a full disk) is a `WriteFailed` of one line naming the file and the bytes it
+  needed; a replaced file is then left as it was, a results file keeps its whole rows (its resume cuts a torn tail).
 
 Every refusal is an `OutputError`, a ValueError of one line naming the path.
 """
@@ -17,13 +22,32 @@ Every refusal is an `OutputError`, a ValueError of one line naming the path.
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import os
 import secrets
+import tempfile
 from pathlib import Path
 
 
 class OutputError(ValueError):
     """An output path the package will not write; the message is one line naming it and what to do."""
+
+
+class WriteFailed(Exception):
+    """A write the system refused part way (a full disk, a quota); one line naming the file and the space needed.
+    Not a ValueError: the input was fine (the command line exits with 1, not 2)."""
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # the system's "no room for it" errors
+
+
+def write_failed(path: Path, what: str, error: OSError, needed: int | None = None) -> WriteFailed:
+    """The one line for a write the system refused, with the bytes it needed where they are known."""
+    space = "" if needed is None else f" ({needed} bytes needed)"
+    return WriteFailed(
+        f"cannot write {what} {path}: {error.strerror or error}{space}; free some space and run the command again"
+    )
 
 
 def refuse_link(path: Path, what: str) -> None:
@@ -32,6 +56,21 @@ def refuse_link(path: Path, what: str) -> None:
         raise OutputError(
             f"{what} {path} is a symbolic link; files are never written through one: remove it or give another path"
         )
+
+
+def check_output(path: Path, what: str, force: bool) -> None:
+    """Refuse, before any work, an output that could not be written at the end (a link, a folder that is missing or
+    cannot take a file) or that would replace a file without `force` (the command's --force)."""
+    refuse_link(path, what)
+    if path.is_dir():
+        raise OutputError(f"{what} {path} is a folder; give a file path")
+    if path.exists() and not force:
+        raise OutputError(f"{what} {path} exists; give --force to replace it, or choose another file")
+    try:
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as error:
+        raise _cannot(path, what, error) from None
 
 
 def _cannot(path: Path, what: str, error: OSError) -> OutputError:
@@ -59,10 +98,14 @@ def create_new(path: Path, what: str) -> int:
 @contextlib.contextmanager
 def new_text_file(path: Path, what: str):
     """A text file created now at `path` (`create_new`), removed again when the block leaves it empty (a run that
-    failed before its first line leaves nothing)."""
+    failed before its first line leaves nothing); a full disk while writing it is a `WriteFailed`."""
     file = os.fdopen(create_new(path, what), "w", encoding="utf-8")
     try:
         yield file
+    except OSError as error:
+        if error.errno not in FULL:
+            raise
+        raise write_failed(path, what, error) from None
     finally:
         empty = file.tell() == 0
         file.close()
@@ -70,19 +113,23 @@ def new_text_file(path: Path, what: str):
             path.unlink(missing_ok=True)
 
 
-@contextlib.contextmanager
-def replaced(path: Path, what: str):
-    """A binary file whose content replaces `path` when the block ends without error (written beside it, then
-    renamed over it: a reader sees the old file or the new one, never a part). A link at `path` is refused."""
+def write_bytes(path: Path, data: bytes, what: str) -> None:
+    """`data` as the whole new content of `path`, written beside it, then renamed over it: a reader sees the old file
+    or the new one, never a part. A link at `path` is refused; a full disk is a `WriteFailed`, the old file kept."""
     refuse_link(path, what)
     staging = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
     try:
         file = os.fdopen(_exclusive(staging), "wb")
     except OSError as error:
-        raise _cannot(path, what, error) from None
+        raise (
+            write_failed(path, what, error, len(data)) if error.errno in FULL else _cannot(path, what, error)
+        ) from None
     try:
-        with file:
-            yield file
+        try:
+            with file:
+                file.write(data)
+        except OSError as error:
+            raise write_failed(path, what, error, len(data)) from None
         refuse_link(path, what)  # made while writing: the rename would replace the link itself, still refused
         try:
             os.replace(staging, path)
@@ -99,12 +146,12 @@ def lies_inside(path: Path, folders: list[Path]) -> bool:
 
 
 def write_text(path: Path, text: str, what: str) -> None:
-    """`text` (UTF-8) as the whole new content of `path`, by `replaced`."""
-    with replaced(path, what) as file:
-        file.write(text.encode("utf-8"))
+    """`text` (UTF-8) as the whole new content of `path`, by `write_bytes`."""
+    write_bytes(path, text.encode("utf-8"), what)
 
 
 def save_figure(figure, path: Path, what: str, dpi: int) -> None:
-    """A matplotlib figure as a PNG at `path`, by `replaced`."""
-    with replaced(path, what) as file:
-        figure.savefig(file, format="png", dpi=dpi)
+    """A matplotlib figure as a PNG at `path`, by `write_bytes`."""
+    image = io.BytesIO()
+    figure.savefig(image, format="png", dpi=dpi)
+    write_bytes(path, image.getvalue(), what)
