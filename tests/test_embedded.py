@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -183,3 +184,12 @@ def test_chat_answers_questions_from_one_prefill_and_writes_jsonl(tmp_path):
     assert [(r["turn"], r["method"]) for r in rows] == [(1, "full"), (1, "refreshkv"), (2, "full"), (2, "refreshkv")]
     assert all(r["time_to_first_token_s"] < r["context_prefill_s"] for r in rows)  # a turn prefills its question only
     assert all(r["answer"] and r["new_tokens"] <= 20 for r in rows)
+
+
+def test_cli_models_prints_the_converted_folder_that_vllm_loads(embedded):
+    done = run_cli("models", "--folder", "smollm2-135m")
+    folder = Path(done.stdout.strip())
+    assert done.returncode == 0 and (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+    refused = run_cli("models", "--folder", "smollm2")
+    assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0
+    assert "unknown model 'smollm2'; the named models: smollm2-135m, gemma3-270m" in refused.stderr

@@ -486,9 +486,26 @@ def methods():
 
 
 @app.command()
-def models():
+@user_errors
+def models(
+    folder: Optional[str] = typer.Option(
+        None,
+        "--folder",
+        metavar="NAME",
+        help="print only the converted model folder of a named model (converting it on first use), e.g. for "
+        "`vllm serve $(refreshkv models --folder smollm2-135m)`",
+    ),
+):
     """List the named models (--model NAME): installed or not, context, layers, the layers the methods act on."""
     from ..runtime.models import DEFAULT_MODEL, NAMED_MODELS
+
+    if folder is not None:
+        from ..runtime.loading import named_model_dir
+
+        if folder not in NAMED_MODELS:
+            raise ValueError(f"unknown model '{folder}'; the named models: {', '.join(NAMED_MODELS)}")
+        print(named_model_dir(NAMED_MODELS[folder]))
+        return
 
     table = Table(title="named models (--model NAME; a local model folder or a .gguf file works too)")
     for column in ("name", "installed", "context", "layers", "the methods act on", "what it is"):
