@@ -1,8 +1,10 @@
-"""lm-evaluation-harness's model type `refreshkv` (refreshkv/lm_eval/) on the embedded SmolLM2: the shipped niah task
-under full and under refreshkv with K above the prompt, a multiple choice read from a user's own JSONL that moves
-with the method at a small K, the prompts equal to `refreshkv eval`'s, and the one-line refusals."""
+"""lm-evaluation-harness's model type `refreshkv` (refreshkv/lm_eval/) on the embedded SmolLM2, with short tasks on a
+user's own JSONL: generation under full and under refreshkv with K above the prompt, a multiple choice that moves with
+the method at a small K, full equal to lm-eval's own `hf` model; the shipped niah tasks' prompts equal to
+`refreshkv eval`'s; the one-line refusals."""
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -34,23 +36,38 @@ def shipped():
 
 @pytest.fixture(scope="module")
 def own_data(tmp_path_factory):
-    """A multiple-choice task on a user's own JSONL (dataset_path json + data_files), prompts of ~170 tokens."""
+    """Two tasks on a user's own JSONL, prompts of ~170 tokens: a multiple choice (dataset_path json + data_files),
+    and the same passages asked as a niah question, scored by RULER's metric (the shipped tasks' local.py beside)."""
     folder = tmp_path_factory.mktemp("own-task")
     docs = [
-        {"passage": PASSAGE.format(number=right) * 2, "choices": choices, "label": choices.index(right)}
+        {
+            "passage": PASSAGE.format(number=right) * 2,
+            "choices": choices,
+            "label": choices.index(right),
+            "task": "ruler/niah_single_1",
+            "reference": [right],
+        }
         for right, choices in (("4821", ["4821", "7390", "1156", "9043"]), ("6604", ["3318", "5527", "6604", "2279"]))
     ]
     (folder / "gate.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+    data = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / 'gate.jsonl'}\ntest_split: test\n"
     (folder / "gate.yaml").write_text(
-        "task: gate_code\n"
-        "dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {folder / 'gate.jsonl'}\n"
-        "test_split: test\n"
+        f"task: gate_code\n{data}"
         "output_type: multiple_choice\n"
         "doc_to_text: \"{{passage}}\\nWhich of these is the code for the gate: {{choices | join(', ')}}?\\nAnswer:\"\n"
         "doc_to_choice: choices\n"
         "doc_to_target: label\n"
         "metric_list:\n  - metric: acc\n"
+    )
+    shutil.copy(TASKS_DIR / "local.py", folder)
+    (folder / "gate_answer.yaml").write_text(
+        f"task: gate_answer\n{data}"
+        "output_type: generate_until\n"
+        'doc_to_text: "{{passage}}\\nWhat is the code for the gate?"\n'
+        "doc_to_target: label\n"
+        "generation_kwargs:\n  until: []\n  max_gen_toks: 12\n"
+        "process_results: !function local.score_ruler\n"
+        "metric_list:\n  - metric: score\n    aggregation: mean\n    higher_is_better: true\n"
     )
     return TaskManager(include_path=str(folder), include_defaults=False)
 
@@ -64,12 +81,13 @@ def samples(lm, task: str, manager, limit: int, **options):
     return responses, result["results"][task]
 
 
-def test_niah_with_k_above_the_prompt_scores_as_full(shipped):
-    task, options = "refreshkv_niah_single_1_bare", {"apply_chat_template": True, "gen_kwargs": "max_gen_toks=6"}
-    full = samples(RefreshKVLM(method="full", threads=1), task, shipped, 1, **options)
-    kept = samples(RefreshKVLM(method="refreshkv", budget=4096, threads=1), task, shipped, 1, **options)
+def test_generation_with_k_above_the_prompt_scores_as_full(own_data):
+    options = {"apply_chat_template": True}
+    full = samples(RefreshKVLM(method="full", threads=1), "gate_answer", own_data, 2, **options)
+    kept = samples(RefreshKVLM(method="refreshkv", budget=4096, threads=1), "gate_answer", own_data, 2, **options)
     assert full == kept
-    assert full[0][0][0]  # an answer was decoded
+    assert all(answer[0] for answer in full[0])  # answers were decoded
+    assert full[1]["score,none"] == 1.0  # both answers hold their code: RULER's metric through local.score_ruler
 
 
 def test_loglikelihood_moves_with_the_method_at_a_small_k(own_data):
@@ -80,6 +98,23 @@ def test_loglikelihood_moves_with_the_method_at_a_small_k(own_data):
     assert len(full) == 2 and all(len(choices) == 4 for choices in full)
     assert max(abs(a[0] - b[0]) for row, other in zip(full, small) for a, b in zip(row, other)) > 1e-3
     assert 0 <= full_metrics["acc,none"] <= 1
+
+
+def test_full_equals_lm_evals_hf_model_and_rolling_moves_with_the_method(own_data):
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from refreshkv.runtime.loading import resolve_model_dir
+
+    hf = HFLM(pretrained=str(resolve_model_dir("smollm2-135m")), device="cpu", dtype="float32")
+    full = RefreshKVLM(method="full", threads=1, target_tokens=20)
+    ours, theirs = samples(full, "gate_code", own_data, 2)[0], samples(hf, "gate_code", own_data, 2)[0]
+    assert max(abs(a[0] - b[0]) for row, other in zip(ours, theirs) for a, b in zip(row, other)) < 1e-3
+    document = [Instance("loglikelihood_rolling", {}, (PASSAGE.format(number=4821) * 3,), 0)]
+    rolling = full.loglikelihood_rolling(document, disable_tqdm=True)[0]
+    assert rolling == pytest.approx(hf.loglikelihood_rolling(document, disable_tqdm=True)[0], abs=1e-3)
+    snapkv = RefreshKVLM(method="snapkv", budget=8, window=4, threads=1, target_tokens=20)
+    assert abs(snapkv.loglikelihood_rolling(document, disable_tqdm=True)[0] - rolling) > 1
 
 
 def test_niah_prompts_are_refreshkv_eval_prompts(shipped):
@@ -123,14 +158,20 @@ def test_missing_task_data_names_the_path_looked_in(tmp_path):
         load(str(tmp_path / "gone.jsonl"))
 
 
-def test_command_line_refuses_bad_model_args_in_one_line(monkeypatch, capsys):
-    args = ["--model", "refreshkv", "--model_args", "method=snapkv,windw=8", "--tasks", "refreshkv_numbers"]
-    monkeypatch.setattr(sys, "argv", ["refreshkv.lm_eval", *args, "--include_path", str(TASKS_DIR)])
-    with pytest.raises(SystemExit) as exit:
-        main()
-    assert exit.value.code == 2
-    assert (
-        capsys.readouterr()
-        .err.splitlines()[-1]
-        .startswith("refreshkv.lm_eval: error: unknown model_args windw; give model,")
+def test_command_line_refuses_in_one_line(monkeypatch, capsys, tmp_path):
+    """Bad model arguments, and a task whose data file is not there (the path is named)."""
+    (tmp_path / "gone.yaml").write_text(
+        f"task: gone\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'gone.jsonl'}\n"
+        'test_split: test\noutput_type: generate_until\ndoc_to_text: "{{prompt}}"\ndoc_to_target: x\n'
     )
+    for args, said in (
+        (["method=snapkv,windw=8", "refreshkv_numbers", TASKS_DIR], "unknown model_args windw; give model,"),
+        (["method=full,threads=1", "gone", tmp_path], f"Unable to find '{tmp_path / 'gone.jsonl'}'"),
+    ):
+        model_args, task, folder = args
+        command = ["--model", "refreshkv", "--model_args", model_args, "--tasks", task, "--include_path", str(folder)]
+        monkeypatch.setattr(sys, "argv", ["refreshkv.lm_eval", *command])
+        with pytest.raises(SystemExit) as exit:
+            main()
+        assert exit.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1].startswith(f"refreshkv.lm_eval: error: {said}")
