@@ -117,6 +117,34 @@ def test_full_equals_lm_evals_hf_model_and_rolling_moves_with_the_method(own_dat
     assert abs(snapkv.loglikelihood_rolling(document, disable_tqdm=True)[0] - rolling) > 1
 
 
+@pytest.fixture
+def registry():
+    """The method registry as it was, restored after the test."""
+    from refreshkv.core.policy import METHODS, PROVIDERS
+
+    saved = dict(METHODS), dict(PROVIDERS)
+    yield
+    METHODS.clear(), METHODS.update(saved[0])
+    PROVIDERS.clear(), PROVIDERS.update(saved[1])
+
+
+def test_a_plugin_method_runs_by_name_with_its_parameters(registry):
+    """A method another package registers (as the entry-point loader does) is a model_args method like the others."""
+    import dataclasses
+
+    from lm_eval.api.instance import Instance
+
+    from refreshkv.core.policy import make_policy, register
+
+    register(dataclasses.dataclass(type("Plugin", (type(make_policy("snapkv")),), {"name": "plugin-snap"})), "somepkg")
+    request = [Instance("loglikelihood", {}, (PASSAGE.format(number=4821) + "The code for the gate is", " 4821"), 0)]
+    plugin = RefreshKVLM(method="plugin-snap", budget=40, window=8, threads=1)
+    snapkv = RefreshKVLM(method="snapkv", budget=40, window=8, threads=1)
+    full = RefreshKVLM(method="full", threads=1)
+    scores = [lm.loglikelihood(request, disable_tqdm=True)[0][0] for lm in (plugin, snapkv, full)]
+    assert scores[0] == scores[1] != scores[2]
+
+
 def test_niah_prompts_are_refreshkv_eval_prompts(shipped):
     """lm-eval with --apply_chat_template gives the model the tokens `refreshkv eval` gives it (both forms)."""
     lm = RefreshKVLM(method="full")
