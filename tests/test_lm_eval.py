@@ -203,3 +203,20 @@ def test_command_line_refuses_in_one_line(monkeypatch, capsys, tmp_path):
             main()
         assert exit.value.code == 2
         assert capsys.readouterr().err.splitlines()[-1].startswith(f"refreshkv.lm_eval: error: {said}")
+
+
+@pytest.mark.parametrize("invoked", [["-m"], ["python"]])
+def test_without_lm_eval_the_package_says_what_to_install(monkeypatch, capsys, invoked):
+    """`python -m refreshkv.lm_eval` ends in one line; an import raises ModuleNotFoundError naming the extra."""
+    for name in [name for name in sys.modules if name == "lm_eval" or name.startswith("lm_eval.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    for name in [name for name in sys.modules if name.startswith("refreshkv.lm_eval")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "argv", invoked)
+    needs = "refreshkv.lm_eval needs lm-eval: pip install 'refreshkv[lm_eval]'"
+    with pytest.raises(SystemExit if invoked == ["-m"] else ModuleNotFoundError) as caught:
+        import refreshkv.lm_eval  # noqa: F401
+    if invoked == ["-m"]:
+        assert caught.value.code == 2 and capsys.readouterr().err == f"refreshkv.lm_eval: error: {needs}\n"
+    else:
+        assert str(caught.value) == needs

@@ -6,9 +6,19 @@ its own package, so `python -m refreshkv.lm_eval ...` imports this one and hands
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-from .model import ModelArgsError, RefreshKVLM
+try:
+    from .model import ModelArgsError, RefreshKVLM
+except ModuleNotFoundError as error:
+    if (error.name or "").split(".")[0] != "lm_eval":
+        raise
+    NEEDS = "refreshkv.lm_eval needs lm-eval: pip install 'refreshkv[lm_eval]'"
+    if sys.argv[:1] == ["-m"]:  # `python -m refreshkv.lm_eval` while Python locates it: one line, no traceback
+        print(f"refreshkv.lm_eval: error: {NEEDS}", file=sys.stderr)
+        sys.exit(2)
+    raise ModuleNotFoundError(NEEDS, name="lm_eval") from None
 
 TASKS_DIR = Path(__file__).parent / "tasks"  # give it to lm-eval's --include_path
 
