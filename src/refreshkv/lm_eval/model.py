@@ -16,7 +16,8 @@ How each request type meets the method:
   one). Continuations of one context share its prefill (one decode row each).
 - `loglikelihood_rolling`: lm-eval's rolling windows of the model's context length; in each, the last
   `target_tokens` tokens are teacher-forced under the method after a prefill of everything before them (ppl's
-  window) and the tokens before are scored by an ordinary forward, which is what every method's prefill computes.
+  window) and the tokens before are scored by an ordinary forward, which is what a method that shares its prefill
+  computes (`shares_prefill`: every built-in one; a plugin that computes its own prefill would differ there).
 
 Requests run one context at a time, whatever `batch_size` says: a batch's budget follows its longest prompt
 (`BudgetPolicy`), so batching rows of different lengths would change each example's K.
@@ -201,7 +202,7 @@ class RefreshKVLM(TemplateLM):
 
     def window_loglikelihood(self, context: list[int], predicted: list[int]) -> float:
         """Log-likelihood of `predicted` after `context`: its last `target_tokens` tokens under the method after a
-        prefill of all before them, the tokens before those by an ordinary forward (every method's prefill output)."""
+        prefill of all before them, the tokens before those by an ordinary forward (a shared prefill's output)."""
         ids = context + predicted
         split = max(len(context), len(ids) - self.target_tokens)
         losses = plain_losses(self.model, ids[:split], len(context)) if split > len(context) else []
