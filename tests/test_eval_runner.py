@@ -17,12 +17,13 @@ from typer.testing import CliRunner
 
 from refreshkv.core.policy import make_policy
 from refreshkv.eval.config import RunConfig
-from refreshkv.eval.perplexity import plain_losses, teacher_forced
+from refreshkv.eval.perplexity import continuation_losses, plain_losses, teacher_forced
 from refreshkv.eval.recovery import RecoveryProbe
 from refreshkv.eval.report import load_results, write_report
 from refreshkv.eval.results_file import ResultsError, read_results
 from refreshkv.eval.runner import run_eval
 from refreshkv.eval.sweep import SweepError, load_sweep, run_sweep
+from refreshkv.runtime.generate import generate
 
 TESTS = Path(__file__).parent
 pytest.importorskip("long_context_eval")
@@ -342,6 +343,26 @@ def test_teacher_forced_full_equals_one_plain_forward(family):
     snap = teacher_forced(model, ids, 100, make_policy("snapkv", budget=8, window=4))
     assert max(abs(a - b) for a, b in zip(snap.losses, reference)) > 1e-3
     assert snap.cache.attended_bytes_mean() < forced.cache.attended_bytes_mean()
+
+
+@pytest.mark.parametrize("method", [{"name": "full"}, {"name": "snapkv", "budget": 8, "window": 4}])
+def test_continuations_of_one_context_share_its_prefill_and_score_as_alone(method):
+    """Each continuation's losses (and greedy flags) equal teacher forcing it alone after the same context."""
+    model = tiny_model("llama", layers=2, seed=1)
+    ids = random_prompt(120, seed=6)[0].tolist()
+    greedy = generate(model, torch.tensor([ids[:100]]), max_new_tokens=4, eos_token_id=[]).tokens[0]
+    continuations = [greedy + ids[104:110], ids[100:103], random_prompt(7, seed=7)[0].tolist()]
+    policy = make_policy(method["name"], **{k: v for k, v in method.items() if k != "name"})
+    shared = continuation_losses(model, ids[:100], continuations, policy)
+    for (losses, greedy), continuation in zip(shared, continuations):
+        alone = teacher_forced(model, ids[:100] + continuation, 100, policy).losses
+        assert len(losses) == len(greedy) == len(continuation)
+        assert max(abs(a - b) for a, b in zip(losses, alone)) < 1e-4
+    if method["name"] == "full":  # greedy: the model's own choice after each token, from one plain forward
+        with torch.no_grad():
+            logits = model(torch.tensor([ids[:100] + continuations[0]])).logits[0, 99:109]
+        assert shared[0][1] == (logits.argmax(-1) == torch.tensor(continuations[0])).tolist()
+        assert shared[0][1][:4] == [True] * 4  # the model's own answer, then the prompt's tokens
 
 
 def test_ppl_rows_and_ratio_by_position(tmp_path, model):

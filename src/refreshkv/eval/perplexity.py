@@ -60,6 +60,32 @@ def teacher_forced_many(
     ]
 
 
+def continuation_losses(
+    model, context: Sequence[int], continuations: Sequence[Sequence[int]], policy: Policy
+) -> list[tuple[list[float], list[bool]]]:
+    """Per continuation of one `context`, the losses of its tokens and whether each token is the greedy choice,
+    teacher-forced under `policy` with one prefill for all: the context is prefilled once and copied to one decode
+    row per continuation (`decode_rows`), each row fed its own tokens; a shorter continuation is padded with its last
+    token, and the steps past its end are not read (a row's steps see only the tokens before them)."""
+    if not context or not continuations or not all(continuations):
+        raise ValueError("continuation_losses needs a context and continuations of at least one token each")
+    longest = max(len(tokens) for tokens in continuations)
+    forced = torch.tensor(
+        [list(tokens) + [tokens[-1]] * (longest - len(tokens)) for tokens in continuations], device=model.device
+    )
+    ids = torch.as_tensor(list(context), dtype=torch.long, device=model.device)[None]
+    out = generate_many(
+        model, ids, methods=[policy], forced_tokens=forced, decode_rows=len(continuations), return_logits=True
+    )[0]
+    logits = torch.stack(out.logits, dim=1)  # (rows, steps, vocab)
+    results = []
+    for row, tokens in enumerate(continuations):
+        scored, targets = logits[row, : len(tokens)], forced[row, : len(tokens)].cpu()
+        losses = F.cross_entropy(scored, targets, reduction="none").tolist()
+        results.append((losses, (scored.argmax(-1) == targets).tolist()))
+    return results
+
+
 @torch.inference_mode()
 def plain_losses(model, input_ids: Sequence[int] | torch.Tensor, target_start: int) -> list[float]:
     """The same losses from one ordinary forward over the whole sequence (no KV method): the reference."""
