@@ -2,7 +2,7 @@
 
 The top K and the spread work on `rows` independent rows of `n` float32 values, row-major and contiguous; the gathers
 copy rows of any type. Each computes exactly what the PyTorch reference computes (core/attention_math.py,
-core/kvstore.py, methods/refreshkv.py; tests/test_native_selection.py compares them).
+core/kvstore.py, methods/refreshkv/partial_cache.py; tests/test_native_selection.py compares them).
 Plain C11 with GCC/Clang builtins: it is compiled on the user's machine with the baseline flags of its C compiler. On
 x86-64, GCC and Clang also make an AVX2 version of the loops over positions, which the loader picks where the CPU has
 AVX2; the attention's two loops also have AVX-512 code of their own (`wide_logits`, `wide_weighted`), which runs
@@ -287,7 +287,7 @@ int gather_rows(const char *keys, const char *values, BlockStrides strides, int6
 }
 
 /* A partial cache refreshed in one call, from the attention of a layer's query heads to the filled store: what
-   attention_math.selection_scores (max or first aggregation), RefreshKV._refresh and SelectionState.load compute.
+   attention_math.selection_scores (max or first aggregation), SelectionRule.refresh and SelectionState.load compute.
 
    Per (batch, KV head), from `probs` (batch x heads x group x n: each query head's window-mean probabilities): the
    highest over the group (or the first head's with `first_only`), max-pooled over the `before` positions before and

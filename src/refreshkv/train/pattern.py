@@ -3,7 +3,7 @@
 A training sequence holds L + S tokens. The first L attend causally to everything before them, as a prefill does.
 Each of the last S attends to what `recycled` with a stride above S (a partial cache that is never refreshed) holds
 when it decodes that token: C_p chosen per layer and per KV head from the attention of the last `window` prefix
-tokens, max-pooled with `kernel` and aggregated over the GQA group (the prefill selection of methods/refreshkv.py,
+tokens, max-pooled with `kernel` and aggregated over the GQA group (the prefill selection of methods/refreshkv/,
 the same functions), plus the suffix tokens decoded so far. The selection is made under no-grad from the forward's
 own queries and keys; gradients flow through the selected keys and values.
 
