@@ -31,9 +31,8 @@ class PagedBlocks:
         offset = start % size
         spans = []
         for store in (self.keys, self.values):
-            held = store.index_select(0, blocks)  # (n, Hkv, size, D)
-            tokens = held.transpose(0, 1).reshape(held.shape[1], -1, held.shape[3])
-            spans.append(tokens[None, :, offset : offset + end - start])
+            held = store.transpose(0, 1).index_select(1, blocks)  # (Hkv, n, size, D): one copy, head-major
+            spans.append(held.flatten(1, 2)[None, :, offset : offset + end - start])
         return spans[0], spans[1]
 
 
