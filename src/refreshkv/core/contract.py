@@ -18,10 +18,10 @@ import torch
 from torch import Tensor
 
 from .attention_math import Scaling
-from .kvstore import LayerState
+from .kvstore import FullStore, LayerState
 
 if TYPE_CHECKING:
-    from .full_cache import FullCacheStore
+    from .quantized_store import QuantizedFullStore
 
 State = TypeVar("State", bound=LayerState)
 """What a method keeps for a layer: `Policy[State]` hooks receive `MethodLayer[State]` (e.g. a `SelectionState`)."""
@@ -80,7 +80,9 @@ class MethodLayer(Protocol[State]):
     def positions(self, device: torch.device) -> Tensor:
         """(B or 1,) RoPE position of the newest token in each row (0 at a row's first real token)."""
 
-    def full_store(self, like: Tensor, full_cache: str = "dense", group_size: int | None = None) -> FullCacheStore:
+    def full_store(
+        self, like: Tensor, full_cache: str = "dense", group_size: int | None = None
+    ) -> FullStore | QuantizedFullStore:
         """An empty store for every token of this layer (C_f), shaped like `like` (B, Hkv, L, D): the transformers
         cache makes one that grows (`make_full_store`: dense, quantized or offloaded); a serving engine gives a view
         of the blocks it already writes (refreshkv.serving). `group_size`: a quantized store's groups (None: KIVI's 32).

@@ -10,7 +10,7 @@ partial_cache.py's rule, the same as eager steps run.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -18,10 +18,20 @@ from torch import Tensor
 from ...core.device_steps import DeviceLayer, attend, only_if, write_token
 from ...core.kvstore import FullStore, LayerState
 from ...core.selection import APPENDED
-from .partial_cache import RefreshState, hold_answer_on_device
+from .partial_cache import RefreshLayer, RefreshState, SelectionRule, hold_answer_on_device
 
-if TYPE_CHECKING:
-    from .policy import RefreshKV
+
+class RefreshKV(Protocol):
+    """What a device step reads of the policy (policy.py's `RefreshKV`): its schedule and its selection."""
+
+    stride: int | None
+    carry: float
+    keep_decoded: bool
+
+    def scheduled(self, step: int) -> bool: ...
+    def drifted(self, layer: RefreshLayer, query: Tensor) -> Tensor: ...
+    def compared_query(self, layer: RefreshLayer, query: Tensor, width: int = 1) -> Tensor: ...
+    def selection_rule(self, layer: RefreshLayer) -> SelectionRule: ...
 
 
 def step_kind(policy: RefreshKV, step: int) -> str:
