@@ -37,6 +37,8 @@ def decode_calls(model, monkeypatch, method: str, rows: int) -> collections.Coun
     params = {"budget": 40} if "budget" in refreshkv.METHODS[method].parameters() else {}
     if method in ("refreshkv", "recycled"):
         params["stride" if method == "recycled" else "qc_stride"] = 4  # full steps or query checks in 12 steps
+    if method == "quest":
+        params["dense_layers"] = 0  # its selection in the one layer of the model (every layer dense is refused)
     ids = random_prompt(64).expand(rows, -1)
     with monkeypatch.context() as patch:
         patch.setattr(model, "forward", counted)
