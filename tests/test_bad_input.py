@@ -1173,3 +1173,44 @@ def test_chat_rows_into_a_full_disk_end_in_one_line_naming_the_file(tmp_path):
     assert not out.exists()  # nothing was written: no empty file left
     with pytest.raises(OSError, match="not a full disk"), new_text_file(out, "--out"):
         raise OSError(errno.EIO, "not a full disk")  # other errors pass as they are
+
+
+def test_assisted_decoding_under_a_method_that_reads_blocks_as_questions_is_refused(llama):
+    """Prompt lookup drafts tokens from the prompt, verifies them in one block and forgets the rejected ones: refreshkv
+    would read each block as a new question, so it is refused in one line; `full` takes the drafts as decoded tokens
+    and gives plain decoding's tokens."""
+    from conftest import random_prompt
+
+    from refreshkv import PolicyCache, PolicyError, make_policy, with_cache
+
+    half = random_prompt(24)
+    ids = torch.cat([half, half, half[:, :6]], dim=1)  # repeated n-grams: the lookup drafts from them
+    options = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cache = PolicyCache(make_policy("refreshkv", budget=16), llama, max_new_tokens=10)
+    with pytest.raises(PolicyError, match=r"^method 'refreshkv' reads a block of new tokens as a new question .*"):
+        llama.generate(ids, prompt_lookup_num_tokens=3, **with_cache(llama, cache), **options)
+    full = PolicyCache(make_policy("full"), llama, max_new_tokens=10)
+    assisted = llama.generate(ids, prompt_lookup_num_tokens=3, **with_cache(llama, full), **options)
+    plain = llama.generate(
+        ids, **with_cache(llama, PolicyCache(make_policy("full"), llama, max_new_tokens=10)), **options
+    )
+    assert torch.equal(assisted, plain)
+
+
+def test_decoding_past_the_announced_tokens_grows_the_answers_room_instead_of_evicting(llama):
+    """keep_decoded sizes C_p's room for the answer by the tokens announced to the cache; decoding more grows it, so
+    announcing 2 and announcing 12 give the same 12 tokens."""
+    from conftest import random_prompt
+
+    from refreshkv import PolicyCache, make_policy, with_cache
+
+    ids = random_prompt(60)
+    options = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    tokens = []
+    for announced in (2, 12):
+        cache = PolicyCache(
+            make_policy("refreshkv", budget=8, qc_stride=3, threshold=1.0), llama, max_new_tokens=announced
+        )
+        tokens.append(llama.generate(ids, **with_cache(llama, cache), **options))
+        assert cache.layers[1].state.partial.store.slots >= 8 + 11  # K and the 11 decoded tokens after the first
+    assert torch.equal(tokens[0], tokens[1])

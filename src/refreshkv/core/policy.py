@@ -86,6 +86,12 @@ class Policy(Generic[State]):
         overrides this and says so in its docstring (refreshkv: one full step that rebuilds C_p)."""
         return layer.decode_each(self.decode, query, key, value, scaling)
 
+    def read_a_question(self, layer: MethodLayer[State]) -> bool:
+        """Whether the block of new tokens `extend` just took was read as a new question (refreshkv rebuilt C_p from
+        it), not as tokens decoded one by one: then assisted decoding, which drafts a block and forgets some of it,
+        is refused (the cache's `crop`)."""
+        return False
+
     def selection(self, layer: MethodLayer[State], query: Tensor, scaling: Scaling) -> Tensor | None:
         """(B, Hkv, m) positions of the tokens a step that does not attend to everything attends to (-1: none), for
         analysis (`refreshkv trace`), read after a decode step with its query: the tokens held, by default (what an
@@ -268,9 +274,14 @@ def label_notes(name: str, provider: str | None = None) -> str:
     return "".join(f" ({note})" for note in notes)
 
 
-def croppable_methods() -> list[str]:
-    """The registered methods that can forget their last tokens (`crop`)."""
-    return sorted(name for name, cls in METHODS.items() if cls.crop is not Policy.crop)
+def croppable_methods(drafts: bool = False) -> list[str]:
+    """The registered methods that can forget their last tokens (`crop`); with `drafts`, of them those that take a
+    block of new tokens as tokens decoded one by one (what assisted decoding needs)."""
+    return sorted(
+        name
+        for name, cls in METHODS.items()
+        if cls.crop is not Policy.crop and not (drafts and cls.read_a_question is not Policy.read_a_question)
+    )
 
 
 def accepted_parameters(cls: type[Policy]) -> set[str]:

@@ -28,7 +28,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..core.full_cache import DEFAULT_GROUP_SIZE, FullCacheStore, make_full_store
-from ..core.policy import Policy, PolicyError, check_positive
+from ..core.policy import Policy, PolicyError, check_positive, croppable_methods
 from ..core.rope import inverse_frequencies
 from .continuation import ContinuationCheck
 from .sliding_window import SlidingWindow
@@ -95,6 +95,7 @@ class PolicyLayer(CacheLayerMixin):
         self.recorded = False
         self.record_share = 1.0  # below 1 while several new tokens share one step (`decode_each`)
         self.prompt_scores = None  # during a shared prefill: its members' prompt scores at this layer, by score_key
+        self.read_a_question = False  # the last forward was a block of new tokens its method read as a question
 
     @property
     def cache(self) -> PolicyCache:
@@ -151,6 +152,7 @@ class PolicyLayer(CacheLayerMixin):
         self.recorded = False
         step = policy.decode if query.shape[2] == 1 else policy.extend
         output = step(self, query, key, value, scaling)
+        self.read_a_question = query.shape[2] > 1 and policy.read_a_question(self)
         if not self.recorded:
             raise RuntimeError(f"method '{policy.name}' decoded without calling layer.record(...)")
         return output
@@ -184,6 +186,7 @@ class PolicyLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.seen, self.state, self.pending, self.window = 0, None, None, None
+        self.read_a_question = False
         self.policy = self.cache.policy
         self.is_initialized = False
 
@@ -203,6 +206,12 @@ class PolicyLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        if self.read_a_question:  # a block of new tokens, then forgetting some of it: assisted decoding's drafts
+            raise PolicyError(
+                f"method '{self.policy.name}' reads a block of new tokens as a new question (its selection is rebuilt "
+                "from them), so assisted decoding's drafts would change its schedule; decode one token at a time, or "
+                f"use a method that takes drafted tokens one by one: {', '.join(croppable_methods(drafts=True))}"
+            )
         if tokens_to_remove == 0 or self.state is None:
             return
         self.policy.crop(self, -tokens_to_remove)

@@ -36,6 +36,7 @@ class StepCounts:
     layer_steps: int = 0
     full_layer_steps: float = 0.0
     bytes_read: int = 0
+    restarted: int = 0  # requests that came back after vLLM preempted them: state made anew from the recomputation
 
 
 @dataclasses.dataclass

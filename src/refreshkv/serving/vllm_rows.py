@@ -93,5 +93,6 @@ class RequestRows(LogitsProcessor):
         facts = self.facts.get(policy.name + str(policy.uses_word_spans()))
         if facts is None:
             facts = self.facts[policy.name + str(policy.uses_word_spans())] = model_facts(self.config, policy)
+        COUNTS.restarted += bool(output)  # an answer so far: a preempted request, recomputed
         request = Request(policy, [*prompt, *output], max(new_tokens, 0), facts, COUNTS)
         return request if request.served else None

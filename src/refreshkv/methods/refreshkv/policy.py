@@ -285,6 +285,9 @@ class RefreshKV(BudgetPolicy[RefreshState]):
             state.anchor = self.question_anchor(layer, query)
         return output
 
+    def read_a_question(self, layer: RefreshLayer) -> bool:
+        return layer.state.partial is not None  # `extend` rebuilt C_p (while K holds every token, it only appends)
+
     def crop(self, layer: RefreshLayer, tokens: int) -> None:
         """Forget the last `tokens` tokens: from C_f (dense only) and from C_p, whose emptied slots decoded tokens
         fill first."""
@@ -353,12 +356,20 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         """Attend to C_p with the new token in it: the output and the bytes of C_p read."""
         partial = layer.state.partial
         assert partial is not None  # a partial step has C_p
-        if self.keep_decoded and not partial.empty and not torch.compiler.is_compiling():
-            # more tokens decoded than were announced: the answer's room grows, no selected token is evicted for it
-            partial.grow(max(1, layer.expected_new_tokens()))
+        self.make_room(layer)
         # The new token takes an empty slot first, then the lowest-scored recycled token's.
         partial.put(partial.scores, key, value, layer.state.full.length - 1, APPENDED + layer.step)
         return partial.attend(query, scaling, layer.pads)
+
+    def make_room(self, layer: RefreshLayer) -> None:
+        """With `keep_decoded`, C_p holds K and the whole answer so far: where more tokens were decoded than were
+        announced (its room), the room grows instead of a selected token or the answer's first ones being evicted.
+        Not under torch.compile, whose steps keep their stores' sizes (static decoding holds the announced tokens)."""
+        partial, full = layer.state.partial, layer.state.full
+        assert partial is not None  # a step with C_p
+        short = layer.budget + full.length - layer.state.answer_start - partial.store.slots
+        if self.keep_decoded and short > 0 and not torch.compiler.is_compiling():
+            partial.grow(short + layer.expected_new_tokens())
 
     def full_step(
         self,
@@ -372,6 +383,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         Where the C can (eager, on the CPU), only the rows that refresh read C_f; elsewhere every row does."""
         state: RefreshState = layer.state
         full = state.full
+        self.make_room(layer)
         valid = layer.valid_positions(full.length, query.device)
         # A quantized C_f is read from its codes, a dense one where it lies; each, where the C can, for `rows` alone.
         source: QuantizedFullStore | tuple[Tensor, Tensor]
