@@ -163,11 +163,11 @@ def paged_blocks(kv_cache: Tensor, isa: str) -> PagedBlocks:
 def cpu_blocks(kv_cache: Tensor) -> PagedBlocks:
     """vLLM's CPU cache of one layer, (blocks, Hkv, block_size, 2 D), as keys and values (blocks, Hkv, block_size, D):
     per block and head its keys lie channel-major (D, block_size), then its values token-major (block_size, D)."""
-    blocks, heads, size, width = kv_cache.shape
-    dim = width // 2
-    regions = kv_cache.reshape(blocks, heads, 2, size * dim)
-    keys = regions[:, :, 0].unflatten(-1, (dim, size)).transpose(2, 3)
-    values = regions[:, :, 1].unflatten(-1, (size, dim))
+    size, dim = kv_cache.shape[2], kv_cache.shape[3] // 2
+    # views, never copies (a layer's cache is hundreds of MB, and may lie strided in the engine's allocation): the
+    # first half of each block's (block_size, 2 D) rows holds its keys, the second its values
+    keys = kv_cache[:, :, : size // 2].flatten(-2).unflatten(-1, (dim, size)).transpose(2, 3)
+    values = kv_cache[:, :, size // 2 :].flatten(-2).unflatten(-1, (size, dim))
     return PagedBlocks(keys, values)
 
 
