@@ -31,8 +31,9 @@ class PagedBlocks:
         offset = start % size
         spans = []
         for store in (self.keys, self.values):
-            held = store.transpose(0, 1).index_select(1, blocks)  # (Hkv, n, size, D): one copy, head-major
-            spans.append(held.flatten(1, 2)[None, :, offset : offset + end - start])
+            # indexing the blocks copies them alone (index_select on a strided view copied the whole cache first)
+            held = store[blocks].transpose(0, 1)  # (Hkv, n, size, D)
+            spans.append(held.reshape(held.shape[0], -1, held.shape[3])[None, :, offset : offset + end - start])
         return spans[0], spans[1]
 
 
