@@ -1,6 +1,7 @@
 """The tables of README.md and docs/results.md, drawn from the committed rows under docs/results/:
 
-    python benchmarks/analysis/docs_tables.py            # rewrite every table between its markers
+    python benchmarks/analysis/docs_tables.py            # rewrite every table between its markers (README.md,
+                                                         # docs/results.md, docs/serving.md)
     python benchmarks/analysis/docs_tables.py --check    # exit 1, naming the tables, where a file differs
 
 A table sits between `<!-- table: NAME -->` and `<!-- /table -->` in a markdown file; NAME is a key of `TABLES`.
@@ -269,8 +270,27 @@ def defaults() -> str:
     return table(rows, columns, "K = L/8 (examples)", full=full, transpose=True)
 
 
-TABLES = {"headline": headline, "gemma-16k": gemma_16k, "defaults": defaults}
-DOCS = [ROOT / "README.md", ROOT / "docs" / "results.md"]
+def vllm_serving() -> str:
+    """Decode inside vLLM (benchmarks/perf/vllm_serving.py): per length and batch, each method's step against vLLM's
+    own and against the ceiling (vLLM's own step at a context of K tokens)."""
+    data = json.loads((RESULTS / "vllm-serving" / "cpu.json").read_text(encoding="utf-8"))
+    lines = [
+        "| length | requests | attention | ms per step | tokens/s | vs vLLM's own | share of the ceiling "
+        "| KV MB read per step | bytes ceiling |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in data["rows"]:
+        name = {"vllm": "vLLM's own", "ceiling": "ceiling: vLLM's own at K"}.get(row["method"], f"`{row['method']}`")
+        lines.append(
+            f"| {row['length']} | {row['batch']} | {name} | {row['ms_per_step']:.1f} | {row['tokens_per_s']:.1f} "
+            f"| {row['speedup_vs_vllm']:.2f}x | {row['share_of_ceiling']:.2f} | {row['kv_bytes_per_step'] / 1e6:.0f} "
+            f"| {row['bytes_ceiling']:.1f}x |"
+        )
+    return "\n".join(lines)
+
+
+TABLES = {"headline": headline, "gemma-16k": gemma_16k, "defaults": defaults, "vllm-serving": vllm_serving}
+DOCS = [ROOT / "README.md", ROOT / "docs" / "results.md", ROOT / "docs" / "serving.md"]
 MARKED = re.compile(r"(<!-- table: ([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.DOTALL)
 
 
