@@ -11,6 +11,7 @@ from conftest import random_prompt, tiny_model
 from refreshkv import PolicyError, generate, make_policy
 from refreshkv.core.attention_math import ranked, top_k
 from refreshkv.core.contract import MethodLayer
+from refreshkv.core.device_steps import DeviceLayer
 from refreshkv.core.policy import METHODS
 from refreshkv.core.selection import SelectionPolicy, keep_top
 
@@ -103,7 +104,13 @@ def method_sources() -> list[Path]:
 
 
 def test_methods_use_only_the_method_layer_contract():
-    members = {name for name in vars(MethodLayer) if not name.startswith("_")} | set(MethodLayer.__annotations__)
+    # a method's device step (Policy.device_step) receives a DeviceLayer: the contract and the step's counters
+    members = {
+        name
+        for contract in (MethodLayer, DeviceLayer)
+        for name in [*vars(contract), *contract.__annotations__]
+        if not name.startswith("_")
+    }
     used = {
         (path.name, node.attr)
         for path in method_sources()

@@ -65,7 +65,9 @@ from ...core.policy import (
 from ...core.quantized_store import QuantizedFullStore
 from ...core.rope import unrotate
 from ...core.selection import APPENDED, SelectionState
-from . import device_step
+from .device_step import runs_on_device as dense_with_partial
+from .device_step import step as step_on_device
+from .device_step import step_kind
 from .partial_cache import RefreshLayer, RefreshState, SelectionRule, hold_answer
 
 DEFAULT_QC_STRIDE = 10
@@ -417,15 +419,15 @@ class RefreshKV(BudgetPolicy[RefreshState]):
 
     # -- static decoding's steps on the device (device_step.py) --------------------------------------------------
     def device_step_kind(self, step: int) -> str:
-        return device_step.step_kind(self, step)
+        return step_kind(self, step)
 
     def runs_on_device(self, states: list[LayerState]) -> bool:
-        return device_step.runs_on_device(states)
+        return dense_with_partial(states)
 
     def device_step(
         self, layer: DeviceLayer[RefreshState], query: Tensor, key: Tensor, value: Tensor, scaling: float
     ) -> Tensor:
-        return device_step.step(self, layer, query, key, value, scaling)
+        return step_on_device(self, layer, query, key, value, scaling)
 
     def selection_rule(self, layer: RefreshLayer) -> SelectionRule:
         """The selection parameters a refresh of `layer` scores by (partial_cache.py), the family's floor resolved."""
