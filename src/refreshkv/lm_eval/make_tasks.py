@@ -8,12 +8,16 @@ task code with the default model's tokenizer, so that `refreshkv eval` builds th
 - `numbers.jsonl`: a multiple choice over a long passage: niah_single_2's essay with its one number (built as
   above, question bare, max_new_tokens 64, which leaves room for the choices), then "which of these four numbers
   appeared in the text", the choices being the number and three other 7-digit numbers absent from the text.
+- `keyed_numbers.jsonl`: a multiple choice that needs the right needle: niah_multikey_1's prefixed examples (above),
+  the continuation of the answer prefix chosen among the four numbers the text holds, one per key (the asked key's
+  is right; the other three are its distractor needles').
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 
 from ..eval.tasks.ruler import RulerTask
 from ..runtime.loading import load_model
@@ -23,6 +27,7 @@ NIAH = ("niah_single_1", "niah_multikey_1", "niah_multivalue")
 FORMS = ("bare", "prefixed")
 LENGTH, EXAMPLES, SEED, NEW_TOKENS = 2048, 20, 0, 32
 CHOICES_ROOM = 64  # tokens the numbers task keeps free for its question and choices
+NEEDLE_VALUE = re.compile(r"One of the special magic numbers for [\w-]+ is: (\d+)\.")  # RULER's needle sentence
 
 
 def niah(tokenizer, subtask: str, form: str, new_tokens: int = NEW_TOKENS) -> list[dict]:
@@ -47,6 +52,19 @@ def numbers(tokenizer) -> list[dict]:
     return docs
 
 
+def keyed_numbers(tokenizer) -> list[dict]:
+    """Each niah_multikey_1 example (prefixed) with the text's four needle numbers to choose from, in the text's order
+    (`choices`), and the asked key's index (`label`)."""
+    docs = []
+    for example in niah(tokenizer, "niah_multikey_1", "prefixed"):
+        values = NEEDLE_VALUE.findall(example["prompt"])
+        right = example["reference"][0]
+        if len(values) != 4 or len(set(values)) != 4 or right not in values:
+            raise ValueError(f"{example['id']}: expected four distinct needle numbers, one of them {right}: {values}")
+        docs.append({**example, "choices": values, "label": values.index(right)})
+    return docs
+
+
 def write(name: str, docs: list[dict]) -> None:
     with (DATA_DIR / name).open("w", encoding="utf-8") as file:
         for doc in docs:
@@ -59,6 +77,7 @@ def main() -> None:
         for form in FORMS:
             write(f"{subtask}_{form}.jsonl", niah(tokenizer, subtask, form))
     write("numbers.jsonl", numbers(tokenizer))
+    write("keyed_numbers.jsonl", keyed_numbers(tokenizer))
 
 
 if __name__ == "__main__":
