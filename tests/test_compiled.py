@@ -8,8 +8,8 @@ from test_bad_input import assert_one_line_error, cli, no_model  # noqa: F401  (
 
 from refreshkv import generate, make_policy
 from refreshkv.core import attention_math
-from refreshkv.engine.cache import DecodeStats
 from refreshkv.engine.cache_argument import cache_keyword
+from refreshkv.engine.decode_stats import DecodeStats
 from refreshkv.runtime import compiled
 
 

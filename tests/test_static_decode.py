@@ -14,7 +14,8 @@ from refreshkv import generate, make_policy
 from refreshkv.core.device_steps import only_if
 from refreshkv.core.kvstore import FullStore
 from refreshkv.core.policy import PolicyError
-from refreshkv.runtime.generate import DecodeSettings, decode, prefill
+from refreshkv.runtime.generate import decode, prefill
+from refreshkv.runtime.generation_settings import DecodeSettings
 from refreshkv.runtime.static_decode import StaticCache, StaticDecoder
 
 NEW = 20

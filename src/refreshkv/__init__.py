@@ -5,7 +5,8 @@ from .engine import attention  # noqa: F401  (registers the "refreshkv" attentio
 from .engine.cache import PolicyCache
 from .engine.cache_argument import with_cache
 from .methods import load_methods
-from .runtime.generate import GenerationOutput, GenerationSettings, generate, generate_many
+from .runtime.generate import GenerationOutput, generate, generate_many
+from .runtime.generation_settings import GenerationSettings
 from .runtime.loading import load_model
 from .runtime.packed_linear import pack_linear_weights
 from .runtime.weight_layout import fastest_layout

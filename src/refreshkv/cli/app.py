@@ -15,7 +15,7 @@ from rich.table import Table
 from typer.exceptions import TyperException
 
 from ..core.policy import label_notes
-from ..runtime.generate import GenerationSettings
+from ..runtime.generation_settings import GenerationSettings
 from ..runtime.output_files import WriteFailed
 from ..runtime.prepare import check_runtime, load_checked
 from .chat_command import register as register_chat_command

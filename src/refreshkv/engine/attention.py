@@ -1,9 +1,10 @@
 """The attention function registered with transformers under the name "refreshkv".
 
-With a `PolicyCache`, each layer's attention is computed by the cache's method (see cache.py). A forward given a
-training pattern by keyword (`partial_pattern=`, train/pattern.py) attends with that pattern. Otherwise (plain
-forward, `use_cache=False`, another cache class) it is exactly transformers' SDPA attention, and masks are built as
-for SDPA, so a model loaded with this implementation behaves like an SDPA model everywhere else.
+With a `PolicyCache`, each layer's attention is computed by the cache's method (see cache.py; the layer comes by
+handoff.py). A forward given a training pattern by keyword (`partial_pattern=`, train/pattern.py) attends with that
+pattern. Otherwise (plain forward, `use_cache=False`, another cache class) it is exactly transformers' SDPA attention,
+and masks are built as for SDPA, so a model loaded with this implementation behaves like an SDPA model everywhere
+else.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..core.attention_math import SoftCapped, prompt_attention
-from .cache import ATTENTION_NAME, take_handoff
+from .handoff import ATTENTION_NAME, take_handoff
 
 PATTERN_ARGUMENT = "partial_pattern"  # model(..., partial_pattern=PartialPattern(...)) reaches every layer's attention
 TRAINING_UNSUPPORTED = (

@@ -3,11 +3,10 @@
 transformers calls `Cache.update(key, value, layer_idx)` and then the attention function with the query. Methods need
 the query (to score tokens), so `PolicyLayer.update` only records the new key/value and hands the layer over to the
 attention function registered in attention.py, which calls `PolicyLayer.attend`; the policy stores, selects and
-attends. The same object therefore works in this library's decode loop and in `model.generate(cache=...)`
-(`past_key_values=` before transformers 5.24; engine/cache_argument.py):
+attends (the handoff: handoff.py). The same object therefore works in this library's decode loop and in
+`model.generate(cache=...)` (`past_key_values=` before transformers 5.24; engine/cache_argument.py):
 built from a model, the cache switches it to the "refreshkv" attention (which is plain SDPA without a PolicyCache);
-built from a config, it refuses one whose model would not hand it the layers. A handoff that is never taken (a
-model whose attention bypasses the registered function) is an error at the next layer, never a silent wrong answer.
+built from a config, it refuses one whose model would not hand it the layers.
 
 Layers run the cache's method, except sliding-window layers whose window the generation outgrows: those keep their
 window, whatever the method (sliding_window.py).
@@ -20,54 +19,27 @@ conversation's next turn); a new prompt given to it is refused until `reset` (co
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections import Counter
+from typing import Any
 
 import torch
+from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..core.attention_math import Scaling
+from ..core.contract import MethodLayer
 from ..core.full_cache import DEFAULT_GROUP_SIZE, FullCacheStore, make_full_store
+from ..core.kvstore import LayerState
 from ..core.policy import Policy, PolicyError, check_positive, croppable_methods
 from ..core.rope import inverse_frequencies
 from .continuation import ContinuationCheck
+from .decode_stats import DecodeStats
+from .handoff import ATTENTION_NAME, hand_over
 from .sliding_window import SlidingWindow
-from .spans import PromptTokenWatch, word_table_for
+from .spans import PromptTokenWatch, WordTable, word_table_for
 
-ATTENTION_NAME = "refreshkv"
 DEFAULT_NEW_TOKENS = 256
-_handoff = threading.local()
-
-
-def hand_over(layer, key: torch.Tensor) -> None:
-    """Make `layer` (with `attend`, `layer_idx` and `methods`) the one the next attention call works for."""
-    check_handoff_taken()
-    layer.pending = key
-    _handoff.layer = layer
-
-
-def take_handoff(key: torch.Tensor):
-    """The layer whose `update` produced `key`, if any (plain attention otherwise, e.g. without a PolicyCache)."""
-    layer = getattr(_handoff, "layer", None)
-    _handoff.layer = None
-    if layer is not None and layer.pending is not key:
-        raise RuntimeError(
-            f"layer {layer.layer_idx}'s attention received other keys than its cache update returned; "
-            f"{layer.methods} cannot run on this model's attention"
-        )
-    if layer is not None:
-        layer.pending = None
-    return layer
-
-
-def check_handoff_taken() -> None:
-    missed = getattr(_handoff, "layer", None)
-    if missed is not None:
-        _handoff.layer = None
-        raise RuntimeError(
-            f"layer {missed.layer_idx}'s attention did not go through the '{ATTENTION_NAME}' attention function, so "
-            f"{missed.methods} never ran; the model's attention modules must call transformers' attention interface"
-        )
 
 
 def _of_cache(name: str) -> property:
@@ -88,31 +60,35 @@ class PolicyLayer(CacheLayerMixin):
         self._cache = weakref.ref(cache)
         self.layer_idx = layer_idx
         self.seen = 0  # tokens processed, counting left padding
-        self.state = None  # the policy's LayerState, set at prefill
-        self.policy = None  # the cache's method, or the window of a sliding-window layer (sliding_window.py)
-        self.window = None  # the layer's sliding window, if it has one
-        self.pending = None
+        self.state: LayerState | None = None  # the policy's LayerState, set at prefill
+        # the cache's method, or the window of a sliding-window layer (sliding_window.py)
+        self.policy: Policy = cache.policy
+        self.window: int | None = None  # the layer's sliding window, if it has one
+        self.pending: torch.Tensor | None = None
         self.recorded = False
         self.record_share = 1.0  # below 1 while several new tokens share one step (`decode_each`)
-        self.prompt_scores = None  # during a shared prefill: its members' prompt scores at this layer, by score_key
+        # during a shared prefill: its members' prompt scores at this layer, by score_key
+        self.prompt_scores: dict | None = None
         self.read_a_question = False  # the last forward was a block of new tokens its method read as a question
 
     @property
     def cache(self) -> PolicyCache:
-        return self._cache()
+        cache = self._cache()
+        assert cache is not None, "a layer is used only while its cache exists"
+        return cache
 
     @property
-    def is_croppable(self) -> bool:
+    def is_croppable(self) -> bool:  # type: ignore[override]  # transformers: a class attribute; here, per method
         return type(self.cache.policy).crop is not Policy.crop
 
-    def lazy_initialization(self, key_states, value_states) -> None:
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
 
     @property
     def methods(self) -> str:
         return f"method '{self.cache.policy.name}'"
 
-    def advance(self, key_states) -> None:
+    def advance(self, key_states: torch.Tensor) -> None:
         """Count the tokens this forward adds (and, at layer 0, a decode step)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, key_states)
@@ -120,12 +96,14 @@ class PolicyLayer(CacheLayerMixin):
             self.cache.step += 1
         self.seen += key_states.shape[2]
 
-    def update(self, key_states, value_states, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         self.advance(key_states)
         hand_over(self, key_states)
         return key_states, value_states
 
-    def start_prompt(self, mask, key, sliding_window: int | None) -> None:
+    def start_prompt(self, mask: torch.Tensor | None, key: torch.Tensor, sliding_window: int | None) -> None:
         """Before the method sees the prompt: layer 0 reads the padding and checks the prompt (once per cache); a
         sliding-window layer whose window will bite keeps its window instead of running the method."""
         if self.layer_idx == 0:
@@ -137,9 +115,10 @@ class PolicyLayer(CacheLayerMixin):
                 f"{expected}; the package cannot reproduce this model's attention"
             )
         self.window = sliding_window
-        self.policy = SlidingWindow(sliding_window) if self.cache.windowed[self.layer_idx] else self.cache.policy
+        windowed = self.cache.windowed[self.layer_idx]
+        self.policy = SlidingWindow(sliding_window) if windowed and sliding_window is not None else self.cache.policy
 
-    def attend(self, module, query, key, value, mask, scaling: float, sliding_window: int | None = None):
+    def attend(self, module, query, key, value, mask, scaling: Scaling, sliding_window: int | None = None) -> Tensor:
         if self.state is None:
             self.start_prompt(mask, key, sliding_window)
             return self.policy.prefill(self, query, key, value, mask, scaling)
@@ -244,8 +223,8 @@ class PolicyLayer(CacheLayerMixin):
     def expected_new_tokens(self) -> int:
         return self.cache.expected_new_tokens()
 
-    def method_layers(self) -> list[PolicyLayer]:
-        return self.cache.method_layers()
+    def method_layers(self) -> list[MethodLayer[Any]]:
+        return list(self.cache.method_layers())
 
     def record(self, full_fraction: float | torch.Tensor, attended_bytes: int) -> None:
         """Statistics of one decode step of this layer: share of rows that attended fully (a 0-d tensor when rows
@@ -263,38 +242,6 @@ def layer_windows(text_config) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
-class DecodeStats:
-    """Full-attention counts of a generation, accumulated in tensors on the cache's device (so that a compiled step
-    holds no Python state that changes from step to step); the readers below wait for the device once. Each layer
-    writes only its own tensors: thirty in-place updates of one shared tensor per step made the compiler's
-    analysis of the step grow exponentially with the number of layers (minutes at 8 layers)."""
-
-    def __init__(self, num_layers: int, device=None, steps: int = 0):
-        # per layer and decode step: share of rows that attended fully
-        self.full = [torch.zeros(max(steps, 1), device=device) for _ in range(num_layers)]
-        # per layer: bytes of K/V read, summed over steps
-        self.attended = [torch.zeros((), dtype=torch.long, device=device) for _ in range(num_layers)]
-
-    def add(self, layer_idx: int, step: int, full_fraction, attended_bytes: int) -> None:
-        full = self.full[layer_idx]
-        if step > full.shape[0]:  # more steps than announced: double
-            full = self.full[layer_idx] = torch.cat([full, torch.zeros_like(full)])
-        full[step - 1] += full_fraction
-        self.attended[layer_idx] += attended_bytes
-
-    def per_layer(self) -> list[float]:
-        """Steps that attended fully, per layer."""
-        return torch.stack(self.full).sum(1).tolist()
-
-    def per_step(self, steps: int, layers: list[int] | None = None) -> list[float]:
-        """Layers that attended fully (of `layers`, default all), per decode step."""
-        chosen = self.full if layers is None else [self.full[i] for i in layers]
-        return torch.stack([full[:steps] for full in chosen]).sum(0).tolist()
-
-    def attended_bytes(self) -> int:
-        return int(sum(self.attended))
-
-
 class PolicyCache(Cache):
     """The KV cache of one generation under `policy`. `max_new_tokens` lets stores preallocate their final size.
 
@@ -304,6 +251,7 @@ class PolicyCache(Cache):
     """
 
     layer_type = PolicyLayer  # a subclass may watch each layer's attention (measure/trace.py)
+    layers: list[PolicyLayer]  # type: ignore[assignment]  # transformers types any cache's; these are layer_type's
     counting_on_device = False  # True while decode steps count tokens on the device (runtime/static_decode.py)
 
     def __init__(self, policy: Policy, model_or_config, max_new_tokens: int | None = None, tokenizer=None):
@@ -334,8 +282,9 @@ class PolicyCache(Cache):
         # per layer (layer types may rotate differently); None: no RoPE the package can undo
         self.rope_inv_freq = [inverse_frequencies(model_or_config, layer_type) for layer_type in layer_types]
         self.layer_windows = layer_windows(text_config)
+        self.policy = policy
         super().__init__(layers=[self.layer_type(self, i) for i in range(self.num_layers)])
-        self.word_table = None
+        self.word_table: WordTable | None = None
         if policy.uses_word_spans():
             if not hasattr(model_or_config, "get_input_embeddings"):
                 raise PolicyError(
@@ -344,8 +293,7 @@ class PolicyCache(Cache):
                 )
             self.word_table = word_table_for(config, tokenizer)
             self._model = weakref.ref(model_or_config)
-        self.token_watch = None
-        self.policy = policy
+        self.token_watch: PromptTokenWatch | None = None
         self.max_new_tokens = max_new_tokens
         self.reset()
 
@@ -390,13 +338,13 @@ class PolicyCache(Cache):
                 shortest = length - int(pads.max())
         self.policy.check_prompt(shortest)
         if self.word_table is not None:
-            self.prompt_spans = self._read_prompt_spans(key)
+            self.prompt_spans = self._read_prompt_spans(self.word_table, key)
         self.stats = DecodeStats(self.num_layers, key.device, self.expected_new_tokens())
         total = length + self.expected_new_tokens()
         self.windowed = [window is not None and total > window for window in self.layer_windows]
         self.budget = self.policy.budget_for(self.prompt_length)
 
-    def _read_prompt_spans(self, key: torch.Tensor) -> torch.Tensor:
+    def _read_prompt_spans(self, word_table: WordTable, key: torch.Tensor) -> torch.Tensor:
         ids = self.token_watch.ids if self.token_watch is not None else None
         self._close_token_watch()
         if ids is None or tuple(ids.shape) != (key.shape[0], key.shape[2]):
@@ -404,7 +352,7 @@ class PolicyCache(Cache):
                 f"method '{self.policy.name}' with pooling='span' needs the prompt's token ids: pass input_ids "
                 "(not inputs_embeds), one prompt per cache"
             )
-        return self.word_table.spans(ids.to(key.device))
+        return word_table.spans(ids.to(key.device))
 
     def method_layers(self) -> list[PolicyLayer]:
         """The layers that run the method (all but sliding-window layers whose window bites), bottom first."""
@@ -461,7 +409,7 @@ class PolicyCache(Cache):
 
     def nbytes_by_device(self) -> dict[str, int]:
         """Bytes held per device, all layers (C_f offloaded to the host counts under "cpu")."""
-        total = Counter()
+        total: Counter[str] = Counter()
         for layer in self.layers:
             if layer.state is not None:
                 total.update(layer.state.nbytes_by_device())

@@ -9,20 +9,23 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Any
+
+from torch import nn
 
 NEW_NAME, OLD_NAME = "cache", "past_key_values"
 
 
 @functools.cache
-def _keyword_of(model_class: type) -> str:
+def _keyword_of(model_class: type[nn.Module]) -> str:
     return NEW_NAME if NEW_NAME in inspect.signature(model_class.forward).parameters else OLD_NAME
 
 
-def cache_keyword(model) -> str:
+def cache_keyword(model: nn.Module) -> str:
     """`cache` where the model's forward takes it, else `past_key_values`."""
-    return _keyword_of(type(model))
+    return _keyword_of(type(model))  # type: ignore[arg-type]  # a class is hashable (mypy issue 20409)
 
 
-def with_cache(model, cache) -> dict:
+def with_cache(model: nn.Module, cache: object) -> dict[str, Any]:
     """Keyword arguments passing `cache` to `model(...)` or `model.generate(...)`."""
     return {cache_keyword(model): cache}

@@ -13,6 +13,8 @@ disagree on is refused in one line: those rows must be prefilled in one forward.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..core.kvstore import LayerState
@@ -24,7 +26,7 @@ def refuse(what: str) -> PolicyError:
     return PolicyError(f"cannot join caches prefilled in row groups: {what}; prefill these rows in one forward")
 
 
-def join_states(values: list, where: str):
+def join_states(values: list[Any], where: str) -> Any:
     """One layer's states of the row groups (or one attribute of them, at path `where`) as one, in the groups'
     order: tensors concatenated along the batch, states joined attribute by attribute into the first group's."""
     first = values[0]
@@ -75,8 +77,8 @@ def join_caches(caches: list[PolicyCache]) -> PolicyCache:
     first.pads = joined_pads(caches)
     first.max_pad = max(cache.max_pad for cache in caches)
     first.prompt_length = max(cache.prompt_length for cache in caches)
-    if first.prompt_spans is not None:  # read by every group alike (one policy)
-        first.prompt_spans = torch.cat([cache.prompt_spans for cache in caches])
+    # read by every group alike (one policy): each group's tensor, or None in all
+    first.prompt_spans = join_states([cache.prompt_spans for cache in caches], f"{method}: the prompt's word spans")
     for i, layer in enumerate(first.layers):
         if layer.state is not None:
             layer.state = join_states([cache.layers[i].state for cache in caches], f"{method}: layer {i}'s state")

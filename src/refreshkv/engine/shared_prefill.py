@@ -12,11 +12,16 @@ peak grows with the number of methods; callers cap the group size (`generate_man
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..core.attention_math import prompt_attention
+from ..core.attention_math import Scaling, prompt_attention
 from ..core.policy import PolicyError
-from .cache import PolicyCache, PolicyLayer, hand_over
+from .cache import PolicyCache, PolicyLayer
+from .handoff import hand_over
 
 
 class SharedPrefillLayer(CacheLayerMixin):
@@ -26,16 +31,18 @@ class SharedPrefillLayer(CacheLayerMixin):
         super().__init__()
         self.members = layers
         self.layer_idx = layers[0].layer_idx
-        self.pending = None
+        self.pending: torch.Tensor | None = None
 
     @property
     def methods(self) -> str:
         return "methods " + ", ".join(f"'{layer.cache.policy.name}'" for layer in self.members)
 
-    def lazy_initialization(self, key_states, value_states) -> None:
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         for layer in self.members:
@@ -43,8 +50,8 @@ class SharedPrefillLayer(CacheLayerMixin):
         hand_over(self, key_states)
         return key_states, value_states
 
-    def attend(self, module, query, key, value, mask, scaling: float, sliding_window: int | None = None):
-        scores = {}  # members whose prompt scores are the same compute them once (SelectionPolicy.score_key)
+    def attend(self, module, query, key, value, mask, scaling: Scaling, sliding_window: int | None = None) -> Tensor:
+        scores: dict = {}  # members whose prompt scores are the same compute them once (SelectionPolicy.score_key)
         for layer in self.members:
             layer.start_prompt(mask, key, sliding_window)
             layer.prompt_scores = scores

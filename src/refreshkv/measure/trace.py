@@ -24,7 +24,8 @@ import torch
 from ..core.attention_math import aggregate_group, attention_probs
 from ..core.policy import Policy
 from ..engine.cache import PolicyCache, PolicyLayer
-from ..runtime.generate import DecodeSettings, decode, prefill
+from ..runtime.generate import decode, prefill
+from ..runtime.generation_settings import DecodeSettings
 
 MAX_STEPS = 1024  # one row per step and layer: a bounded file (about 2 MB at 30 layers) and memory
 MEASURES = ("mass", "overlap", "needle", "needle_attention")

@@ -9,7 +9,7 @@ compiles each with fullgraph and compares it with eager):
   after the second step (one recompile), so the full cache's growing length is a dynamic shape, not a recompile;
 - a schedule's test on the step count (`recycled`'s stride, `refreshkv`'s QC steps) is a branch, which dynamo turns
   into a guard: each side is its own graph, picked on the host without reading the device;
-- statistics are accumulated in device tensors (engine/cache.py `DecodeStats`), scalars written into tensors are
+- statistics are accumulated in device tensors (engine/decode_stats.py), scalars written into tensors are
   tensors, and `refreshkv`'s per-row decision at QC steps is applied with `torch.where` instead of read on the host;
 - on the CPU, one query's float32 attention (core/native_selection.py `attend_rows`) and the packed weights'
   products (packed_linear.py) are operators of their own, which the compiler calls as they are: its own products

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -27,7 +28,8 @@ from ..core.policy import Policy, PolicyError, croppable_methods, policy_of
 from ..engine.cache import PolicyCache
 from ..engine.cache_argument import with_cache
 from ..engine.shared_prefill import SharedPrefill
-from .generate import DecodeSettings, check_length, decode, prefill, synchronize
+from .generate import check_length, decode, prefill, synchronize
+from .generation_settings import DecodeSettings
 from .inputs import check_eos, check_new_tokens, check_token_ids, vocabulary_size
 
 
@@ -83,7 +85,8 @@ class Conversation:
         eos = model.generation_config.eos_token_id if eos_token_id is None else eos_token_id
         self.eos = torch.tensor([] if eos is None else eos, device=context_ids.device).flatten()
         self.cache = PolicyCache(policy, model)  # no announced length: stores grow turn by turn
-        self.pending = context_ids  # tokens not yet through the cache (the context, then each answer's last token)
+        # tokens not yet through the cache (the context, then each answer's last token)
+        self.pending: torch.Tensor | None = context_ids
         self.context_prefill_s = 0.0
         self.turns: list[Turn] = []
         if not question_aware:
@@ -113,6 +116,7 @@ class Conversation:
     def _prefill(self, cache) -> tuple[torch.Tensor, float]:
         """The pending tokens through `cache` as a prompt: (last logits, seconds)."""
         ids, self.pending = self.pending, None
+        assert ids is not None, "a prefill takes the tokens pending"
         return prefill(self.model, ids, torch.ones_like(ids), cache)
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -206,7 +210,7 @@ class TurnFormat:
             return torch.tensor([self.tokenizer.encode(self.before_context + document, add_special_tokens=False)])
         return torch.tensor([self.tokenizer.encode(document)])  # a base model's BOS first
 
-    def question(self, text: str, first: bool, after: list[int] = (), answer_prefix: str = "") -> torch.Tensor:
+    def question(self, text: str, first: bool, after: Sequence[int] = (), answer_prefix: str = "") -> torch.Tensor:
         """A question's tokens, then the answer's opening words if given; `after`, the previous answer, whose
         end-of-sequence token already closes its turn."""
         if not text.strip():

@@ -23,15 +23,8 @@ from ..engine.join_rows import join_caches
 from ..engine.shared_prefill import SharedPrefill
 from .compiled import check_compile_works, compiled_forward, runs_eagerly
 from .fidelity import fidelity as fidelity_to
-from .inputs import (
-    SamplingSettings,
-    check_attention_mask,
-    check_bool,
-    check_eos,
-    check_new_tokens,
-    check_token_ids,
-    vocabulary_size,
-)
+from .generation_settings import SETTINGS, DecodeSettings, GenerationSettings
+from .inputs import check_attention_mask, check_bool, check_eos, check_new_tokens, check_token_ids, vocabulary_size
 
 
 @dataclasses.dataclass
@@ -72,13 +65,6 @@ class GenerationOutput:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def default_eos_check_every(device: torch.device) -> int:
-    """Every step on the CPU, where reading a tensor costs nothing; elsewhere every 8 steps (a guess: it makes the
-    host wait for the device once per 8 steps, and costs at most 7 steps after the last row ends; not measured, no
-    GPU was available to this project)."""
-    return 1 if device.type == "cpu" else 8
 
 
 class StepTimer:
@@ -131,69 +117,6 @@ def check_length(model, prompt_length: int, max_new_tokens: int) -> None:
             f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
             f"{limit} tokens"
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeSettings(SamplingSettings):
-    """How each step picks its token (checked by `SamplingSettings`), how often the loop checks whether every row
-    has ended, and whether decode steps are compiled."""
-
-    eos_check_every: int = 1
-    compile: bool = False
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_positive("eos_check_every", self.eos_check_every)
-        check_bool("compile", self.compile)
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationSettings(SamplingSettings):
-    """What `generate` and `generate_many` take besides the model, the prompt and the methods, checked when made:
-    `settings=GenerationSettings(max_new_tokens=32, do_sample=True, seed=0)`, or the same names as keywords, which
-    override the settings' (`generate(model, ids, max_new_tokens=32)`).
-
-    `max_new_tokens`; sampling (`do_sample`, `temperature`, `top_k`, `top_p`, `seed`: `SamplingSettings`);
-    `eos_token_id` (None: the model's generation config); `return_logits` (each step's (B, vocab) logits);
-    `progress` (a progress bar per decode).
-    `forced_tokens` (B, N): the loop feeds those tokens instead of its own choices (teacher forcing, for perplexity):
-    N steps, no end-of-sequence stop; the method manages its caches exactly as in generation.
-    `eos_check_every` N: stop when every row has ended, checked every N steps (reading the check makes the host wait
-    for the device; None: `default_eos_check_every`). The tokens returned do not depend on N: a row's tokens after its
-    end-of-sequence token are dropped; only the steps decoded (and their statistics) do.
-    `compile=True`: decode steps run the model's forward under torch.compile (compiled.py); greedy tokens equal the
-    eager ones, the first steps (and a schedule's first full step) pay for compilation.
-    `prefill_rows` N: prefill at most N rows per forward (`prefill_in_groups`), for a batch whose one prefill would
-    not fit in memory; decoding is the same one batched step, and the methods still share each group's forward.
-    """
-
-    max_new_tokens: int = 64
-    eos_token_id: int | list[int] | None = None
-    return_logits: bool = False
-    progress: bool = False
-    forced_tokens: torch.Tensor | None = None
-    eos_check_every: int | None = None
-    compile: bool = False
-    prefill_rows: int | None = None
-    decode_rows: int | None = None
-
-    def __post_init__(self):
-        super().__post_init__()
-        for name in ("return_logits", "progress", "compile"):
-            check_bool(name, getattr(self, name))
-
-    @classmethod
-    def of(cls, settings: GenerationSettings | None = None, **keywords) -> GenerationSettings:
-        """`settings` (None: the defaults) with `keywords` in place of its fields; an unknown name is a TypeError."""
-        return dataclasses.replace(settings if settings is not None else cls(), **keywords)
-
-    def decoding(self, device: torch.device) -> DecodeSettings:
-        """What the decode loop reads: the sampling, the end-of-sequence check (per device by default), compile."""
-        every = default_eos_check_every(device) if self.eos_check_every is None else self.eos_check_every
-        return DecodeSettings(self.do_sample, self.temperature, self.top_k, self.top_p, self.seed, every, self.compile)
-
-
-SETTINGS = frozenset(field.name for field in dataclasses.fields(GenerationSettings))
 
 
 @torch.inference_mode()
@@ -281,7 +204,7 @@ def generate_many(
     groups += [[cache] for cache in caches + followers if not (len(shared) > 1 and cache.policy.shares_prefill)]
     follows = dict(zip(map(id, followers), caches[1:]))  # a follower cache -> the method's own cache
     groups.sort(key=lambda group: caches[0] not in group)  # the reference answers before anyone follows it
-    outputs = {}
+    outputs: dict[int, GenerationOutput] = {}  # by id of the cache
     for group in groups:
         logits, prefill_s = prefill_in_groups(model, input_ids, attention_mask, group, settings.prefill_rows)
         logits, mask, repeat_s = repeat_rows(group, logits, attention_mask, decode_rows)
@@ -302,6 +225,7 @@ def generate_many(
                     True,
                     settings.progress,
                 )
+                assert reference.logits is not None and out.logits is not None  # both decoded with return_logits
                 outputs[id(follows[id(cache)])].fidelity = fidelity_to(
                     reference.logits, out.logits, reference.tokens[0], caches[0].policy.name
                 )
@@ -359,10 +283,10 @@ def prefill_in_groups(model, input_ids, attention_mask, caches, rows: int | None
         logits.append(out)
         seconds += spent
     if len(groups) > 1:
-        start = time.perf_counter()
+        joining = time.perf_counter()
         for parts in zip(*groups):  # one method's caches, one per row group
             join_caches(list(parts))
-        seconds += time.perf_counter() - start
+        seconds += time.perf_counter() - joining
     return torch.cat(logits), seconds
 
 

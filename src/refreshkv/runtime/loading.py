@@ -67,7 +67,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         ) from None
     _check_family(model.config)
     # save_pretrained refuses a model that still claims to be gguf-quantized; its weights are plain fp32 now.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # from_pretrained sets it; PreTrainedModel does not declare it
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
@@ -217,7 +217,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
                 attn_implementation=ATTENTION_NAME,
                 local_files_only=True,
                 trust_remote_code=False,
-            ).to(device)
+            ).to(device)  # type: ignore[arg-type]  # `to` wears functools.wraps, which mypy reads as unbound
     except pickle.UnpicklingError:  # torch's own text goes on to suggest weights_only=False: not to be followed
         reason = "torch.load(weights_only=True) refused it (a pickle that is not plain tensors, or not a checkpoint)"
         raise _unloadable(model_dir, RuntimeError(reason), weights=True) from None
@@ -237,8 +237,9 @@ def check_attention(model) -> None:
     registered attention function (a custom attention module) or whose sliding window differs from its config.
     One 2-token forward through a `full` cache finds both."""
     from ..core.policy import PolicyError, make_policy
-    from ..engine.cache import PolicyCache, check_handoff_taken
+    from ..engine.cache import PolicyCache
     from ..engine.cache_argument import with_cache
+    from ..engine.handoff import check_handoff_taken
 
     ids = torch.zeros(1, 2, dtype=torch.long, device=model.device)
     cache = PolicyCache(make_policy("full"), model)

