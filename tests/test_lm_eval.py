@@ -165,6 +165,21 @@ def test_niah_prompts_are_refreshkv_eval_prompts(shipped):
         ]
 
 
+def test_keyed_numbers_choose_among_the_texts_needles_after_the_asked_keys_prefix():
+    """Each choice is a needle number of the text (the four keys'), the right one the asked key's: the prompt and
+    prefix are niah_multikey_1's prefixed example of the same index."""
+    keyed, prefixed = load("keyed_numbers.jsonl")["test"], load("niah_multikey_1_prefixed.jsonl")["test"]
+    assert len(keyed) == len(prefixed) == 20
+    for doc, niah in zip(keyed, prefixed):
+        assert (doc["prompt"], doc["answer_prefix"], doc["reference"]) == (
+            niah["prompt"],
+            niah["answer_prefix"],
+            niah["reference"],
+        )
+        assert len(set(doc["choices"])) == 4 and doc["choices"][doc["label"]] == doc["reference"][0]
+        assert all("special magic numbers for" in doc["prompt"].split(choice)[0][-80:] for choice in doc["choices"])
+
+
 @pytest.mark.parametrize(
     "args, error, words",
     [
