@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...core import native_selection
+from ...core import native_attention
 from ...core.attention_math import (
     AGGREGATIONS,
     POOLINGS,
@@ -396,7 +396,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         if attended is None:
             keys, values = source = full.view()
             if rows is not None:
-                attended = native_selection.attend_rows(query, keys, values, scaling, valid, rows)
+                attended = native_attention.attend_rows(query, keys, values, scaling, valid, rows)
             if attended is None:
                 read_rows = None  # every row read C_f
                 attended = attend_with_probs(query, keys, values, scaling, valid)
