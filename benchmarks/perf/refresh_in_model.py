@@ -21,7 +21,8 @@ import time
 import torch
 
 from refreshkv.core import native_library
-from refreshkv.measure.bench import bench_prompt, split_steps
+from refreshkv.measure.bench import bench_prompt
+from refreshkv.measure.bench_round import split_steps
 from refreshkv.methods.refreshkv import Recycled, SelectionRule
 from refreshkv.runtime.generate import generate
 from refreshkv.runtime.loading import load_model
