@@ -28,12 +28,6 @@ from .tables import print_table
 CONSOLE = Console()
 
 
-def register(app, user_errors) -> None:
-    """Add `bench` and `profile` to the CLI app; `user_errors` wraps a command so ValueErrors exit with code 2."""
-    app.command("bench")(user_errors(bench_command))
-    app.command("profile")(user_errors(profile_command))
-
-
 def bench_methods(names: str, budget: int, param: list[str]) -> dict[str, dict]:
     """Method name -> parameters: `budget` for every method that has one, plus `--param METHOD:NAME=VALUE`."""
     from ..core.policy import METHODS
@@ -253,3 +247,9 @@ def profile_command(
     for op in result["operators"]:
         table.add_row(op["name"], f"{op['self_cpu_ms']:.2f}", f"{100 * op['share']:.1f}%", str(op["calls"]))
     print_table(CONSOLE, table)
+
+
+def register(app, user_errors) -> None:
+    """Add `bench` and `profile` to the CLI app; `user_errors` wraps a command so ValueErrors exit with code 2."""
+    app.command("bench")(user_errors(bench_command))
+    app.command("profile")(user_errors(profile_command))
