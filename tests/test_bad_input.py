@@ -448,7 +448,7 @@ def test_bench_checks_every_methods_parameters_before_loading(no_model, monkeypa
 
 
 def test_bench_runs_variants_of_a_method_with_their_own_parameters(no_model, monkeypatch, capsys):
-    from refreshkv.cli.app import bench_methods
+    from refreshkv.cli.bench_commands import bench_methods
 
     methods = bench_methods("full,refreshkv,refreshkv@int4", 64, ["refreshkv@int4:full_cache=int4"])
     assert methods == {"full": {}, "refreshkv": {"budget": 64}, "refreshkv@int4": {"budget": 64, "full_cache": "int4"}}

@@ -10,7 +10,7 @@ from test_bad_input import WordTokenizer, assert_one_line_error, cli, no_model, 
 
 import refreshkv
 from refreshkv.engine.cache_argument import with_cache
-from refreshkv.measure import batch_memory, bench
+from refreshkv.measure import batch_memory, bench, bench_round
 from refreshkv.measure.batch_memory import (
     GB,
     RowBytes,
@@ -280,7 +280,7 @@ def test_the_references_copies_decode_the_tokens_of_their_originals():
 
     @torch.inference_mode()
     def greedy(ids, decode_rows):
-        cache, logits = bench.transformers_prefill(model, ids, None, decode_rows)
+        cache, logits = bench_round.transformers_prefill(model, ids, None, decode_rows)
         assert all(layer.keys.shape[0] == logits.shape[0] for layer in cache.layers)  # each copy its own keys
         tokens = []
         for _ in range(6):

@@ -3,8 +3,9 @@
 from conftest import random_prompt, tiny_model
 
 import refreshkv
-from refreshkv.measure.bench import Run, split_steps, step_kinds
+from refreshkv.measure.bench import step_kinds
 from refreshkv.measure.bench_report import plot_bench
+from refreshkv.measure.bench_round import Run, split_steps
 
 
 def test_the_cache_counts_the_layers_that_attended_fully_at_each_step(llama):

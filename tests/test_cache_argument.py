@@ -9,7 +9,7 @@ from conftest import random_prompt, tiny_model
 
 from refreshkv import PolicyCache, generate, generate_many, make_policy
 from refreshkv.engine.cache_argument import NEW_NAME, OLD_NAME, cache_keyword
-from refreshkv.measure.bench import PeakMemory, run_transformers_once
+from refreshkv.measure.bench_round import PeakMemory, run_transformers_once
 from refreshkv.measure.profile_step import profile_once
 from refreshkv.runtime.loading import check_attention
 

@@ -5,7 +5,7 @@ import torch
 from conftest import random_prompt, tiny_model
 
 from refreshkv import PolicyCache, PolicyError, generate, make_policy
-from refreshkv.core import native_selection
+from refreshkv.core import native_attention, native_library
 from refreshkv.core.attention_math import aggregate_group, pool, ranked, selection_scores, top_k
 from refreshkv.engine.cache_argument import with_cache
 
@@ -194,13 +194,13 @@ def test_keep_decoded_holds_the_answer_beside_the_selection(llama):
 )
 def test_batch_equals_rows(llama, method, params, monkeypatch):
     attended = []  # refreshkv: the C's full step for the rows that refresh alone, where the rows disagree
-    original = native_selection.attend_rows
+    original = native_attention.attend_rows
 
     def attend_rows(*args):
         attended.append((len(args) > 5 and args[5] is not None, original(*args)))  # (for some rows, result)
         return attended[-1][1]
 
-    monkeypatch.setattr(native_selection, "attend_rows", attend_rows)
+    monkeypatch.setattr(native_attention, "attend_rows", attend_rows)
     rows = [random_prompt(40, seed=3)[0], random_prompt(25, seed=4)[0]]
     ids = torch.zeros(2, 40, dtype=torch.long)
     mask = torch.zeros(2, 40, dtype=torch.long)
@@ -210,7 +210,7 @@ def test_batch_equals_rows(llama, method, params, monkeypatch):
     batched = generate(
         llama, ids, mask, method=method, max_new_tokens=NEW, return_logits=True, eos_token_id=[], **params
     )
-    if method == "refreshkv" and native_selection._compiler() is not None:
+    if method == "refreshkv" and native_library._compiler() is not None:
         assert any(some_rows and result is not None for some_rows, result in attended)
     full_per_layer = []
     for i, row in enumerate(rows):

@@ -1,5 +1,5 @@
-"""The selection's C kernels (core/native_selection.py) give exactly what the PyTorch operators give, are built on
-first use, and step aside where they cannot run."""
+"""The selection's C kernels (core/native_selection.py, core/native_attention.py; built by core/native_library.py)
+give exactly what the PyTorch operators give, are built on first use, and step aside where they cannot run."""
 
 from pathlib import Path
 from types import SimpleNamespace
@@ -7,22 +7,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from refreshkv.core import native_selection
+from refreshkv.core import native_attention, native_library, native_selection
 from refreshkv.core.attention_math import spread_over_spans, top_k
 from refreshkv.core.kvstore import gather_tokens
 from refreshkv.core.selection import APPENDED, SelectionState
 from refreshkv.methods.refreshkv import RefreshKV
 
-needs_compiler = pytest.mark.skipif(native_selection._compiler() is None, reason="no C compiler on this machine")
+needs_compiler = pytest.mark.skipif(native_library._compiler() is None, reason="no C compiler on this machine")
 
 
 @pytest.fixture
 def fresh_build(tmp_path, monkeypatch):
     """The kernels compiled anew, with an empty cache folder."""
     monkeypatch.setenv("REFRESHKV_CACHE", str(tmp_path))
-    native_selection._library.cache_clear()
+    native_library._library.cache_clear()
     yield tmp_path
-    native_selection._library.cache_clear()
+    native_library._library.cache_clear()
 
 
 def reference(monkeypatch, function, *args):
@@ -83,14 +83,14 @@ def test_a_compiler_without_openmp_builds_the_one_thread_library_and_says_so(fre
     compiler = tmp_path / "cc-without-openmp"
     compiler.write_text(
         f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && echo "no openmp here" >&2 && exit 1; done\n'
-        f'exec {native_selection._compiler()} "$@"\n'
+        f'exec {native_library._compiler()} "$@"\n'
     )
     compiler.chmod(0o755)
     monkeypatch.setenv("CC", str(compiler))
-    monkeypatch.setattr(native_selection, "_torch_openmp", lambda: True)
+    monkeypatch.setattr(native_library, "_torch_openmp", lambda: True)
     with pytest.warns(UserWarning, match=r"failed \(no openmp here\): the selection's C runs on one thread"):
         assert native_selection.top_k_in_order(torch.tensor([[0.1, 0.3, 0.2]]), 2).tolist() == [[1, 2]]
-    assert Path(native_selection._library()._name).name == "selection.so"  # not selection-openmp.so
+    assert Path(native_library._library()._name).name == "selection.so"  # not selection-openmp.so
 
 
 @needs_compiler
@@ -224,21 +224,21 @@ def test_the_c_shares_its_work_between_threads_and_gives_the_same_results(monkey
         outs = (torch.empty(batch, 3, slots, 8), torch.empty(batch, 3, slots, 8))
         assert native_selection.gather_rows_into(index, keys, values, *outs)
         assert torch.equal(outs[0], expected_rows[0]) and torch.equal(outs[1], expected_rows[1]), count
-    if native_selection._torch_openmp():
-        assert native_selection._library()._name.endswith("-openmp.so")
+    if native_library._torch_openmp():
+        assert native_library._library()._name.endswith("-openmp.so")
 
 
 @needs_compiler
 def test_a_compiled_selection_calls_the_same_c_as_eager(monkeypatch):
     torch._dynamo.reset()
-    library, calls = native_selection._library(), []
+    library, calls = native_library._library(), []
 
     class Recording:  # the library, noting which C function each call takes
         def __getattr__(self, name):
             calls.append(name)
             return getattr(library, name)
 
-    monkeypatch.setattr(native_selection, "_library", lambda: Recording())
+    monkeypatch.setattr(native_library, "_library", lambda: Recording())
     generator = torch.Generator().manual_seed(3)
     scores, cache = torch.rand(1, 3, 50, generator=generator), torch.randn(2, 1, 3, 50, 8, generator=generator)
     words = (torch.arange(40) // 3)[None]
@@ -322,7 +322,7 @@ def test_c_attends_to_the_marked_rows_where_they_lie_as_pytorch_does(threads, mo
     than one piece of positions, the last a partial tile: the marked rows' output and probabilities are PyTorch's."""
     from refreshkv.core.attention_math import SoftCapped, torch_attend_with_probs
 
-    monkeypatch.setattr(native_selection, "_wide", lambda: wide)
+    monkeypatch.setattr(native_attention, "_wide", lambda: wide)
 
     generator = torch.Generator().manual_seed(7)
     batch, kv_heads, length = 3, 2, 2100
@@ -337,7 +337,7 @@ def test_c_attends_to_the_marked_rows_where_they_lie_as_pytorch_does(threads, mo
         rows = torch.tensor(marked)
         for count in (1, 2):
             threads(count)
-            output, probs = native_selection.attend_rows(query, keys, values, 0.25, valid, rows)
+            output, probs = native_attention.attend_rows(query, keys, values, 0.25, valid, rows)
             # sums in spans, of products of dim values, against PyTorch's order, which moves with the CPU's kernels
             # (an Intel Xeon with AMX: 2.5e-6 at dim 128, 9.5e-6 at 256); a wrong loop is off by orders more
             atol = 1e-5 * max(1, dim // 128)
@@ -345,8 +345,8 @@ def test_c_attends_to_the_marked_rows_where_they_lie_as_pytorch_does(threads, mo
             # products in lanes (the Xeon: 2.0e-6 at dim 256)
             torch.testing.assert_close(probs[rows], expected_probs[rows], rtol=0, atol=2e-6 * max(1, dim // 128))
     rows = torch.tensor([True, False, True])
-    assert native_selection.attend_rows(query, keys, values, SoftCapped(0.25, 50.0), valid, rows) is None
-    assert native_selection.attend_rows(query, keys.bfloat16(), values.bfloat16(), 0.25, valid, rows) is None
+    assert native_attention.attend_rows(query, keys, values, SoftCapped(0.25, 50.0), valid, rows) is None
+    assert native_attention.attend_rows(query, keys.bfloat16(), values.bfloat16(), 0.25, valid, rows) is None
 
 
 @needs_compiler
@@ -362,13 +362,13 @@ def test_c_attention_takes_a_mask_per_kv_head_and_runs_as_one_operator_when_comp
     query = torch.randn(batch, kv_heads * group, 1, dim, generator=generator)
     valid = torch.rand(batch, kv_heads, slots, generator=generator) > 0.3
     expected_output, expected_probs = torch_attend_with_probs(query, keys, values, 0.125, valid)
-    output, probs = native_selection.attend_rows(query, keys, values, 0.125, valid)
+    output, probs = native_attention.attend_rows(query, keys, values, 0.125, valid)
     torch.testing.assert_close(output, expected_output, rtol=0, atol=2e-6)
     torch.testing.assert_close(probs, expected_probs, rtol=0, atol=1e-6)
     assert probs[~valid.unsqueeze(2).expand_as(probs)].max() == 0  # each head's own empty slots get nothing
 
     def step(query, keys, values, valid, length):  # a full cache: its buffers sliced to the tokens held
-        return native_selection.attend_rows(query, keys[:, :, :length], values[:, :, :length], 0.125, valid)
+        return native_attention.attend_rows(query, keys[:, :, :length], values[:, :, :length], 0.125, valid)
 
     buffers = [torch.cat([t, torch.randn(batch, kv_heads, 50, dim, generator=generator)], 2) for t in (keys, values)]
     compiled = torch.compile(step, fullgraph=True)

@@ -7,13 +7,13 @@ import torch
 from conftest import tiny_model
 
 from refreshkv import PolicyError, generate, make_policy
-from refreshkv.core import native_selection
+from refreshkv.core import native_library
 from refreshkv.core.attention_math import SoftCapped, torch_attend_with_probs
 from refreshkv.core.quantized_store import QuantizedFullStore, pack, quantize, unpack
 from refreshkv.core.selection import SelectionState
 from refreshkv.methods.refreshkv import RefreshKV
 
-needs_compiler = pytest.mark.skipif(native_selection._compiler() is None, reason="no C compiler on this machine")
+needs_compiler = pytest.mark.skipif(native_library._compiler() is None, reason="no C compiler on this machine")
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])

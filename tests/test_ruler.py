@@ -30,7 +30,8 @@ from refreshkv.eval.sources import (  # noqa: E402
 )
 from refreshkv.eval.tasks import get_task  # noqa: E402
 from refreshkv.eval.tasks.base import encode_user_turn  # noqa: E402
-from refreshkv.eval.tasks.ruler import DEPTHS, SUBTASKS, RulerTask  # noqa: E402
+from refreshkv.eval.tasks.ruler import SUBTASKS, RulerTask  # noqa: E402
+from refreshkv.eval.tasks.ruler_prompts import DEPTHS  # noqa: E402
 
 
 class WordTokenizer:

@@ -220,9 +220,9 @@ def test_a_planted_native_library_with_a_forged_record_never_runs(tmp_path, monk
 
     import torch
 
-    from refreshkv.core import native_selection
+    from refreshkv.core import native_library, native_selection
 
-    compiler = native_selection._compiler()
+    compiler = native_library._compiler()
     if compiler is None:
         pytest.skip("no C compiler on this machine")
     cache, scratch = tmp_path / "cache", tmp_path / "tmp"
@@ -235,7 +235,7 @@ def test_a_planted_native_library_with_a_forged_record_never_runs(tmp_path, monk
     planted.write_text(
         f'#include <stdio.h>\n__attribute__((constructor)) static void run(void) {{ fclose(fopen("{mark}", "w")); }}\n'
     )
-    code = native_selection.SOURCE.read_bytes()
+    code = native_library.SOURCE.read_bytes()
     source = hashlib.sha256(code).hexdigest()
     # the names a cached library had: keyed by the source's, the compiler's and the machine's identity
     identity = hashlib.sha256(code + compiler.encode() + os.uname().machine.encode()).hexdigest()[:16]
@@ -244,12 +244,12 @@ def test_a_planted_native_library_with_a_forged_record_never_runs(tmp_path, monk
         subprocess.run([compiler, "-shared", "-fPIC", str(planted), "-o", str(library)], check=True)
         record = {"source_sha256": source, "library_sha256": hashlib.sha256(library.read_bytes()).hexdigest()}
         library.with_suffix(".json").write_text(json.dumps(record))
-    native_selection._library.cache_clear()
+    native_library._library.cache_clear()
     try:
         assert native_selection.top_k_in_order(torch.tensor([[0.1, 0.3, 0.2]]), 2).tolist() == [[1, 2]]
-        assert native_selection._library() is not None  # the C path ran: this process's own build
+        assert native_library._library() is not None  # the C path ran: this process's own build
     finally:
-        native_selection._library.cache_clear()
+        native_library._library.cache_clear()
     assert not mark.exists()
     assert list(scratch.iterdir()) == []  # its private build folder is gone once the library is loaded
 

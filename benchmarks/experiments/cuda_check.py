@@ -204,7 +204,8 @@ def decode_ab(model_dir: Path, out, device, dtype: str, length: int, budget: int
     """`full` and `refreshkv` with the one-query attention packed, then over the unpacked heads, alternated round by
     round."""
     import refreshkv
-    from refreshkv.measure.bench import REFERENCE, PeakMemory, bench_prompt, run_round
+    from refreshkv.measure.bench import bench_prompt
+    from refreshkv.measure.bench_round import REFERENCE, PeakMemory, run_round
 
     model, tokenizer = refreshkv.load_model(model_dir, dtype=getattr(torch, dtype), device=str(device))
     ids = bench_prompt(tokenizer, length - new_tokens).to(device)  # length: with the new tokens

@@ -1,5 +1,5 @@
 """One decode query over a long KV cache on the CPU: SDPA's kernel against the explicit paths of
-`decode_attention` (two products and a float32 softmax; in float32 also the C of `native_selection.attend_rows`,
+`decode_attention` (two products and a float32 softmax; in float32 also the C of `native_attention.attend_rows`,
 which `decode_attention` takes there, with and without its AVX-512 loops, and a plain read of the same keys and
 values: what the memory allows), per cache length, dtype and batch, for the embedded model's shapes (9 query heads, 3
 KV heads, head_dim 64) and 30 layers' worth of distinct caches (so that no cache stays in the CPU's caches between
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from refreshkv.core import attention_math, native_selection
+from refreshkv.core import attention_math, native_attention
 from refreshkv.measure.bench import cpu_facts
 
 LAYERS, QUERY_HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
@@ -36,11 +36,11 @@ def best_ms(run, calls: int = 10, rounds: int = 5) -> float:
 @contextlib.contextmanager
 def without_wide_loops():
     """The C attention without its AVX-512 loops (as on a CPU without AVX-512), for a comparison."""
-    wide, native_selection._wide = native_selection._wide, lambda: 0
+    wide, native_attention._wide = native_attention._wide, lambda: 0
     try:
         yield
     finally:
-        native_selection._wide = wide
+        native_attention._wide = wide
 
 
 def kv_bytes(length: int, batch: int) -> int:
@@ -66,7 +66,7 @@ def compare(length: int, dtype: torch.dtype, batch: int, names: tuple[str, ...] 
 
     def c():
         for keys, values in caches:
-            native_selection.attend_rows(query, keys, values, HEAD_DIM**-0.5, None)
+            native_attention.attend_rows(query, keys, values, HEAD_DIM**-0.5, None)
 
     def narrow_c():
         with without_wide_loops():

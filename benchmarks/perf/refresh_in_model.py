@@ -20,8 +20,9 @@ import time
 
 import torch
 
-from refreshkv.core import native_selection
-from refreshkv.measure.bench import bench_prompt, split_steps
+from refreshkv.core import native_library
+from refreshkv.measure.bench import bench_prompt
+from refreshkv.measure.bench_round import split_steps
 from refreshkv.methods.refreshkv import Recycled, SelectionRule
 from refreshkv.runtime.generate import generate
 from refreshkv.runtime.loading import load_model
@@ -82,8 +83,8 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="how much of C_p two refreshes share (slows them)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    watched = Watched(native_selection._library(), args.overlap)
-    native_selection._library = lambda: watched  # every C call of this process goes through it
+    watched = Watched(native_library._library(), args.overlap)
+    native_library._library = lambda: watched  # every C call of this process goes through it
     model, tokenizer = load_model()
     ids = bench_prompt(tokenizer, args.length - 48)
     methods = {"full": "full", "recycled@s2": Recycled(budget=1024, stride=2)}

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from . import native_selection
+from . import native_attention, native_selection
 
 AGGREGATIONS = ("max", "mean", "first")
 # How max-pooling spreads an attention peak over positions: `centered` (SnapKV's and the seeds' kernel: kernel // 2
@@ -102,7 +102,7 @@ def decode_attention(query, keys, values, scaling, valid: torch.Tensor | None = 
     head; with q > 1 (assisted decoding's drafted tokens) each query sees the keys up to itself.
 
     One query over `EXPLICIT_DECODE_FROM` keys or more on the CPU is computed explicitly (logits, float32 softmax,
-    probabilities times values), faster there than SDPA: in float32 by the C of `native_selection.attend_rows`, in
+    probabilities times values), faster there than SDPA: in float32 by the C of `native_attention.attend_rows`, in
     0.53-0.85x the time of two matrix products (benchmarks/perf/decode_attention.py); in bfloat16 with the logits and
     probabilities rounded to bfloat16 as in transformers' eager attention. On a GPU one query over
     `GROUPED_DECODE_FROM` keys or more takes SDPA over the unpacked heads (`grouped_decode`)."""
@@ -115,7 +115,7 @@ def decode_attention(query, keys, values, scaling, valid: torch.Tensor | None = 
         mask = causal if mask is None else mask & causal
     on_cpu = keys.device.type == "cpu"
     if isinstance(scaling, SoftCapped) or (q_len == 1 and on_cpu and n >= EXPLICIT_DECODE_FROM):
-        native = native_selection.attend_rows(query, keys, values, scaling, valid) if q_len == 1 else None
+        native = native_attention.attend_rows(query, keys, values, scaling, valid) if q_len == 1 else None
         if native is not None:
             return native[0]
         output = _explicit_attention(pack_queries(query, kv_heads), keys, values, scaling, mask)
@@ -141,9 +141,9 @@ def attend_with_probs(query, keys, values, scaling, valid: torch.Tensor | None =
     """One query token over a KV-head-sized cache, keeping the probabilities for methods that score with them.
 
     Returns the attention output (as `decode_attention`) and the float32 probabilities (B, Hkv, G, n): in float32 on
-    the CPU from the C of `native_selection.attend_rows`, elsewhere from `torch_attend_with_probs`.
+    the CPU from the C of `native_attention.attend_rows`, elsewhere from `torch_attend_with_probs`.
     """
-    native = native_selection.attend_rows(query, keys, values, scaling, valid)
+    native = native_attention.attend_rows(query, keys, values, scaling, valid)
     return torch_attend_with_probs(query, keys, values, scaling, valid) if native is None else native
 
 

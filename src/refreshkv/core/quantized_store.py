@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from . import native_selection
 from .kvstore import LayerState, _bytes, every_position
+from .native_quantized import CodedCache, attend_quantized_rows, dequantize_rows
 
 QUANTIZED_BITS = {"int8": 8, "int4": 4, "int2": 2}
 
@@ -177,20 +177,10 @@ class QuantizedFullStore(LayerState):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`attention_math.attend_with_probs` of one query token over every token held, for the batch elements marked
         in `rows` ((B,) bool; all by default; the others' results hold nothing meaningful), computed from the codes
-        (native_selection.attend_quantized_rows). None where the C cannot: then attend over `view()`."""
+        (native_quantized.attend_quantized_rows). None where the C cannot: then attend over `view()`."""
         marked = torch.ones(query.shape[0], dtype=torch.bool) if rows is None else rows
         tail = (self.residual_keys[:, :, : self.pending], self.residual_values[:, :, : self.pending])
-        return native_selection.attend_quantized_rows(
-            query,
-            (self.key_codes, self.key_scale, self.key_min),
-            (self.value_codes, self.value_scale, self.value_min),
-            self.groups,
-            self.bits,
-            scaling,
-            valid,
-            marked.to(query.device),
-            tail,
-        )
+        return attend_quantized_rows(query, self._codes(), scaling, valid, marked.to(query.device), tail)
 
     def gather(
         self, index: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor | None = None
@@ -198,9 +188,14 @@ class QuantizedFullStore(LayerState):
         """The keys and values of the tokens at `index` (B, H, k) into the first k slots of `out` (B, H, slots, D),
         read back exactly as `view()` reads them, in one pass of C; only the batch elements marked in `rows` ((B,)
         bool) if given. False, with nothing written, where the C cannot (then gather from `view()`)."""
-        parts = (self.key_codes, self.key_scale, self.key_min), (self.value_codes, self.value_scale, self.value_min)
         residual = (self.residual_keys, self.residual_values)
-        return native_selection.dequantize_rows(index, *parts, self.groups, self.bits, residual, out, rows)
+        return dequantize_rows(index, self._codes(), residual, out, rows)
+
+    def _codes(self) -> CodedCache:
+        """The codes, scales and minimums held, as the C reads them."""
+        keys = (self.key_codes, self.key_scale, self.key_min)
+        values = (self.value_codes, self.value_scale, self.value_min)
+        return CodedCache(keys, values, self.groups, self.bits)
 
     def _held(self) -> list[torch.Tensor]:
         tokens = self.groups * self.group

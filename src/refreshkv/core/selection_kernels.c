@@ -1,4 +1,4 @@
-/* The selection's loops in one pass each, for the CPU (loaded by core/native_selection.py).
+/* The selection's loops in one pass each, for the CPU (built and loaded by core/native_library.py).
 
 The top K and the spread work on `rows` independent rows of `n` float32 values, row-major and contiguous; the gathers
 copy rows of any type. Each computes exactly what the PyTorch reference computes (core/attention_math.py,

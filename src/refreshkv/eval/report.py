@@ -70,31 +70,24 @@ METRICS = (
     ("top-1 vs full", "top1_agreement", "{:.3f}"),
 )
 METRIC = {key: (label, key, fmt) for label, key, fmt in METRICS}
+# what names or counts a row, shown as it is
+LABELS = {"task": "task", "tasks": "tasks", "length": "L", "method": "method", "n_tasks": "# tasks", "n": "n"}
+FIELD = {key: (label, key, "{}") for key, label in LABELS.items()}
 GAP_COLUMNS = (
     ("K / L", "budget_share", "{:.4g}"),
-    ("method", "method", "{}"),
-    ("n", "n", "{}"),
+    FIELD["method"],
+    FIELD["n"],
     METRIC["vs_full"],
     ("gap to oracle", "gap", "{:+.3f}"),
     METRIC["kl_to_full"],
     METRIC["top1_agreement"],
 )
 COLUMNS = (
-    ("task", "task", "{}"),
-    ("L", "length", "{}"),
-    ("method", "method", "{}"),
-    ("n", "n", "{}"),
+    *(FIELD[key] for key in ("task", "length", "method", "n")),
     *METRICS,
     ("eff. stride", "effective_stride", "{:.1f}"),
 )
-SUMMARY_COLUMNS = (
-    ("tasks", "tasks", "{}"),
-    ("L", "length", "{}"),
-    ("method", "method", "{}"),
-    ("# tasks", "n_tasks", "{}"),
-    ("n", "n", "{}"),
-    *METRICS,
-)
+SUMMARY_COLUMNS = (*(FIELD[key] for key in ("tasks", "length", "method", "n_tasks", "n")), *METRICS)
 
 
 def cell(value, fmt: str) -> str:

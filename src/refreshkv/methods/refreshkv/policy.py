@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...core import native_selection
+from ...core import native_attention
 from ...core.attention_math import (
     AGGREGATIONS,
     POOLINGS,
@@ -63,30 +63,26 @@ from ...core.policy import (
     register,
 )
 from ...core.quantized_store import QuantizedFullStore
-from ...core.rope import unrotate
 from ...core.selection import APPENDED, SelectionState
 from .device_step import runs_on_device as dense_with_partial
 from .device_step import step as step_on_device
 from .device_step import step_kind
 from .partial_cache import RefreshLayer, RefreshState, SelectionRule, hold_answer
+from .query_check import (
+    DEFAULT_QC_STRIDE,
+    FAMILY_THRESHOLDS,
+    LLAMA_THRESHOLD,
+    QUERY_SPACES,
+    compared_query,
+    default_threshold,
+)
 
-DEFAULT_QC_STRIDE = 10
-LLAMA_THRESHOLD = 0.85  # A.4: chosen for Llama-3.1-8B; used for every family without a value of its own
-# A.4: 0.95 chosen for Qwen2-7B. Gemma 3 (not in the paper), chosen here as A.4 chose, per family: its normalized
-# queries stay closer to the last full step's, and at 0.85 a global layer kept reading its prefill selection while a
-# number was read (docs/failure-analysis.md); 0.9 kept perplexity at 16K level and cost 1% per token at 8K.
-FAMILY_THRESHOLDS = {"qwen2": 0.95, "gemma3_text": 0.9}
 # A refresh scores by one query, whose attention is peakier than the question window's mean
 # over its queries, so the question's selection weighs 4x at a refresh; Gemma 3 keeps 1 (at 4 its three global layers
 # kept the prompt's selection through a long continuation: perplexity at 16K 1.040 of `full`'s against 1.026).
 QUESTION_FLOOR = 4.0
 FAMILY_QUESTION_FLOORS = {"gemma3_text": 1.0}
-QUERY_SPACES = ("pre_rope", "post_rope")
 ANCHORS = ("last", "window", "answer")
-
-
-def default_threshold(model_type: str) -> float:
-    return FAMILY_THRESHOLDS.get(model_type, LLAMA_THRESHOLD)
 
 
 def default_question_floor(model_type: str) -> float:
@@ -183,25 +179,8 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         return params
 
     def compared_query(self, layer: RefreshLayer, query: Tensor, width: int = 1) -> Tensor:
-        """(B, D) head-averaged query of the newest token, before RoPE with `query="pre_rope"`; with `width` > 1 the
-        mean of the last `width` tokens' (each before RoPE; a short row's left pads left out)."""
-        heads = query[:, :, -width:].mean(dim=1)  # (B, width, D)
-        if self.query == "post_rope":
-            return heads[:, -1]
-        inv_freq = layer.rope_inv_freq
-        if inv_freq is None:
-            raise PolicyError(
-                "query='pre_rope' needs a model with plain RoPE (or give the model to PolicyCache); "
-                "use query='post_rope'"
-            )
-        newest = layer.positions(query.device)
-        if heads.shape[1] == 1:
-            return unrotate(heads[:, 0], newest, inv_freq)
-        offsets = torch.arange(heads.shape[1] - 1, -1, -1, device=query.device)
-        positions = (newest.view(-1, 1) - offsets).expand(heads.shape[:2])
-        unrotated = unrotate(heads.flatten(0, 1), positions.flatten(), inv_freq).view(heads.shape)
-        real = (positions >= 0).unsqueeze(-1)
-        return (unrotated * real).sum(dim=1) / real.sum(dim=1).clamp(min=1)
+        """(B, D) head-averaged query of the newest token in the `query` space (query_check.py)."""
+        return compared_query(layer, query, self.query, width)
 
     def question_anchor(self, layer: RefreshLayer, query: Tensor) -> Tensor | None:
         """What a question's first query check compares with: the compared query of its last token (the papers'),
@@ -396,7 +375,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         if attended is None:
             keys, values = source = full.view()
             if rows is not None:
-                attended = native_selection.attend_rows(query, keys, values, scaling, valid, rows)
+                attended = native_attention.attend_rows(query, keys, values, scaling, valid, rows)
             if attended is None:
                 read_rows = None  # every row read C_f
                 attended = attend_with_probs(query, keys, values, scaling, valid)

@@ -1,0 +1,155 @@
+"""One query token's attention in C on the CPU (selection_kernels.c, loaded by native_library.py): a full step's
+products, softmax and weighted values for the batch elements that take it, their keys and values read where they lie,
+faster there than SDPA; the results are PyTorch's (tests/test_native_selection.py). What a query must be for the C to
+take it is checked here for native_quantized.py too.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .native_library import BlockStrides, kernels, on_cpu, operator, rows_whole
+
+
+@functools.cache
+def _wide() -> int:
+    """1 where the attention's C may run its AVX-512 loops: PyTorch's own kernels are AVX-512 here (not where
+    ATEN_CPU_CAPABILITY restricts them to AVX2, so that such a run computes as an AVX2 machine does)."""
+    return int(torch.backends.cpu.get_cpu_capability() == "AVX512")
+
+
+def query_fits(
+    query: torch.Tensor, scaling: object, shape: tuple[int, int, int, int], valid: torch.Tensor | None, per_head: bool
+) -> bool:
+    """Whether the C attention takes this query and mask beside a cache of `shape` (B, Hkv, n, D): one float32 query
+    token (B, Hq, 1, D) on the CPU, a plain float `scaling`, `valid` bool with B x n elements (B x Hkv x n too where
+    the kernel takes a mask `per_head`) or None."""
+    batch, kv_heads, n, dim = shape
+    return (
+        isinstance(scaling, float)
+        and query.dim() == 4
+        and query.shape[0] == batch
+        and query.shape[2] == 1
+        and query.shape[3] == dim
+        and query.shape[1] % kv_heads == 0
+        and query.dtype == torch.float32
+        and (
+            valid is None
+            or valid.dtype == torch.bool
+            and (valid.numel() == batch * n or per_head and valid.numel() == batch * kv_heads * n)
+        )
+        and on_cpu(query, valid)
+    )
+
+
+def rows_fit(rows: torch.Tensor | None, batch: int) -> bool:
+    """`rows` marks batch elements the C can read: None (all of them) or (B,) bool on the CPU."""
+    return rows is None or (rows.dtype == torch.bool and rows.shape == (batch,) and on_cpu(rows))
+
+
+def one_query_rows(
+    query: torch.Tensor,
+    shape: tuple[int, int, int, int],
+    valid: torch.Tensor | None,
+    rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """For a query, mask and rows that fit (`query_fits`, `_rows_fit`): the query packed per KV head (B, Hkv, G, D),
+    `rows` as bytes and the mask (B, n) or (B, Hkv, n), or None, all contiguous."""
+    batch, kv_heads, n, dim = shape
+    packed = query.reshape(batch, kv_heads, query.shape[1] // kv_heads, dim).contiguous()
+    mask = None if valid is None else valid.reshape(batch, -1, n).squeeze(1).contiguous()
+    return packed, rows.to(torch.uint8).contiguous(), mask
+
+
+def attend_rows(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: object,
+    valid: torch.Tensor | None,
+    rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`attention_math.attend_with_probs` for the batch elements marked in `rows` ((B,) bool; None: all) only, their
+    keys and values (B, Hkv, n, D) read where they lie: the output (B, 1, Hq, D) and the float32 probabilities (B, Hkv,
+    G, n), whose unmarked rows hold nothing meaningful. Gathering the marked rows first would read and write them once
+    more than attending to them does. Float32 on the CPU, a plain float `scaling`, `valid` (bool, B x n or B x Hkv x n
+    elements) or None; None where the C path is not available or a tensor lies otherwise. Under torch.compile every
+    row, as one operator (the compiler's own products and softmax took 3x its time at 8 rows)."""
+    batch, kv_heads, n, dim = keys.shape
+    fits = (
+        keys.dtype == values.dtype == torch.float32
+        and keys.shape == values.shape
+        and all(rows_whole(source) for source in (keys, values))
+        and on_cpu(keys, values)
+        and query_fits(query, scaling, (batch, kv_heads, n, dim), valid, per_head=True)
+        and rows_fit(rows, batch)
+    )
+    if not fits:  # before `rows` is made: a GPU's step gets no host tensor from this call
+        return None
+    if torch.compiler.is_compiling():
+        return None if rows is not None else _attend_operator(query, keys, values, scaling, valid)
+    return _attend(query, keys, values, scaling, valid, rows)
+
+
+def _attend(query, keys, values, scaling, valid, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, kv_heads, n, dim = keys.shape
+    every = torch.ones(batch, dtype=torch.bool) if rows is None else rows
+    packed, marked, mask = one_query_rows(query, (batch, kv_heads, n, dim), valid, every)
+    group = packed.shape[2]
+    strides, threads, wide = BlockStrides.of(keys, values), torch.get_num_threads(), _wide()
+    logits = torch.empty(batch, kv_heads, group, n)
+    kernels().logits_rows(
+        packed.data_ptr(),
+        keys.data_ptr(),
+        strides,
+        batch,
+        kv_heads,
+        group,
+        n,
+        dim,
+        scaling,
+        None if mask is None else mask.data_ptr(),
+        int(mask is not None and mask.dim() == 3),
+        marked.data_ptr(),
+        logits.data_ptr(),
+        wide,
+        threads,
+    )
+    probs = logits.softmax(dim=-1)  # PyTorch's softmax, as attention_probs; the unmarked rows' are never read
+    output = torch.empty_like(packed)
+    if kernels().weigh_values_rows(
+        probs.data_ptr(),
+        values.data_ptr(),
+        strides,
+        batch,
+        kv_heads,
+        group,
+        n,
+        dim,
+        marked.data_ptr(),
+        output.data_ptr(),
+        wide,
+        threads,
+    ):
+        raise MemoryError(f"attention: no scratch space for {batch} x {kv_heads} blocks")
+    return output.reshape(batch, 1, kv_heads * group, dim), probs
+
+
+def _attend_where_rows_lie(query, keys, values, scaling, valid):
+    """`_attend` with each key and value row whole, as they lie where they are (a cache sliced to its length: blocks
+    apart), copied only where the compiler laid them out otherwise."""
+    keys, values = (source if rows_whole(source) else source.contiguous() for source in (keys, values))
+    return _attend(query, keys, values, scaling, valid)
+
+
+_attend_operator = operator(
+    "attend_rows",
+    _attend_where_rows_lie,
+    "(Tensor query, Tensor keys, Tensor values, float scaling, Tensor? valid) -> (Tensor, Tensor)",
+    lambda query, keys, values, scaling, valid: (
+        query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3]),
+        query.new_empty(*keys.shape[:2], query.shape[1] // keys.shape[1], keys.shape[2]),
+    ),
+)
