@@ -23,7 +23,8 @@ from ..core.selection import SelectionLayer, SelectionPolicy
 class KeyDiff(SelectionPolicy):
     """KeyDiff: the K prompt keys least similar to the mean key, per KV head.
 
-    Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by default).
+    Parameters: `budget`: the K prompt keys kept per KV head, chosen once after the prefill; decoded tokens are added
+    beside them (or `budget_ratio`: K as a share of the longest prompt, 1/8 by default).
     """
 
     name = "keydiff"

@@ -38,7 +38,9 @@ def layer_scores(probs: Tensor, valid: Tensor | None) -> Tensor:
 class TOVA(SelectionPolicy):
     """TOVA: the K tokens the current query attends to most (averaged over the layer's heads); one evicted per step.
 
-    Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by default).
+    Parameters: `budget`: the K tokens a layer keeps after the prefill and between decode steps (its store has K + 1
+    slots: each step's token takes the evicted one's) (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
+    default).
     """
 
     name = "tova"
