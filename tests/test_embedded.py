@@ -172,7 +172,8 @@ def test_refreekv_keeps_a_layer_dependent_share_of_real_text(embedded):
     assert len({round(r, 3) for r in report["ratio_per_layer"][2:]}) > 5
 
 
-def test_chat_answers_questions_from_one_prefill_and_writes_jsonl(tmp_path):
+def test_chat_answers_questions_from_one_prefill_and_writes_jsonl(tmp_path, monkeypatch, capsys):
+    """`refreshkv chat` in this process (`cli_here`, the console entry point), which spares a process start."""
     from refreshkv.texts import book_text
 
     document = tmp_path / "doc.txt"
@@ -180,7 +181,9 @@ def test_chat_answers_questions_from_one_prefill_and_writes_jsonl(tmp_path):
     questions = tmp_path / "q.txt"
     questions.write_text("What is the special magic number?\n\nWho is the text about?\n")
     out = tmp_path / "turns.jsonl"
-    result = run_cli(
+    code, _, err = cli_here(
+        monkeypatch,
+        capsys,
         "chat",
         "--prompt-file",
         document,
@@ -197,17 +200,17 @@ def test_chat_answers_questions_from_one_prefill_and_writes_jsonl(tmp_path):
         "--max-new-tokens",
         "12",
     )
-    assert result.returncode == 0, result.stderr
+    assert code == 0, err
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["turn"], r["method"]) for r in rows] == [(1, "full"), (1, "refreshkv"), (2, "full"), (2, "refreshkv")]
     assert all(r["time_to_first_token_s"] < r["context_prefill_s"] for r in rows)  # a turn prefills its question only
     assert all(r["answer"] and r["new_tokens"] <= 20 for r in rows)
 
 
-def test_cli_models_prints_the_converted_folder_that_vllm_loads(embedded):
+def test_cli_models_prints_the_converted_folder_that_vllm_loads(embedded, monkeypatch, capsys):
     done = run_cli("models", "--folder", "smollm2-135m")
     folder = Path(done.stdout.strip())
     assert done.returncode == 0 and (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
-    refused = run_cli("models", "--folder", "smollm2")
-    assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0
-    assert "unknown model 'smollm2'; the named models: smollm2-135m, gemma3-270m" in refused.stderr
+    code, _, err = cli_here(monkeypatch, capsys, "models", "--folder", "smollm2")  # in this process: one start less
+    assert code == 2 and err.strip().count("\n") == 0
+    assert "unknown model 'smollm2'; the named models: smollm2-135m, gemma3-270m" in err
