@@ -1,7 +1,14 @@
 import atexit
 import functools
+import os
 import shutil
 import tempfile
+
+# One CPU thread for the tests and the commands they start, unless OMP_NUM_THREADS says otherwise: the models here
+# are tiny or small, and a second thread mostly waits for the first at every operator. On a busy machine each such
+# wait can last a scheduler slice (tens of ms), which made the suite 2-10x slower; the tests that are about threads
+# (test_native_selection.py, test_quantized_store.py) set their counts themselves.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
@@ -34,6 +41,8 @@ FAMILIES = {
     # 6 layers: Gemma 3's pattern of 5 sliding-window layers and 1 global layer
     "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, {"head_dim": 16, "sliding_window": 16, "num_hidden_layers": 6}),
 }
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch had started its threads before
 
 import refreshkv  # noqa: E402, F401  (registers the attention function)
 
