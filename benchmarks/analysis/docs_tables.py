@@ -1,7 +1,7 @@
 """The tables of README.md and docs/results.md, drawn from the committed rows under docs/results/:
 
     python benchmarks/analysis/docs_tables.py            # rewrite every table between its markers (README.md,
-                                                         # docs/results.md, docs/serving.md)
+                                                         # docs/results.md, docs/serving.md, docs/evaluation.md)
     python benchmarks/analysis/docs_tables.py --check    # exit 1, naming the tables, where a file differs
 
 A table sits between `<!-- table: NAME -->` and `<!-- /table -->` in a markdown file; NAME is a key of `TABLES`.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import re
 import sys
@@ -289,8 +290,27 @@ def vllm_serving() -> str:
     return "\n".join(lines)
 
 
-TABLES = {"headline": headline, "gemma-16k": gemma_16k, "defaults": defaults, "vllm-serving": vllm_serving}
-DOCS = [ROOT / "README.md", ROOT / "docs" / "results.md", ROOT / "docs" / "serving.md"]
+def script_summary(name: str, rows: str):
+    """The table that the script benchmarks/analysis/NAME.py prints of its committed rows (its `summary`)."""
+
+    def draw() -> str:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.summary(RESULTS / rows)
+
+    return draw
+
+
+TABLES = {
+    "headline": headline,
+    "gemma-16k": gemma_16k,
+    "defaults": defaults,
+    "vllm-serving": vllm_serving,
+    "lm-eval-agreement": script_summary("lm_eval_agreement", "lm-eval-agreement/smollm2.jsonl"),
+    "lm-eval-choice": script_summary("lm_eval_choice", "lm-eval-choice/smollm2.jsonl"),
+}
+DOCS = [ROOT / "README.md", ROOT / "docs" / "results.md", ROOT / "docs" / "serving.md", ROOT / "docs" / "evaluation.md"]
 MARKED = re.compile(r"(<!-- table: ([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.DOTALL)
 
 
