@@ -165,7 +165,12 @@ GEMMA_16K = ("gemma-16k/gemma-16k.jsonl",)
 GEMMA_16K_SPAN = ("gemma-16k-span/gemma-16k-span.jsonl",)
 # refreshkv's default today on Gemma 3 (question_floor 1, threshold 0.9), its parameters written out
 GEMMA_DEFAULT = dict(window=32, carry=0.5, threshold=0.9, question_floor=1.0, keep_decoded=True)
-GEMMA_16K_DEFAULT = pick("refreshkv", "selection-dev/gemma-16k-keep-decoded-qf1.jsonl", **GEMMA_DEFAULT)
+GEMMA_16K_DEFAULT = pick(
+    "refreshkv",
+    "selection-dev/gemma-16k-keep-decoded-qf1.jsonl",
+    "selection-dev/gemma-16k-keep-decoded-qf1-niah.jsonl",
+    **GEMMA_DEFAULT,
+)
 BENCH_16K = "bench-gemma/8k-16k.json"
 
 HEADLINE_COLUMNS = [
