@@ -15,7 +15,6 @@ score, and the mean score of each. `--summary` prints the table of --out without
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -28,11 +27,13 @@ ROOT = Path(__file__).resolve().parents[2]
 METHODS = ("full", "refreshkv", "recycled", "snapkv", "pyramidkv", "h2o", "streamingllm", "quest")
 RUNNER_TASK, SUBTASK_OPTIONS = "ruler/niah_multikey_1", ("question=bare", "max_new_tokens=32")
 LM_EVAL_TASK = "refreshkv_niah_multikey_1_bare"
-LENGTH, EXAMPLES, RATIO = 2048, 20, 0.125
+LENGTH, EXAMPLES = 2048, 20
 
 
 def runner_rows(method: str, count: int) -> dict[str, dict]:
     """`refreshkv eval`'s rows of `method`, by example id."""
+    from method_rows import RATIO  # beside this script: the K of lm-eval's runs
+
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "eval.jsonl"
         options = [part for option in SUBTASK_OPTIONS for part in ("--task-option", option)]
@@ -43,25 +44,6 @@ def runner_rows(method: str, count: int) -> dict[str, dict]:
         subprocess.run([*command, "--no-fidelity", "--out", str(out)], check=True, env=one_thread)
         rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines() if line.strip()]
     return {row["id"]: row for row in rows if "prediction" in row}
-
-
-def lm_eval_samples(method: str, count: int) -> list[dict]:
-    """lm-eval's samples of `method` on the shipped task, in the data's order."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    from refreshkv.lm_eval import TASKS_DIR, RefreshKVLM
-
-    params = {} if method == "full" else {"budget_ratio": RATIO}
-    result = lm_eval.simple_evaluate(
-        model=RefreshKVLM(method=method, threads=1, **params),
-        tasks=[LM_EVAL_TASK],
-        task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False),
-        limit=count,
-        log_samples=True,
-        apply_chat_template=True,
-    )
-    return sorted(result["samples"][LM_EVAL_TASK], key=lambda sample: sample["doc_id"])
 
 
 def summary(path: Path) -> str:
@@ -82,43 +64,34 @@ def summary(path: Path) -> str:
     return "\n".join(lines)
 
 
+def rows_of(method: str, count: int) -> list[dict]:
+    """Both answers and both scores of `method` on each example."""
+    from method_rows import lm_eval_samples  # beside this script
+
+    ours = runner_rows(method, count)
+    rows = []
+    for index, sample in enumerate(lm_eval_samples(LM_EVAL_TASK, method, count)):
+        row = ours[sample["doc"]["id"]]
+        rows.append(
+            {
+                "method": method,
+                "id": row["id"],
+                "index": index,
+                "prompt_tokens": row["prompt_tokens"],
+                "budget": row.get("budget"),
+                "eval_prediction": row["prediction"],
+                "eval_score": row["score"],
+                "lm_eval_prediction": sample["resps"][0][0],
+                "lm_eval_score": sample["score"],
+            }
+        )
+    return rows
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "lm-eval-agreement" / "smollm2.jsonl")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
-    parser.add_argument("--limit", type=int, default=EXAMPLES, help="examples per method")
-    parser.add_argument("--summary", action="store_true", help="print the table of --out and stop")
-    args = parser.parse_args()
-    if not args.summary:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        done = set()
-        if args.out.exists():
-            done = {json.loads(line)["method"] for line in args.out.read_text(encoding="utf-8").splitlines() if line}
-        for method in args.methods.split(","):
-            if method in done:
-                continue
-            ours = runner_rows(method, args.limit)
-            theirs = lm_eval_samples(method, args.limit)
-            rows = []
-            for index, sample in enumerate(theirs):
-                row = ours[sample["doc"]["id"]]
-                rows.append(
-                    {
-                        "method": method,
-                        "id": row["id"],
-                        "index": index,
-                        "prompt_tokens": row["prompt_tokens"],
-                        "budget": row.get("budget"),
-                        "eval_prediction": row["prediction"],
-                        "eval_score": row["score"],
-                        "lm_eval_prediction": sample["resps"][0][0],
-                        "lm_eval_score": sample["score"],
-                    }
-                )
-            with args.out.open("a", encoding="utf-8") as file:  # a method's rows together, or none of them
-                file.write("".join(json.dumps(row) + "\n" for row in rows))
-            print(summary(args.out), flush=True)
-    print(summary(args.out))
+    from method_rows import run  # beside this script
+
+    run(__doc__, ROOT / "docs" / "results" / "lm-eval-agreement" / "smollm2.jsonl", METHODS, EXAMPLES, rows_of, summary)
 
 
 if __name__ == "__main__":

@@ -15,32 +15,19 @@ resumes per method) and the table on stdout: per method, the accuracy and the ex
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 METHODS = ("full", "refreshkv", "snapkv", "streamingllm")
-TASK, EXAMPLES, RATIO = "refreshkv_keyed_numbers", 20, 0.125
+TASK, EXAMPLES = "refreshkv_keyed_numbers", 20
 
 
 def rows_of(method: str, count: int) -> list[dict]:
-    import lm_eval
-    from lm_eval.tasks import TaskManager
+    from method_rows import lm_eval_samples  # beside this script
 
-    from refreshkv.lm_eval import TASKS_DIR, RefreshKVLM
-
-    params = {} if method == "full" else {"budget_ratio": RATIO}
-    result = lm_eval.simple_evaluate(
-        model=RefreshKVLM(method=method, threads=1, **params),
-        tasks=[TASK],
-        task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False),
-        limit=count,
-        log_samples=True,
-        apply_chat_template=True,
-    )
     rows = []
-    for sample in sorted(result["samples"][TASK], key=lambda sample: sample["doc_id"]):
+    for sample in lm_eval_samples(TASK, method, count):
         likelihoods = [response[0][0] for response in sample["resps"]]
         chosen = max(range(len(likelihoods)), key=likelihoods.__getitem__)
         rows.append(
@@ -72,30 +59,17 @@ def summary(path: Path) -> str:
             indices = [
                 str(row["index"]) for row in mine if chosen.get((other, row["index"]), row["chosen"]) != row["chosen"]
             ]
-            cells.append(f"{len(indices)} ({', '.join(indices)})" if indices else "0")
+            compared = any((other, row["index"]) in chosen for row in mine)
+            cells.append(f"{len(indices)} ({', '.join(indices)})" if indices else "0" if compared else "-")
         accuracy = sum(row["acc"] for row in mine) / len(mine)
         lines.append(f"| `{method}` | {len(mine)} | {accuracy:.2f} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "lm-eval-choice" / "smollm2.jsonl")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
-    parser.add_argument("--limit", type=int, default=EXAMPLES, help="examples per method")
-    parser.add_argument("--summary", action="store_true", help="print the table of --out and stop")
-    args = parser.parse_args()
-    if not args.summary:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        done = set()
-        if args.out.exists():
-            done = {json.loads(line)["method"] for line in args.out.read_text(encoding="utf-8").splitlines() if line}
-        for method in args.methods.split(","):
-            if method not in done:
-                rows = rows_of(method, args.limit)
-                with args.out.open("a", encoding="utf-8") as file:  # a method's rows together, or none of them
-                    file.write("".join(json.dumps(row) + "\n" for row in rows))
-    print(summary(args.out))
+    from method_rows import run  # beside this script
+
+    run(__doc__, ROOT / "docs" / "results" / "lm-eval-choice" / "smollm2.jsonl", METHODS, EXAMPLES, rows_of, summary)
 
 
 if __name__ == "__main__":
