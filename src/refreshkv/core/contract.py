@@ -80,6 +80,11 @@ class MethodLayer(Protocol[State]):
     def positions(self, device: torch.device) -> Tensor:
         """(B or 1,) RoPE position of the newest token in each row (0 at a row's first real token)."""
 
+    def mean_over_heads(self, per_head: Tensor) -> Tensor:
+        """(B, q, D): `per_head` (B, Hq, q, D) averaged over every query head of the layer. A tensor-parallel rank of
+        a serving engine holds some of the heads and sums with the other ranks, so that a decision read from this
+        mean (refreshkv's query check) is the same on every rank."""
+
     def full_store(
         self, like: Tensor, full_cache: str = "dense", group_size: int | None = None
     ) -> FullStore | QuantizedFullStore:

@@ -214,6 +214,9 @@ class PolicyLayer(CacheLayerMixin):
     def positions(self, device) -> torch.Tensor:
         return self.cache.positions(self.seen, device)
 
+    def mean_over_heads(self, per_head: torch.Tensor) -> torch.Tensor:
+        return per_head.mean(dim=1)
+
     def full_store(self, like, full_cache: str = "dense", group_size: int | None = None) -> FullCacheStore:
         return make_full_store(like, self.capacity(), full_cache, group_size or DEFAULT_GROUP_SIZE)
 

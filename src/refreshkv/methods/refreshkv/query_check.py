@@ -27,7 +27,7 @@ def default_threshold(model_type: str) -> float:
 def compared_query(layer: RefreshLayer, query: Tensor, space: str, width: int = 1) -> Tensor:
     """(B, D) head-averaged query of the newest token, before RoPE with `space="pre_rope"`; with `width` > 1 the
     mean of the last `width` tokens' (each before RoPE; a short row's left pads left out)."""
-    heads = query[:, :, -width:].mean(dim=1)  # (B, width, D)
+    heads = layer.mean_over_heads(query[:, :, -width:])  # (B, width, D), over every head on every TP rank
     if space == "post_rope":
         return heads[:, -1]
     inv_freq = layer.rope_inv_freq
