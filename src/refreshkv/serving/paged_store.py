@@ -36,6 +36,14 @@ class PagedBlocks:
             spans.append(held.reshape(held.shape[0], -1, held.shape[3])[None, :, offset : offset + end - start])
         return spans[0], spans[1]
 
+    def write(self, block_ids: Tensor, start: int, keys: Tensor, values: Tensor) -> None:
+        """Write keys and values (1, Hkv, n, D) at positions [start, start + n) of a request whose block table is
+        `block_ids`, where they lie in the engine's layout."""
+        positions = torch.arange(start, start + keys.shape[2])
+        blocks, offsets = block_ids[positions // self.block_size], positions % self.block_size
+        for store, written in ((self.keys, keys), (self.values, values)):
+            store[blocks, :, offsets] = written[0].transpose(0, 1).to(store.dtype)
+
 
 class PagedFullStore(FullStore):
     """C_f of one request and layer: its tokens in `blocks` at `block_ids` (set anew at every step: a request gains

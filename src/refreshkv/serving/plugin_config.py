@@ -1,14 +1,18 @@
 """What the vLLM plugin runs: `--additional-config '{"refreshkv": {...}}'` (the keys `make_policy` takes), checked at
-the engine's start, and a request's own choice in its sampling parameters (`extra_args={"refreshkv": {...}}`).
+the engine's start, and a request's own choice: `extra_args={"refreshkv": {...}}` in its sampling parameters
+offline, `extra_body={"vllm_xargs": {"refreshkv": "<the same object as JSON text>"}}` through the OpenAI server
+(whose `vllm_xargs` takes strings and numbers only). Both go through `served_policy`, one check.
 
 Only methods that keep the full cache run inside vLLM: their C_f is the request's own block table, untouched, so
 prefix caching, preemption and the scheduler work as they are. An eviction method would have to free blocks, which
-vLLM's KV manager offers no hook for (docs/serving.md).
+vLLM's KV manager offers no hook for (docs/serving.md); quest keeps its page bounds in a store of its own, not over
+vLLM's blocks.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from ..core.policy import METHODS, Policy, PolicyError, make_policy
@@ -16,11 +20,14 @@ from ..core.policy import METHODS, Policy, PolicyError, make_policy
 CONFIG_KEY = "refreshkv"
 # the methods that keep every token and read C_f through the `FullCacheStore` interface, which paged blocks implement
 SERVED_METHODS = ("full", "oracle", "recycled", "refreshkv", "streamingllm++")
+NOT_SERVED = {"quest": "not served over vLLM's blocks yet (its page bounds live in a store of its own)"}
+EVICTING = "an eviction method: vLLM's KV manager frees no blocks in the middle of a request"
 
 
 def served_policy(settings: object, context: int | None = None) -> Policy:
     """The method of `settings` (a dict, or its JSON text), refused in one line (PolicyError) if the plugin cannot
-    serve it: an unknown or eviction method, a parameter it does not take, a budget of 0 or above `context`."""
+    serve it: an unknown or eviction method, a parameter it does not take or of the wrong type, a budget of 0 or
+    above `context`."""
     if isinstance(settings, str):
         try:
             settings = json.loads(settings)
@@ -33,12 +40,35 @@ def served_policy(settings: object, context: int | None = None) -> Policy:
         )
     params: dict[str, Any] = dict(settings)
     method = params.pop("method", "refreshkv")
+    choices = f"inside vLLM choose from: {', '.join(SERVED_METHODS)}"
+    if not isinstance(method, str):
+        raise PolicyError(f"method must be a method's name, got {json.dumps(method)}; {choices}")
     if method not in SERVED_METHODS:
-        known = "an eviction method (it would have to free blocks)" if method in METHODS else "unknown"
-        raise PolicyError(f"method {method!r} is {known}; inside vLLM choose from: {', '.join(SERVED_METHODS)}")
+        reason = NOT_SERVED.get(method, EVICTING if method in METHODS else "unknown")
+        raise PolicyError(f"method {method!r} is {reason}; {choices}")
+    for key, value in params.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise PolicyError(f"{key} must be a finite number, got {value}")
     if params.get("full_cache", "dense") != "dense":
         raise PolicyError("inside vLLM C_f is vLLM's own paged blocks: full_cache must be 'dense'")
-    budget = params.get("budget")
-    if context is not None and isinstance(budget, int) and not isinstance(budget, bool) and budget > context:
+    try:
+        policy = make_policy(method, **params)
+    except (TypeError, ValueError) as error:  # a value of a type no check expected: still one line, naming it
+        if isinstance(error, PolicyError):
+            raise
+        given = ", ".join(f"{key}={json.dumps(value)}" for key, value in params.items())
+        raise PolicyError(f"method '{method}' cannot take {given}: {error}") from None
+    budget = getattr(policy, "budget", None)
+    if context is not None and isinstance(budget, int) and budget > context:
         raise PolicyError(f"budget {budget} is above the model's context of {context} tokens")
-    return make_policy(str(method), **params)
+    return policy
+
+
+def worst_case_bytes(policy: Policy, max_model_len: int, max_num_seqs: int, layers: int, slot_bytes: int) -> int:
+    """The most the plugin's per-request state can hold at once: `max_num_seqs` requests, each with a C_p on each of
+    `layers` at the largest K a prompt of `max_model_len` gives (where the method keeps the answer beside it,
+    `keep_decoded`, room for an answer up to the context) and a copy of its answer's keys and values (kept for a
+    preemption, request_layer.py); `slot_bytes`: one token's keys, values, position and score on one layer."""
+    budget = policy.budget_for(max_model_len)
+    slots = max_model_len + 1 if getattr(policy, "keep_decoded", False) else budget + 1
+    return max_num_seqs * layers * (slots + max_model_len - budget) * slot_bytes

@@ -2,14 +2,18 @@
 
 The method's own `store_prompt` and `decode` run on a `RequestLayer` exactly as on a transformers cache layer: the
 same selection, pooling, query check, question floor and answer hold, over C_f in the engine's blocks
-(`PagedFullStore`). A request is one row (no padding); its state is made at its first decoded token from what the
+(`PagedFullStore`). A request is one row (no padding); its state is made at the prefill chunk that ends what the
 engine prefilled (the prompt, or for a request the engine recomputed after preempting it, the prompt and its answer
-so far: then that is its question) and is dropped with the request.
+so far: then that is its question) and is dropped with the request. Under tensor parallelism a rank holds some of
+the heads: what a method averages over all heads (`mean_over_heads`) is summed over the ranks, so that every rank
+takes the same decisions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -17,6 +21,7 @@ from torch import Tensor
 from ..core.kvstore import LayerState
 from ..core.policy import Policy, PolicyError
 from .paged_store import PagedBlocks, PagedFullStore
+from .window_store import WINDOWS, prefix_digests
 
 
 @dataclasses.dataclass
@@ -27,6 +32,9 @@ class ModelFacts:
     model_type: str
     rope_inv_freq: list[Tensor | None]
     word_spans: object | None = None  # engine/spans.py's WordTable
+    # the sum over the tensor-parallel ranks (None: one rank holds every head) and the number of ranks
+    sum_over_ranks: Callable[[Tensor], Tensor] | None = None
+    ranks: int = 1
 
 
 @dataclasses.dataclass
@@ -36,7 +44,7 @@ class StepCounts:
     layer_steps: int = 0
     full_layer_steps: float = 0.0
     bytes_read: int = 0
-    restarted: int = 0  # requests that came back after vLLM preempted them: state made anew from the recomputation
+    resumed: int = 0  # requests that came back after leaving the batch (preempted, or skipped for a step)
 
 
 @dataclasses.dataclass
@@ -52,6 +60,15 @@ class Request:
     window_queries: dict[int, Tensor] = dataclasses.field(default_factory=dict)
     layers: dict[int, RequestLayer] = dataclasses.field(default_factory=dict)
     _spans: Tensor | None = None
+    _window_digests: list[bytes] | None = None
+    # the engine's sampling parameters of the request (weakly: the engine drops them when the request is done) and
+    # its running list of answer tokens: a request that leaves the batch and comes back is found by them
+    owner: weakref.ref | None = None
+    answer: list[int] = dataclasses.field(default_factory=list)
+    # per layer, the keys and values of each token decoded so far, as the method's steps made them, and the layers
+    # where vLLM's recomputation after a preemption is still to be overwritten with them
+    answer_kv: dict[int, list[tuple[Tensor, Tensor]]] = dataclasses.field(default_factory=dict)
+    to_restore: set[int] = dataclasses.field(default_factory=set)
 
     @property
     def prefilled(self) -> int:
@@ -66,16 +83,35 @@ class Request:
         """Whether the method acts: else K holds every token it will have, and the engine's own attention runs."""
         return self.policy.name != "full" and self.budget < self.prefilled + self.new_tokens
 
-    def is_decoding(self, seq_len: int, query_len: int) -> bool:
-        """Whether a batch row of `query_len` tokens ending at `seq_len` holds a decoded token (not the prefill)."""
-        return query_len == 1 and seq_len - 1 >= self.prefilled
+    def is_decoding(self, seq_len: int) -> bool:
+        """Whether the last token of a batch row ending at `seq_len` is one the method decodes: a token after the
+        prefill, once the prompt is stored. A row of several such tokens is a request that comes back after vLLM
+        preempted it: the tokens before the last are recomputed into the blocks by vLLM's kernel, and the last is the
+        method's, on the state the request kept (batch_rows.py)."""
+        return seq_len - 1 >= self.prefilled and bool(self.layers)
 
-    def keep_window(self, layer_idx: int, queries: Tensor) -> None:
-        """The last `window` queries (1, Hq, w, D) of the prefill so far, from one more chunk of it (1, Hq, n, D)."""
-        width = max(getattr(self.policy, "window", 1), 1)
+    @property
+    def window(self) -> int:
+        """The question window's width: the last tokens of the prefill whose queries select C_p."""
+        return min(max(getattr(self.policy, "window", 1), 1), self.prefilled)
+
+    @property
+    def window_digests(self) -> list[bytes]:
+        """Where the window's queries are kept for a later prefix-cache hit (window_store.py), by position."""
+        if self._window_digests is None:
+            self._window_digests = prefix_digests(self.prefilled_ids, self.prefilled - self.window, self.prefilled)
+        return self._window_digests
+
+    def keep_window(self, layer_idx: int, queries: Tensor, first: int) -> None:
+        """The last `window` queries (1, Hq, w, D) of the prefill so far, from one more chunk of it (1, Hq, n, D)
+        whose first token is at position `first`. A first chunk past position 0 follows a prefix found in the
+        engine's cache: the window's queries before it are those kept when that prefix was prefilled."""
         earlier = self.window_queries.get(layer_idx)
+        window_start = self.prefilled - self.window
+        if earlier is None and first > window_start:
+            earlier = WINDOWS.get(self.window_digests[: first - window_start], layer_idx)
         joined = queries if earlier is None else torch.cat([earlier, queries], dim=2)
-        self.window_queries[layer_idx] = joined[:, :, -width:].clone()
+        self.window_queries[layer_idx] = joined[:, :, -self.window :].clone()
 
     @property
     def spans(self) -> Tensor | None:
@@ -84,6 +120,36 @@ class Request:
                 raise PolicyError(f"method '{self.policy.name}' with pooling='span' needs the model's tokenizer")
             self._spans = self.model.word_spans.spans(torch.tensor([self.prefilled_ids]))  # type: ignore[attr-defined]
         return self._spans
+
+    def come_back(self) -> None:
+        """Back in the batch after leaving it. A request that left during its prefill is prefilled anew (its window
+        with it). One that had decoded may have been preempted: vLLM then recomputes its tokens with its own
+        attention, whose keys and values at the answer's positions are not the ones the method's steps made, so
+        those are written back (`restore_answer`; read from its blocks when it left, they could be gone: vLLM zeroes
+        the blocks it hands to other requests before the plugin hears of the preemption)."""
+        if not self.layers:
+            self.window_queries.clear()
+        self.to_restore = set(self.answer_kv)
+
+    def restore_answer(self, layer_idx: int, blocks: PagedBlocks, block_ids: Tensor) -> None:
+        """Put back, over what vLLM recomputed, the keys and values the method's steps made for the answer so far."""
+        if layer_idx in self.to_restore:
+            self.to_restore.discard(layer_idx)
+            keys, values = zip(*self.answer_kv[layer_idx])
+            blocks.write(block_ids, self.prefilled, torch.cat(keys, dim=2), torch.cat(values, dim=2))
+
+    def store_prompt(self, layer_idx: int, blocks: PagedBlocks, block_ids: Tensor, scaling: float) -> None:
+        """The method's prompt hook for this request at one layer, at the prefill chunk that ends its prompt (the
+        engine has written every prompt token into its blocks by then): C_p is selected inside the prefill step, so
+        the request's first decoded token is an ordinary step of its method, not a stall of the whole batch."""
+        if layer_idx not in self.window_queries:
+            raise PolicyError("the plugin saw none of this request's prefill (it was switched on mid-request)")
+        layer = self.layers[layer_idx] = RequestLayer(self, layer_idx, blocks, block_ids)
+        layer.at(blocks, block_ids, self.prefilled)
+        keys, values = blocks.gather(block_ids, 0, self.prefilled)
+        window = self.window_queries.pop(layer_idx)
+        WINDOWS.put(self.window_digests[-window.shape[2] :], layer_idx, window)
+        self.policy.store_prompt(layer, window, keys, values, scaling)
 
     def decode(
         self,
@@ -96,18 +162,14 @@ class Request:
         block_ids: Tensor,
         seq_len: int,
     ) -> Tensor:
-        """The method's decode step for this request at one layer (query (1, Hq, 1, D), key/value (1, Hkv, 1, D)),
-        its state made from the prefill at the first: the attention output (1, 1, Hq, D)."""
+        """The method's decode step for this request at one layer (query (1, Hq, 1, D), key/value (1, Hkv, 1, D)):
+        the attention output (1, 1, Hq, D)."""
         layer = self.layers.get(layer_idx)
         if layer is None:
-            if layer_idx not in self.window_queries:
-                raise PolicyError("the plugin saw none of this request's prefill (it was switched on mid-request)")
-            layer = self.layers[layer_idx] = RequestLayer(self, layer_idx, blocks, block_ids)
-            layer.at(blocks, block_ids, seq_len - 1)
-            keys, values = blocks.gather(block_ids, 0, seq_len - 1)
-            self.policy.store_prompt(layer, self.window_queries.pop(layer_idx), keys, values, scaling)
+            raise PolicyError("the plugin saw none of this request's prefill (it was switched on mid-request)")
         layer.at(blocks, block_ids, seq_len)
         layer.recorded = False
+        self.answer_kv.setdefault(layer_idx, []).append((key.clone(), value.clone()))
         output = self.policy.decode(layer, query, key, value, scaling)
         if not layer.recorded:
             raise PolicyError(f"method '{self.policy.name}' decoded without calling layer.record(...)")
@@ -153,6 +215,12 @@ class RequestLayer:
 
     def positions(self, device: torch.device) -> Tensor:
         return torch.tensor([self.seen - 1], device=device)
+
+    def mean_over_heads(self, per_head: Tensor) -> Tensor:
+        model = self.request.model
+        if model.sum_over_ranks is None:
+            return per_head.mean(dim=1)
+        return model.sum_over_ranks(per_head.sum(dim=1).contiguous()) / (per_head.shape[1] * model.ranks)
 
     def full_store(self, like: Tensor, full_cache: str = "dense", group_size: int | None = None) -> PagedFullStore:
         if full_cache != "dense":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import psutil
 import torch
 from torch import Tensor
 from vllm import _custom_ops as ops
@@ -29,23 +30,26 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from ..core.policy import PolicyError
+from ..core.policy import Policy, PolicyError
 from .batch_rows import ROWS
 from .paged_store import PagedBlocks
+from .plugin_config import worst_case_bytes
 from .request_layer import Request
-from .vllm_rows import engine_policy
+from .vllm_rows import LOG, UNSERVED, engine_policy
+from .window_store import WINDOWS
 
 
 @dataclasses.dataclass
 class ServePlan:
     """How a step's rows are served: vLLM's kernel on `engine` (None: no row is vLLM's) over the step's tokens at
     `engine_tokens` (None: all of them), the method on each of `decodes` (token index, request, sequence length,
-    block ids), and the last queries of each prefill chunk in `prefills` (request, first token, end) kept."""
+    block ids), and of each prefill chunk in `prefills` (request, first token, end, sequence length, block ids) the
+    last queries kept; the chunk that ends a prompt stores it in the method (C_p selected there)."""
 
     engine: CPUAttentionMetadata | None
     engine_tokens: Tensor | None
     decodes: list[tuple[int, Request, int, Tensor]]
-    prefills: list[tuple[Request, int, int]]
+    prefills: list[tuple[Request, int, int, int, Tensor]]
 
 
 @dataclasses.dataclass
@@ -56,7 +60,14 @@ class PlannedMetadata(CPUAttentionMetadata):
 class RefreshKVMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.active = engine_policy(vllm_config) is not None and self.window_size == -1
+        policy = engine_policy(vllm_config)
+        self.active = self.window_size == -1  # a request may bring its own method without the engine's
+        if self.active and policy is not None:  # built once vLLM holds its KV space: the plugin's must fit beside it
+            slot_bytes = kv_cache_spec.page_size_bytes // kv_cache_spec.block_size + 12 * kv_cache_spec.num_kv_heads
+            scheduler = vllm_config.scheduler_config
+            check_memory(
+                policy, vllm_config.model_config.max_model_len, scheduler.max_num_seqs, len(layer_names), slot_bytes
+            )
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -69,34 +80,37 @@ class RefreshKVMetadataBuilder(CPUAttentionMetadataBuilder):
         lengths = batch.seq_lens.cpu().tolist()
         engine_rows, decodes, prefills = [], [], []
         for row in range(batch.num_reqs):
-            request, start, end = ROWS.rows.get(row), starts[row], starts[row + 1]
-            if request is not None and request.is_decoding(lengths[row], end - start):
-                blocks = -(-lengths[row] // self.block_size)
-                decodes.append((start, request, lengths[row], batch.block_table_tensor[row, :blocks]))
+            request, start, end, seq_len = ROWS.rows.get(row), starts[row], starts[row + 1], lengths[row]
+            block_ids = batch.block_table_tensor[row, : -(-seq_len // self.block_size)]
+            if request is not None and end > start and request.is_decoding(seq_len):
+                decodes.append((end - 1, request, seq_len, block_ids))
+                if end - 1 > start:  # a resumed request's recomputed tokens: vLLM's, before its last
+                    engine_rows.append((row, start, end - 1, seq_len - 1))
                 continue
-            engine_rows.append(row)
+            engine_rows.append((row, start, end, seq_len))
             if request is not None and end > start:
-                prefills.append((request, start, end))
+                prefills.append((request, start, end, seq_len, block_ids))
         planned = PlannedMetadata(**{f.name: getattr(whole, f.name) for f in dataclasses.fields(whole)})
         if not decodes:
             planned.plan = ServePlan(whole, None, [], prefills)
             return planned
-        engine, tokens = self._engine_rows(batch, engine_rows, starts)
+        engine, tokens = self._engine_rows(batch, engine_rows)
         planned.plan = ServePlan(engine, tokens, decodes, prefills)
         return planned
 
     def _engine_rows(
-        self, batch: CommonAttentionMetadata, rows: list[int], starts: list[int]
+        self, batch: CommonAttentionMetadata, rows: list[tuple[int, int, int, int]]
     ) -> tuple[CPUAttentionMetadata | None, Tensor | None]:
-        """vLLM's metadata over `rows` alone, and their tokens' indices in the step."""
+        """vLLM's metadata over `rows` alone (row, first token, end, sequence length), and their tokens' indices in
+        the step."""
         if not rows:
             return None, None
-        tokens = torch.cat([torch.arange(starts[row], starts[row + 1]) for row in rows])
-        counts = torch.tensor([starts[row + 1] - starts[row] for row in rows])
+        tokens = torch.cat([torch.arange(start, end) for _, start, end, _ in rows])
+        counts = torch.tensor([end - start for _, start, end, _ in rows])
         query_start = torch.zeros(len(rows) + 1, dtype=batch.query_start_loc.dtype)
         query_start[1:] = counts.cumsum(0)
-        index = torch.tensor(rows)
-        seq_lens = batch.seq_lens.index_select(0, index)
+        index = torch.tensor([row for row, _, _, _ in rows])
+        seq_lens = torch.tensor([seq_len for _, _, _, seq_len in rows], dtype=batch.seq_lens.dtype)
         sub = CommonAttentionMetadata(
             query_start_loc=query_start,
             query_start_loc_cpu=query_start,
@@ -115,8 +129,7 @@ class RefreshKVMetadataBuilder(CPUAttentionMetadataBuilder):
 class RefreshKVImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.policy = engine_policy(get_current_vllm_config())
-        if self.policy is not None and self.attn_type == AttentionType.DECODER and self.sliding_window == -1:
+        if self.attn_type == AttentionType.DECODER and self.sliding_window == -1:
             unhandled = {
                 "a logit soft cap": bool(self.logits_soft_cap),
                 "ALiBi": self.alibi_slopes is not None,
@@ -125,18 +138,17 @@ class RefreshKVImpl(CPUAttentionBackendImpl):
             }
             named = [name for name, present in unhandled.items() if present]
             if named:
-                raise PolicyError(
-                    f"the refreshkv plugin does not handle attention with {', '.join(named)}; "
-                    "run this model without the 'refreshkv' key"
-                )
+                UNSERVED.reason = f"the refreshkv plugin does not handle attention with {', '.join(named)}"
+                if engine_policy(get_current_vllm_config()) is not None:
+                    raise PolicyError(f"{UNSERVED.reason}; run this model without the 'refreshkv' key")
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs) -> Tensor:
         plan = getattr(attn_metadata, "plan", None)
         if plan is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         layer_idx = extract_layer_index(layer.layer_name)
-        for request, start, end in plan.prefills:  # the question's window, for the first decoded token
-            request.keep_window(layer_idx, query[start:end].transpose(0, 1).unsqueeze(0))
+        for request, start, end, seq_len, _ in plan.prefills:  # the question's window
+            request.keep_window(layer_idx, query[start:end].transpose(0, 1).unsqueeze(0), seq_len - (end - start))
         if plan.engine is not None and plan.engine_tokens is None:
             super().forward(layer, query, key, value, kv_cache, plan.engine, output)
         elif plan.engine is not None:
@@ -144,14 +156,40 @@ class RefreshKVImpl(CPUAttentionBackendImpl):
             theirs = output.new_empty((len(tokens), *output.shape[1:]))
             super().forward(layer, query.index_select(0, tokens), key, value, kv_cache, plan.engine, theirs)
             output.index_copy_(0, tokens, theirs)
-        if plan.decodes:
+        ended = [(request, ids) for request, _, _, seq_len, ids in plan.prefills if seq_len == request.prefilled]
+        if ended or plan.decodes:
             blocks = paged_blocks(kv_cache, layer.isa)
+        for request, block_ids in ended:  # the prompt's keys are all in the blocks now
+            request.store_prompt(layer_idx, blocks, block_ids, self.scale)
+        if plan.decodes:
             for token, request, seq_len, block_ids in plan.decodes:
+                request.restore_answer(layer_idx, blocks, block_ids)  # after a preemption's recomputation
                 one = slice(token, token + 1)
                 q, k, v = (x[one].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
                 attended = request.decode(layer_idx, q, k, v, self.scale, blocks, block_ids, seq_len)
                 output[token] = attended.reshape(output.shape[1:])
         return output
+
+
+def check_memory(policy: Policy, max_model_len: int, max_num_seqs: int, layers: int, slot_bytes: int) -> None:
+    """State the plugin's worst case at start (`worst_case_bytes`, with the window store) and refuse (PolicyError)
+    an engine whose worst case does not fit in the memory left beside vLLM's KV space."""
+    worst = worst_case_bytes(policy, max_model_len, max_num_seqs, layers, slot_bytes) + WINDOWS.capacity
+    available = psutil.virtual_memory().available
+    LOG.info(
+        "refreshkv plugin: at most %.2f GiB of partial caches and question windows (%d requests of up to %d tokens, "
+        "%.2f GiB free beside vLLM's KV space)",
+        worst / 2**30,
+        max_num_seqs,
+        max_model_len,
+        available / 2**30,
+    )
+    if worst > available:
+        raise PolicyError(
+            f"the refreshkv plugin may hold {worst / 2**30:.1f} GiB ({max_num_seqs} requests of up to {max_model_len} "
+            f"tokens), more than the {available / 2**30:.1f} GiB free beside vLLM's KV space: lower --max-num-seqs, "
+            "--max-model-len or the budget, or give vLLM less KV space (VLLM_CPU_KVCACHE_SPACE)"
+        )
 
 
 def paged_blocks(kv_cache: Tensor, isa: str) -> PagedBlocks:
