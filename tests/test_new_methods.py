@@ -1,0 +1,70 @@
+"""What each of the newer training-free methods promises beyond the method contract (test_method_contract.py covers
+every registered method: keeping everything equals `full`, padded batches, bytes, bfloat16, one policy object)."""
+
+import pytest
+import torch
+from conftest import random_prompt, tiny_model
+
+import refreshkv
+from refreshkv import make_policy
+from refreshkv.core.policy import PolicyError
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", layers=3, seed=7)
+
+
+def generate(model, ids, name, new=6, **params):
+    return refreshkv.generate(model, ids, method=name, max_new_tokens=new, eos_token_id=[], **params)
+
+
+def held_per_head(out) -> list[torch.Tensor]:
+    """Per layer, (B, Hkv) real tokens held, after the prompt (nothing decoded: max_new_tokens 1)."""
+    return [(layer.state.kept(out.cache.pads) >= 0).sum(-1) for layer in out.cache.layers]
+
+
+@pytest.mark.parametrize("name", ["adakv", "defensivekv"])
+def test_head_adaptive_budgets_share_the_layers_total(model, name):
+    budget, window = 12, 4
+    out = generate(model, random_prompt(60, seed=1), name, new=1, budget=budget, window=window)
+    for held in held_per_head(out):
+        assert int(held.sum()) == 2 * budget  # 2 KV heads: the layer holds what snapkv's would
+        assert int(held.min()) >= window + int(0.2 * (budget - window))  # the safeguard and the window
+    assert any(len(set(held[0].tolist())) > 1 for held in held_per_head(out))  # heads do differ somewhere
+
+
+def test_adakv_with_alpha_one_is_snapkv(model):
+    ids = random_prompt(50, seed=2)
+    snap = generate(model, ids, "snapkv", budget=12, window=4, pooling="centered")
+    ada = generate(model, ids, "adakv", budget=12, window=4, alpha=1.0)
+    assert ada.tokens == snap.tokens
+    for a, s in zip(ada.cache.layers, snap.cache.layers):
+        assert torch.equal(a.state.kept(None).sort(-1).values, s.state.kept(None).sort(-1).values)
+
+
+def test_defensive_aggregation_is_the_worst_case_floored_at_the_mean():
+    from refreshkv.core.attention_math import attention_probs
+
+    torch.manual_seed(0)
+    query, key = torch.randn(1, 2, 20, 8), torch.randn(1, 1, 20, 8)
+    policy = make_policy("defensivekv", window=4, kernel=1)
+    scores = policy.score(None, query, key, 8**-0.5, None)
+    worst = attention_probs(query[:, :, -4:], key, 8**-0.5, causal_tail=True).amax(dim=(2, 3))
+    floor = worst[..., :16].mean(-1, keepdim=True)
+    assert torch.allclose(scores, worst.clamp(min=floor))
+    assert bool((scores[..., :16] >= floor).all()) and bool((scores == floor).any())
+
+
+@pytest.mark.parametrize(
+    "name, params, message",
+    [
+        ("adakv", {"alpha": 1.5}, "alpha must be a number in [0, 1]"),
+        ("defensivekv", {"alpha": -0.1}, "alpha must be a number in [0, 1]"),
+        ("adakv", {"alpha": "x"}, "alpha must be a number in [0, 1]"),
+    ],
+)
+def test_bad_parameters_are_one_line(name, params, message):
+    with pytest.raises(PolicyError) as error:
+        make_policy(name, **params)
+    assert message in str(error.value) and "\n" not in str(error.value)
