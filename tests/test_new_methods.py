@@ -68,3 +68,40 @@ def test_bad_parameters_are_one_line(name, params, message):
     with pytest.raises(PolicyError) as error:
         make_policy(name, **params)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_think_stores_the_kept_channels_only_and_keeps_snapkvs_tokens(model):
+    ids = random_prompt(50, seed=3)
+    snap = generate(model, ids, "snapkv", new=1, budget=12, window=4)
+    thin = generate(model, ids, "think", new=1, budget=12, window=4, prune_ratio=0.5)
+    for s, t in zip(snap.cache.layers, thin.cache.layers):
+        held = s.state.kept(None).sort(-1).values
+        assert torch.equal(t.state.kept(None).sort(-1).values, held[..., -12:])  # snapkv has a slot to spare
+        assert t.state.keys.shape[-1] == 8 and t.state.channels.shape == (1, 2, 8)  # 16 channels, half kept
+        decoded = t.state.decoded.nbytes()  # room for the one announced token, every channel
+        assert t.state.nbytes() - decoded == 12 * 2 * (8 + 16) * 4  # pruned keys, whole values: 12 tokens, 2 heads
+        assert decoded == 1 * 2 * (16 + 16) * 4
+
+
+def test_think_keeps_the_channels_carrying_the_windows_logits():
+    policy = make_policy("think", window=2, prune_ratio=0.5)
+    window = torch.ones(1, 2, 2, 4)
+    window[..., 1] = 3.0  # queries load channel 1 (both query heads of the one KV head)
+    keys = torch.ones(1, 1, 5, 4)
+    keys[..., 2] = 10.0  # keys load channel 2: the products rank 2, then 1; 0 and 3 go
+    assert policy.kept_channels(window, keys, torch.ones(1, 1, 5, dtype=torch.bool)).tolist() == [[[1, 2]]]
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"prune_ratio": 1.0}, "prune_ratio must be a number in [0, 1)"),
+        ({"token_method": "h2o"}, "unknown token_method 'h2o'; choose from: snapkv, pyramidkv"),
+        ({"budget": 8}, "budget (8) must hold the observation window (32 tokens)"),
+        ({"compress_every": 4}, "method 'think' cannot compress during decoding"),
+    ],
+)
+def test_think_refuses_bad_parameters_in_one_line(params, message):
+    with pytest.raises(PolicyError) as error:
+        make_policy("think", **params)
+    assert message in str(error.value) and "\n" not in str(error.value)
