@@ -41,9 +41,9 @@ def test_a_long_answer_holds_at_most_k_plus_n_tokens_per_layer(model, name):
     out = generate(model, ids, name, ANSWER, **params(name, budget=BUDGET, compress_every=EVERY))
     layers = out.cache.layers
     held = [int((layer.state.kept(None) >= 0).sum(-1).max()) for layer in layers]
-    # pyramidkv and dynamickv share K across layers: each layer its share, the layers together at most K + N each
+    # pyramidkv, dynamickv and cake share K across layers: each layer its share, the layers together at most K + N each
     assert sum(held) <= len(layers) * (BUDGET + EVERY), held
-    if name not in ("pyramidkv", "dynamickv"):
+    if name not in ("pyramidkv", "dynamickv", "cake"):
         assert max(held) <= BUDGET + EVERY, held
     token_bytes = 2 * 2 * 16 * 4  # keys and values, 2 KV heads, head size 16, float32
     assert sum(out.cache.nbytes_per_layer()) <= len(layers) * (BUDGET + EVERY) * token_bytes
@@ -80,13 +80,15 @@ def test_a_bad_interval_is_one_line(value):
         make_policy("snapkv", compress_every=value)
 
 
-@pytest.mark.parametrize("name", ["full", "quest", "oracle", "streamingllm++", "refreshkv", "recycled", "refreekv"])
+@pytest.mark.parametrize(
+    "name", ["full", "quest", "oracle", "streamingllm++", "refreshkv", "recycled", "refreekv", "think"]
+)
 def test_a_method_that_cannot_compress_says_why(name):
     with pytest.raises(PolicyError) as error:
         make_policy(name, compress_every=4)
     message = str(error.value)
     assert "\n" not in message and f"method '{name}' cannot compress during decoding" in message
-    assert "methods that can: dynamickv, h2o" in message
+    assert message.endswith(f"methods that can: {', '.join(EVICTING)}")
 
 
 @pytest.mark.parametrize(

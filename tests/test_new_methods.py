@@ -105,3 +105,41 @@ def test_think_refuses_bad_parameters_in_one_line(params, message):
     with pytest.raises(PolicyError) as error:
         make_policy("think", **params)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_cake_shares_the_total_by_layer_preference(model):
+    budget, window = 12, 4
+    out = generate(model, random_prompt(60, seed=4), "cake", new=1, budget=budget, window=window)
+    layers = out.cache.layers
+    selected = [int(layer.state.allocated) for layer in layers]
+    assert sum(selected) == len(layers) * (budget - window)  # the whole selected budget, shared
+    for layer, count in zip(layers, selected):
+        assert bool(((layer.state.kept(None) >= 0).sum(-1) == count + window).all())  # every head: share + window
+    preference = torch.cat([layer.state.preference for layer in layers])
+    order = preference.argsort(descending=True).tolist()
+    assert [selected[i] for i in order] == sorted(selected, reverse=True)  # more preference, more tokens
+
+
+def test_cake_preference_is_dispersion_times_shift():
+    policy = make_policy("cake", window=2, tau1=0.5, tau2=2.0)
+    probs = torch.zeros(1, 1, 1, 2, 6)
+    probs[..., 0, :4] = torch.tensor([0.5, 0.5, 0.0, 0.0])  # first query: two tokens
+    probs[..., 1, :4] = torch.tensor([0.0, 0.0, 0.5, 0.5])  # second query: the other two
+    share = torch.full((4,), 0.25, dtype=torch.float64)
+    dispersion = -(share * share.log()).sum()
+    shift = torch.tensor(4 * 0.0625, dtype=torch.float64)  # each token's variance over the two queries: 0.25^2
+    assert torch.allclose(policy.preference(probs), dispersion**2 * shift**0.5)
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"tau1": 0}, "tau1 must be a number > 0"),
+        ({"tau2": "x"}, "tau2 must be a number > 0"),
+        ({"gamma": -1.0}, "gamma must be a number >= 0"),
+    ],
+)
+def test_cake_refuses_bad_parameters_in_one_line(params, message):
+    with pytest.raises(PolicyError) as error:
+        make_policy("cake", **params)
+    assert message in str(error.value) and "\n" not in str(error.value)
