@@ -143,3 +143,26 @@ def test_cake_refuses_bad_parameters_in_one_line(params, message):
     with pytest.raises(PolicyError) as error:
         make_policy("cake", **params)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_kvmerger_merges_a_runs_evicted_tokens_into_its_kept_pivot():
+    from refreshkv.methods.kvmerger import merge_into_pivots, merging_sets
+
+    keys = torch.tensor([[1.0, 0.0], [1.0, 0.1], [1.0, 0.3], [0.0, 1.0], [0.1, 1.0]]).view(1, 1, 5, 2)
+    values = torch.arange(10.0).view(1, 1, 5, 2)
+    sets = merging_sets(keys, None, 0.9)
+    assert sets[0, 0].tolist() == [0, 0, 0, 1, 1]  # two runs of similar keys
+    scores = torch.tensor([0.1, 0.5, 0.2, 0.3, 0.05]).view(1, 1, 5)
+    kept = torch.tensor([False, True, False, False, True]).view(1, 1, 5)  # the first run's pivot (1) is kept
+    merged_keys, merged_values = merge_into_pivots(keys, values, sets, scores, kept, None)
+    distance = torch.tensor([0.01, 0.04])  # tokens 0 and 2 to the pivot
+    weight = torch.exp(-distance / (2 * distance.mean()))
+    expected = (values[0, 0, 1] + weight[0] * values[0, 0, 0] + weight[1] * values[0, 0, 2]) / (1 + weight.sum())
+    assert torch.allclose(merged_values[0, 0, 1], expected)
+    assert torch.equal(merged_values[0, 0, 4], values[0, 0, 4])  # the second run's pivot (3) is evicted: dropped
+    assert torch.equal(merged_keys[0, 0, [0, 2, 3, 4]], keys[0, 0, [0, 2, 3, 4]])
+
+
+def test_kvmerger_refuses_a_similarity_outside_a_cosines_range():
+    with pytest.raises(PolicyError, match=r"similarity must be a cosine in \[-1, 1\], got 1.5"):
+        make_policy("kvmerger", similarity=1.5)
