@@ -166,3 +166,28 @@ def test_kvmerger_merges_a_runs_evicted_tokens_into_its_kept_pivot():
 def test_kvmerger_refuses_a_similarity_outside_a_cosines_range():
     with pytest.raises(PolicyError, match=r"similarity must be a cosine in \[-1, 1\], got 1.5"):
         make_policy("kvmerger", similarity=1.5)
+
+
+def test_mikv_leaves_no_token_behind_and_holds_less(model):
+    ids = random_prompt(50, seed=5)
+    full = generate(model, ids, "full", new=4, return_logits=True)
+    out = generate(model, ids, "mikv", new=4, budget=10, window=4, low_bits=8, return_logits=True)
+    for layer in out.cache.layers:
+        held = layer.state.kept(None)
+        assert torch.equal(held[held >= 0].view(2, -1).sort(-1).values[0], torch.arange(50 + 3))  # every token
+    assert sum(out.cache.nbytes_per_layer()) < 0.75 * sum(full.cache.nbytes_per_layer())
+    assert max((a - b).abs().max().item() for a, b in zip(out.logits, full.logits)) < 0.05  # 8 bits: close
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"low_bits": 3}, "low_bits must be one of 8, 4, 2"),
+        ({"group_size": 0}, "group_size must be an integer >= 1"),
+        ({"compress_every": 2}, "method 'mikv' cannot compress during decoding"),
+    ],
+)
+def test_mikv_refuses_bad_parameters_in_one_line(params, message):
+    with pytest.raises(PolicyError) as error:
+        make_policy("mikv", **params)
+    assert message in str(error.value) and "\n" not in str(error.value)
