@@ -191,3 +191,24 @@ def test_mikv_refuses_bad_parameters_in_one_line(params, message):
     with pytest.raises(PolicyError) as error:
         make_policy("mikv", **params)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_dapq_moves_the_window_by_ropes_own_rotation():
+    from refreshkv.core.rope import rotate_by, unrotate
+
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16)
+    content = torch.randn(3, 16)
+    at_five = rotate_by(content, 5, inv_freq)  # a query at position 5
+    moved = rotate_by(at_five, 7, inv_freq)
+    assert torch.allclose(unrotate(moved, torch.full((3,), 12), inv_freq), content, atol=1e-5)  # now at 12
+
+
+def test_dapq_scores_differ_from_snapkvs_only_by_the_queries_position(model):
+    ids = random_prompt(50, seed=6)
+    dapq = generate(model, ids, "dapq", new=1, budget=12, window=4)
+    snap = generate(model, ids, "snapkv", new=1, budget=12, window=4, pooling="centered")
+    kept = [layer.state.kept(None).sort(-1).values[..., -12:] for layer in dapq.cache.layers]
+    assert all(bool((k[..., -4:] == torch.arange(46, 50)).all()) for k in kept)  # the window is kept, as snapkv's
+    assert any(
+        not torch.equal(k, s.state.kept(None).sort(-1).values[..., -12:]) for k, s in zip(kept, snap.cache.layers)
+    )
