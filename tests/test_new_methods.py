@@ -212,3 +212,34 @@ def test_dapq_scores_differ_from_snapkvs_only_by_the_queries_position(model):
     assert any(
         not torch.equal(k, s.state.kept(None).sort(-1).values[..., -12:]) for k, s in zip(kept, snap.cache.layers)
     )
+
+
+def test_fasa_with_every_chunk_is_the_oracle_and_reads_less_with_fewer(model):
+    ids = random_prompt(50, seed=7)
+    oracle = generate(model, ids, "oracle", new=6, budget=10)
+    every = generate(model, ids, "fasa", new=6, budget=10, window=4, chunk_ratio=1.0)
+    few = generate(model, ids, "fasa", new=6, budget=10, window=4, chunk_ratio=0.25)
+    assert every.tokens == oracle.tokens  # all chunks: the exact ranking
+    assert few.cache.attended_bytes_mean() < every.cache.attended_bytes_mean() < oracle.cache.attended_bytes_mean()
+    for layer in few.cache.layers:
+        assert layer.state.dims.shape == (1, 2, 4)  # 2 of the 8 chunks of a 16-dimension head, both halves
+
+
+def test_fasa_calibration_finds_the_chunk_that_carries_the_logits():
+    from refreshkv.methods.fasa import chunk_agreement
+
+    torch.manual_seed(1)
+    window, key = torch.randn(1, 2, 4, 8) * 0.01, torch.randn(1, 1, 30, 8) * 0.01
+    window[..., 1], window[..., 5] = 3.0, 2.0  # chunk 1 (dims 1 and 5) dominates every logit
+    key[..., 1], key[..., 5] = torch.randn(30), torch.randn(30)
+    assert int(chunk_agreement(window, key, None)[0, 0].argmax()) == 1
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [({"chunk_ratio": 0}, "chunk_ratio must be a number in (0, 1]"), ({"compress_every": 3}, "cannot compress")],
+)
+def test_fasa_refuses_bad_parameters_in_one_line(params, message):
+    with pytest.raises(PolicyError) as error:
+        make_policy("fasa", **params)
+    assert message in str(error.value) and "\n" not in str(error.value)
