@@ -243,3 +243,14 @@ def test_fasa_refuses_bad_parameters_in_one_line(params, message):
     with pytest.raises(PolicyError) as error:
         make_policy("fasa", **params)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_lazyeviction_tracks_recurrence_and_evicts_only_every_w_steps(model):
+    ids = random_prompt(40, seed=8)
+    out = generate(model, ids, "lazyeviction", new=30, budget=12, window=4, compress_every=8)
+    for layer in out.cache.layers:
+        state = layer.state
+        assert state.longest_interval.shape[-1] >= layer.seen  # a record for every position so far
+        assert int(state.longest_interval.max()) > 0  # some token came back after a gap
+        held = int((state.kept(None) >= 0).sum(-1).max())
+        assert held == 12 + (29 % 8)  # back to K at step 24, then 5 decoded tokens appended since
