@@ -287,8 +287,8 @@ def test_batch_equals_rows(llama, method, params, short_length):
         ("h2o", {"aggregation": "sum"}, "max, mean, first"),
         ("streamingllm", {"sinks": -1}, "sinks"),
         ("streamingllm++", {"stride": 0}, "stride"),
-        ("streamingllm", {"window": 8}, "budget, budget_ratio, sinks"),
-        ("h2o", {"window": 7}, "budget, budget_ratio, aggregation"),
+        ("streamingllm", {"window": 8}, "budget, budget_ratio, compress_every, sinks"),
+        ("h2o", {"window": 7}, "budget, budget_ratio, compress_every, aggregation"),
         ("streamingllm++", {"threshold": 0.5}, "sinks, stride"),
     ],
 )

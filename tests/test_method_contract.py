@@ -22,6 +22,7 @@ OPTIONS = {
     "refreshkv+no_question_floor": {"question_floor": 0.0},
     "refreshkv+papers_partial_cache": {"keep_decoded": False},  # C_p of K + 1 on the dynamic schedule
     "refreshkv+answer_anchor": {"anchor": "answer"},
+    "snapkv+compress_every": {"compress_every": 3},  # compression during decoding (core/selection.py)
 }  # values not the default, held too
 CASES = ALL + sorted(OPTIONS)
 

@@ -55,6 +55,8 @@ class Policy(Generic[State]):
     presets: ClassVar[dict[str, dict]] = {}
     # The parameters that set how much the method keeps: a budget frontier varies them and nothing else.
     budget_parameters: ClassVar[tuple[str, ...]] = ()
+    # Why the method takes no `compress_every` (eviction methods' compression during decoding, core/selection.py).
+    no_compression: ClassVar[str] = "it does not evict tokens during decoding"
 
     def store_prompt(
         self, layer: MethodLayer[State], query: Tensor, key: Tensor, value: Tensor, scaling: Scaling
@@ -304,6 +306,12 @@ def make_policy(name: str, preset: str | None = None, **params: object) -> Polic
             )
         given = {**cls.presets[preset], **given}
     unknown = sorted(set(given) - set(allowed))
+    if "compress_every" in unknown:
+        takers = ", ".join(sorted(n for n, c in METHODS.items() if "compress_every" in c.parameters()))
+        raise PolicyError(
+            f"method '{name}' cannot compress during decoding (compress_every): {cls.no_compression}; methods that "
+            f"can: {takers}"
+        )
     if unknown:
         names = ", ".join(allowed) or "none"
         raise PolicyError(f"method '{name}' has no parameter {', '.join(unknown)}; its parameters: {names}")

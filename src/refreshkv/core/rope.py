@@ -37,3 +37,13 @@ def unrotate(vectors: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Ten
     first, second = vectors.float().chunk(2, dim=-1)
     rotated_half = torch.cat([-second, first], dim=-1)
     return vectors.float() * cos - rotated_half * sin
+
+
+def rotate_by(vectors: torch.Tensor, steps: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Vectors (..., D) already rotated at some positions, rotated `steps` positions further (RoPE's rotations add:
+    R(p + s) = R(s) R(p)), in float32."""
+    angles = steps * inv_freq.to(vectors.device).float()  # (D/2,)
+    cos, sin = angles.cos().repeat(2), angles.sin().repeat(2)
+    first, second = vectors.float().chunk(2, dim=-1)
+    rotated_half = torch.cat([-second, first], dim=-1)
+    return vectors.float() * cos + rotated_half * sin

@@ -11,6 +11,10 @@ chooses otherwise (ReFreeKV's adaptive prefix, DynamicKV's reallocation) overrid
 the store's size (`max_slots`) and in the score given to appended tokens (`appended_score`); a method that scores
 tokens by the current query's attention (H2O, TOVA) overrides `observe`, which then receives the decode step's
 probabilities.
+Compression during decoding (`compress_every` N, shared by every eviction method): decoded tokens are appended
+without eviction, and every N decoded tokens the method's own score (`compression_scores`, over the held tokens in
+position order) brings each layer's cache back to its budget (`compression_budget`, K by default), so the cache holds
+at most K + N tokens between compressions. N = 1 compresses at every step; None keeps each method's own rule.
 Heads may keep different numbers of tokens: `select` marks unused entries with index -1, which are stored as empty
 slots and masked (padding only up to the largest head of the layer).
 """
@@ -26,8 +30,8 @@ from torch import Tensor
 from .attention_math import Scaling, attend_with_probs, decode_attention, top_k
 from .contract import MethodLayer
 from .device_steps import DeviceLayer, attend
-from .kvstore import LayerState, SlotStore
-from .policy import BudgetPolicy, PolicyError
+from .kvstore import LayerState, SlotStore, gather_tokens
+from .policy import BudgetPolicy, PolicyError, check_positive
 from .quantized_store import QuantizedFullStore
 
 APPENDED = 2.0  # above any attention probability: decoded tokens outrank prompt tokens unless a method says otherwise
@@ -81,6 +85,10 @@ class SelectionState(LayerState):
     scores: torch.Tensor  # (B, Hkv, slots) float32 eviction score
     filled: int  # slots filled in every row and head; below the slot count some must be masked
     empty: int  # empty slots left in every row and head (decoded tokens fill these before anything is evicted)
+    # Under `compress_every`: the last queries a method's compression score reads (B, Hq, w, D; None: none kept),
+    # and the tokens appended since the last compression.
+    recent_queries: torch.Tensor | None = dataclasses.field(default=None, kw_only=True)
+    since_compressed: int = dataclasses.field(default=0, kw_only=True)
 
     @classmethod
     def empty_like(cls, key: Tensor, slots: int) -> SelectionState:
@@ -203,6 +211,18 @@ class SelectionState(LayerState):
         self.filled = min(self.filled + 1, self.store.slots)
         self.empty = max(self.empty - 1, 0)
 
+    def keep_slots(self, slot_index: Tensor, room: int) -> None:
+        """Hold only the tokens in slots `slot_index` (B, Hkv, k; -1 = none), in that order, with their scores, in a
+        new store of k + `room` slots (the old one is freed): a compression during decoding."""
+        old, kept = self.store, slot_index.shape[-1]
+        missing = slot_index < 0
+        slot_index = slot_index.clamp(min=0)
+        positions = old.positions.gather(-1, slot_index).masked_fill(missing, -1)
+        scores = self.scores.gather(-1, slot_index)
+        self.store = SlotStore(old.keys, kept + room)
+        self.scores = torch.full(self.store.positions.shape, float("-inf"), device=self.scores.device)
+        self.load(old.keys, old.values, slot_index, scores, ragged=True, positions=positions)
+
     def attend(self, query: Tensor, scaling: Scaling, pads: Tensor | None) -> tuple[Tensor, int]:
         """Attention of `query` over the held tokens, and the bytes read: the slots written alone where they lie in
         front (a length that grows: not in a compiled step), else every slot, the empty ones masked."""
@@ -234,6 +254,14 @@ SelectionLayer = MethodLayer[SelectionState]  # the layer an eviction method wor
 
 @dataclasses.dataclass
 class SelectionPolicy(BudgetPolicy[SelectionState]):
+    # Every `compress_every` decoded tokens the method's own score brings each layer back to its budget (None: the
+    # method's own rule during decoding, e.g. snapkv keeps every decoded token, h2o evicts one per step).
+    compress_every: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive("compress_every", self.compress_every, allow_none=True)
+
     def score(
         self, layer: SelectionLayer, query: Tensor, key: Tensor, scaling: Scaling, valid: Tensor | None
     ) -> Tensor:
@@ -281,6 +309,8 @@ class SelectionPolicy(BudgetPolicy[SelectionState]):
 
     def slots(self, layer: SelectionLayer, kept: int) -> int:
         """Initial store size: the kept tokens plus the decoded tokens to come, within `max_slots`."""
+        if self.compress_every is not None:
+            return kept + self.compress_every  # compressed back to the budget before the store is full
         wanted = kept + layer.expected_new_tokens()
         limit = self.max_slots(layer)
         return wanted if limit is None else min(wanted, limit)
@@ -310,6 +340,7 @@ class SelectionPolicy(BudgetPolicy[SelectionState]):
         valid = layer.valid_positions(key.shape[2], key.device)
         index, scores = self.select(layer, query, key, scaling, valid)
         layer.state = self.store_selection(layer, key, value, index, scores)
+        self.remember_queries(layer, query)
 
     def append(self, layer: SelectionLayer, key: Tensor, value: Tensor) -> None:
         """Store the decoded token in the lowest-scored slot (an empty one while there is room).
@@ -318,7 +349,9 @@ class SelectionPolicy(BudgetPolicy[SelectionState]):
         evicting, so a method that keeps every decoded token never loses one when more come than were announced.
         """
         state = layer.state
-        limit = self.max_slots(layer)
+        # Under compression nothing is evicted between compressions: a store too small (a prompt below the budget,
+        # which keeps everything) grows instead.
+        limit = None if self.compress_every is not None else self.max_slots(layer)
         if state.empty == 0 and (limit is None or state.store.slots < limit):
             slots = state.store.slots
             state.grow((2 * slots if limit is None else min(2 * slots, limit)) - slots)
@@ -330,7 +363,8 @@ class SelectionPolicy(BudgetPolicy[SelectionState]):
             getattr(type(self), name) is getattr(SelectionPolicy, name)
             for name in ("decode", "append", "observe", "eviction_scores", "appended_score")
         )
-        return shared and all(isinstance(state, SelectionState) for state in states)
+        compressing = self.compress_every is not None  # compressions rebuild the store: a host decision
+        return shared and not compressing and all(isinstance(state, SelectionState) for state in states)
 
     def device_step(
         self, layer: DeviceLayer[SelectionState], query: Tensor, key: Tensor, value: Tensor, scaling: float
@@ -346,8 +380,82 @@ class SelectionPolicy(BudgetPolicy[SelectionState]):
         if type(self).observe is SelectionPolicy.observe:
             output, read = state.attend(query, scaling, layer.pads)
             layer.record(0.0, read)
-            return output
-        layer.record(0.0, state.store.nbytes())
-        output, probs = attend_with_probs(query, state.store.keys, state.store.values, scaling, state.valid(layer.pads))
-        self.observe(layer, probs)
+        else:
+            layer.record(0.0, state.store.nbytes())
+            output, probs = attend_with_probs(
+                query, state.store.keys, state.store.values, scaling, state.valid(layer.pads)
+            )
+            self.observe(layer, probs)
+        if self.compress_every is not None:
+            self.remember_queries(layer, query)
+            state.since_compressed += 1
+            # a compiled step defers it to the next eager one (`decides_on_host`: steps N, 2N, ...)
+            if state.since_compressed >= self.compress_every and not torch.compiler.is_compiling():
+                self.compress(layer, scaling)
         return output
+
+    def decides_on_host(self, step: int) -> bool:
+        """The compression steps (every `compress_every`-th) choose from scores read on the host."""
+        return self.compress_every is not None and step % self.compress_every == 0
+
+    # ---- compression during decoding (`compress_every`) ----------------------------------------------------------
+
+    def observed_queries(self, layer: SelectionLayer) -> int:
+        """How many of the latest queries `compression_scores` reads (`recent_queries`): 0 by default (a method
+        that scores by its stored eviction scores or by keys alone); SnapKV's observation window."""
+        return 0
+
+    def remember_queries(self, layer: SelectionLayer, query: Tensor) -> None:
+        """Under compression, keep the last `observed_queries` queries (the prompt's last ones, then decoded ones)."""
+        wanted = self.observed_queries(layer) if self.compress_every is not None else 0
+        if wanted <= 0:
+            return
+        held = layer.state.recent_queries
+        queries = query if held is None else torch.cat([held, query], dim=2)
+        layer.state.recent_queries = queries[:, :, -wanted:].clone()
+
+    def compression_budget(self, layer: SelectionLayer) -> int | Tensor:
+        """Tokens per KV head a compression keeps in this layer: `kept_tokens` (K; PyramidKV its layer's share), or
+        a (B,) tensor of per-row budgets (DynamicKV)."""
+        return self.kept_tokens(layer)
+
+    def compression_scores(self, layer: SelectionLayer, order: Tensor, scaling: Scaling) -> Tensor:
+        """(B, Hkv, n) worth of each held token, higher kept first, for the held slots taken in `order` (B, Hkv, n),
+        which is position order (empty slots first). By default the method's eviction scores (H2O's cumulative
+        attention with its recent window protected, TOVA's last step's attention, StreamingLLM's positions); a
+        method that ranks by the prompt's window (SnapKV) re-scores from `held_tokens` and `recent_queries`."""
+        return self.eviction_scores(layer).gather(-1, order)
+
+    def held_tokens(self, layer: SelectionLayer, order: Tensor) -> tuple[Tensor, Tensor]:
+        """The held keys (B, Hkv, n, D) in `order` and which of them are real tokens (B, Hkv, n) bool."""
+        state = layer.state
+        (keys,) = gather_tokens(order, state.store.keys)
+        return keys, state.store.valid(layer.pads).gather(-1, order)
+
+    def compress(self, layer: SelectionLayer, scaling: Scaling) -> None:
+        """Bring the layer back to `compression_budget` tokens per KV head by `compression_scores`, the last
+        `recent_kept` tokens kept whatever their score (SnapKV's window, H2O's recent half); the store is rebuilt
+        with room for the next `compress_every` tokens. Nothing is evicted where every head holds at most its
+        budget."""
+        state = layer.state
+        state.since_compressed = 0
+        assert self.compress_every is not None
+        valid = state.store.valid(layer.pads)
+        budget = self.compression_budget(layer)
+        most = budget if isinstance(budget, int) else int(budget.max())
+        if int(valid.sum(-1).max()) <= (budget if isinstance(budget, int) else int(budget.min())):
+            return
+        # position order, empty slots and pads first: `keep_top`'s last positions are the newest tokens
+        order = state.store.positions.masked_fill(~valid, -1).argsort(dim=-1, stable=True)
+        scores = checked_scores(self.name, self.compression_scores(layer, order, scaling), state.store.positions)
+        real = valid.gather(-1, order)
+        recent = self.recent_kept(layer)
+        if isinstance(budget, int):
+            index, _ = keep_top(scores, budget, real, recent)
+        else:  # per-row budgets: each row its own top-k, the others' entries -1
+            index = torch.full((*scores.shape[:2], min(most, scores.shape[-1])), -1, device=scores.device)
+            for row, row_budget in enumerate(budget.tolist()):
+                picked, _ = keep_top(scores[row : row + 1], int(row_budget), real[row : row + 1], recent)
+                index[row, :, : picked.shape[-1]] = picked[0]
+        slot_index = torch.where(index >= 0, order.gather(-1, index.clamp(min=0)), -1)
+        state.keep_slots(slot_index, self.compress_every)

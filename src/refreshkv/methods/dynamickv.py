@@ -174,7 +174,8 @@ class DynamicKV(SnapKV):
     default), the mean per layer, window included; `window` (16) observation window; `kernel` (7)
     max-pooling kernel, `pooling` (centered); `aggregation` (max) over a GQA group; `r_max` (5.0) a layer's cap as a
     multiple of the mean
-    selected budget; `interval` (4) layers between reallocations.
+    selected budget; `interval` (4) layers between reallocations; `compress_every` (None) as in snapkv, each
+    layer back to its prefill share of the budget.
     """
 
     name = "dynamickv"
@@ -235,6 +236,7 @@ class DynamicKV(SnapKV):
         budget = (index[..., :selected] >= 0).sum(-1)[:, 0]  # the same in every head of a row
         held = self.store_selection(layer, key, value, index, scores)
         layer.state = DynamicState.of(held, selected, self.window, budget, attention)
+        self.remember_queries(layer, query)
         layers = layer.method_layers()  # the layers that share the budget (not sliding windows)
         depth = layers.index(layer) + 1
         if depth % self.interval == 0 or depth == len(layers):
@@ -285,4 +287,19 @@ class DynamicKV(SnapKV):
         held = SelectionState.empty_like(old.keys, self.slots(layer, slot_index.shape[-1]))
         positions = old.positions.gather(-1, slot_index).masked_fill(~keep, -1)
         held.load(old.keys, old.values, slot_index, state.scores.gather(-1, slot_index), positions=positions)
-        return DynamicState.of(held, width, state.window, budget, state.attention)
+        shrunk = DynamicState.of(held, width, state.window, budget, state.attention)
+        shrunk.recent_queries = state.recent_queries
+        return shrunk
+
+    def compression_budget(self, layer: SelectionLayer) -> Tensor:
+        """Per row: the layer's share of the selected total B = (K - ws) x layers as allocated at prefill, plus the
+        window. Where caps left part of B unallocated (a prompt shorter than the budget), the shares are scaled up
+        to B, so a budget at or above the prompt and the answer keeps every token."""
+        layers = layer.method_layers()
+        allocated = torch.stack([cast(DynamicState, other.state).budget for other in layers], -1)  # (B, m)
+        total = self.selected_budget(layer) * len(layers)
+        spent = allocated.sum(-1)
+        own = cast(DynamicState, layer.state).budget
+        share = torch.where(spent < total, own * total // spent.clamp(min=1), own)
+        share = torch.where(spent == 0, torch.full_like(own, total // len(layers)), share)  # prompt = the window
+        return share + self.window

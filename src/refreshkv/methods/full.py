@@ -25,6 +25,7 @@ class Full(Policy[FullStore]):
     """Vanilla attention over every token; no parameters. The reference every method is compared with."""
 
     name = "full"
+    no_compression = "it keeps every token by definition"
     summary = "vanilla attention over every token"
 
     def store_prompt(self, layer: FullLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> None:

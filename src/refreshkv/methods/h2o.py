@@ -58,7 +58,9 @@ class H2O(SelectionPolicy):
     """H2O: K/2 heavy hitters by cumulative attention plus K/2 recent tokens, updated at every decode step.
 
     Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
-    default); `aggregation` (max) of the probabilities over a GQA group.
+    default); `aggregation` (max) of the probabilities over a GQA group; `compress_every` (None: one token
+    evicted per step) N: no eviction for N steps, then the lowest cumulative scores outside the recent half go
+    together, back to K.
     """
 
     name = "h2o"

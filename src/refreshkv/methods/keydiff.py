@@ -3,7 +3,9 @@
 Per KV head, the anchor is the mean of the prompt's unit-length keys (real tokens only); a token's score is minus
 the cosine of its key with the anchor, so the top K are the most distinctive keys. No attention is computed.
 Choices: the whole prompt is scored at once (the paper scores it block by block as it streams in); decoded tokens
-are appended without eviction, as `snapkv` does. The file is the scorer-layer example of docs/adding-a-method.md.
+are appended without eviction, as `snapkv` does; under `compress_every` the same score over the held keys (their
+own mean as the anchor) brings the cache back to K, which is the paper's streaming eviction applied every N tokens.
+The file is the scorer-layer example of docs/adding-a-method.md.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ class KeyDiff(SelectionPolicy):
     """KeyDiff: the K prompt keys least similar to the mean key, per KV head.
 
     Parameters: `budget`: the K prompt keys kept per KV head, chosen once after the prefill; decoded tokens are added
-    beside them (or `budget_ratio`: K as a share of the longest prompt, 1/8 by default).
+    beside them (or `budget_ratio`: K as a share of the longest prompt, 1/8 by default); `compress_every` (None)
+    N: every N decoded tokens the held keys least like their mean are kept, back to K.
     """
 
     name = "keydiff"
@@ -36,5 +39,11 @@ class KeyDiff(SelectionPolicy):
         unit = F.normalize(key.float(), dim=-1)  # (B, Hkv, L, D)
         if valid is not None:
             unit = unit * valid.view(valid.shape[0], 1, -1, 1)  # pads add nothing to the anchor
+        anchor = F.normalize(unit.sum(dim=2, keepdim=True), dim=-1)
+        return -(unit * anchor).sum(-1)
+
+    def compression_scores(self, layer: SelectionLayer, order: Tensor, scaling: Scaling) -> Tensor:
+        keys, real = self.held_tokens(layer, order)
+        unit = F.normalize(keys.float(), dim=-1) * real.unsqueeze(-1)  # empty slots add nothing to the anchor
         anchor = F.normalize(unit.sum(dim=2, keepdim=True), dim=-1)
         return -(unit * anchor).sum(-1)

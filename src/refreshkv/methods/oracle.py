@@ -49,6 +49,7 @@ class Oracle(BudgetPolicy[FullStore]):
     """
 
     name = "oracle"
+    no_compression = "it keeps the whole cache to read each step's exact top K"
     summary = "quality ceiling: each step attends to the exact top-K tokens of the current query (reads everything)"
     ceiling: ClassVar[bool] = True
 

@@ -84,7 +84,8 @@ class PyramidKV(SnapKV):
     Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
     default), the mean per layer, window included; `window` (32), `kernel` (7), `pooling` (centered), `aggregation`
     (max) as
-    in snapkv; `beta` (20) the top layer's budget is the mean / beta.
+    in snapkv; `beta` (20) the top layer's budget is the mean / beta; `compress_every` (None) as in snapkv, each
+    layer back to its pyramid budget.
     """
 
     name = "pyramidkv"

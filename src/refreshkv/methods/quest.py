@@ -145,6 +145,7 @@ class Quest(BudgetPolicy[PagedStore]):
     """
 
     name = "quest"
+    no_compression = "it keeps the whole cache and chooses the pages each step attends to"
     summary = "full cache in pages; each step attends to the top K/page_size pages by a query-aware upper bound"
 
     page_size: int = 16

@@ -99,6 +99,7 @@ class ReFreeKV(SelectionPolicy):
     name = "refreekv"
     summary = "threshold-free: per layer and head keep ranked tokens until the attention norm loss is <= T"
     budget_parameters = ("threshold",)
+    no_compression = "it has no budget to bring a layer back to (its threshold decides, once, at prefill)"
 
     threshold: float = 0.01
     sink: int = 4
@@ -120,12 +121,15 @@ class ReFreeKV(SelectionPolicy):
         if isinstance(self.keep_layers, bool) or not isinstance(self.keep_layers, int) or self.keep_layers < 0:
             raise PolicyError(f"keep_layers must be an integer >= 0, got {self.keep_layers!r}")
         check_choice("aggregation", self.aggregation, GROUP_REDUCTIONS)
+        if self.compress_every is not None:
+            raise PolicyError(f"method 'refreekv' cannot compress during decoding: {self.no_compression}")
 
     @classmethod
     def parameters(cls) -> dict[str, object]:
         params = super().parameters()
         params.pop("budget")
         params.pop("budget_ratio")
+        params.pop("compress_every")  # refused with its reason (`no_compression`)
         return params
 
     def check_prompt(self, shortest: int) -> None:

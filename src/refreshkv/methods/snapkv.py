@@ -7,6 +7,11 @@ kept, plus the window itself. Decoded tokens are appended without eviction (memo
 
 - The budget counts the window, as SnapKV's own `max_capacity_prompt` does: with budget K the cache holds K prompt
   tokens, so a budget smaller than the window is refused.
+- Compression during decoding (`compress_every`, core/selection.py): the observation window slides with the
+  answer, as SnapKV applied again at each compression: the last `window` queries (the prompt's last ones, then the
+  decoded ones) score the held tokens in position order (averaged, max-pooled over held neighbours, aggregated over
+  the group), the last `window` tokens are kept, and each layer is brought back to its budget. Word spans are the
+  prompt's alone, so `pooling="span"` pools as `centered` there.
 - Defaults: window 32, kernel 7 (SnapKV's released setting), pooled over whole words (`pooling="span"`, this
   package's default: the centred kernel cuts a number the tokenizer spells digit by digit; issue 30); the RefreshKV
   paper's setting (A.1: "observation window size 1, kernel size 7", centred, max over the query heads of a group)
@@ -41,7 +46,8 @@ class SnapKV(SelectionPolicy):
     default), window included; `window` (32) last prompt tokens whose attention selects (1 in the
     RefreshKV paper's setting); `kernel` (7) max-pooling kernel and `pooling` (span: centred, then whole
     words, engine/spans.py; centered: the papers'; forward: 1 token before a peak,
-    kernel - 2 after); `aggregation` (max) over a GQA group.
+    kernel - 2 after); `aggregation` (max) over a GQA group; `compress_every` (None: every decoded token kept) N:
+    every N decoded tokens the latest `window` queries bring each layer back to its budget.
     """
 
     name = "snapkv"
@@ -95,3 +101,15 @@ class SnapKV(SelectionPolicy):
 
     def recent_kept(self, layer: SelectionLayer) -> int:
         return self.window  # the observation window is always kept
+
+    def observed_queries(self, layer: SelectionLayer) -> int:
+        return self.window
+
+    def compression_scores(self, layer: SelectionLayer, order: Tensor, scaling: Scaling) -> Tensor:
+        """The latest `window` queries' attention over the held tokens in position order, pooled and aggregated."""
+        keys, real = self.held_tokens(layer, order)
+        queries = layer.state.recent_queries
+        assert queries is not None, "compression without the observation window's queries"
+        probs = attention_probs(queries, keys, scaling, real, causal_tail=True)
+        pooling = "centered" if self.pooling == "span" else self.pooling  # the prompt's words only
+        return selection_scores(probs, self.kernel, self.aggregation, pooling)

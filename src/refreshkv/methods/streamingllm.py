@@ -50,7 +50,8 @@ class StreamingLLM(SelectionPolicy):
     """StreamingLLM: `sinks` initial tokens plus the K - sinks most recent ones; everything else evicted for good.
 
     Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
-    default); `sinks` (4) attention sinks kept at the start.
+    default); `sinks` (4) attention sinks kept at the start; `compress_every` (None: the window slides every step)
+    N: the window grows by N tokens, then drops the oldest N at once.
     """
 
     name = "streamingllm"

@@ -45,6 +45,7 @@ class StreamingLLMPlusPlus(BudgetPolicy[FullCacheStore]):
     """
 
     name = "streamingllm++"
+    no_compression = "its full steps read the whole cache, which it keeps"
     summary = "full cache; StreamingLLM's sinks + recent window on most steps, full attention every `stride` steps"
 
     sinks: int = 4

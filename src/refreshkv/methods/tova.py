@@ -40,7 +40,8 @@ class TOVA(SelectionPolicy):
 
     Parameters: `budget`: the K tokens a layer keeps after the prefill and between decode steps (its store has K + 1
     slots: each step's token takes the evicted one's) (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
-    default).
+    default); `compress_every` (None: one token evicted per step) N: no eviction for N steps, then the tokens
+    the latest query attends to least go together, back to K.
     """
 
     name = "tova"

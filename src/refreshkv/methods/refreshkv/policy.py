@@ -111,6 +111,10 @@ class RefreshKV(BudgetPolicy[RefreshState]):
     """
 
     name = "refreshkv"
+    no_compression = (
+        "it keeps the whole cache C_f for its full steps; its partial cache C_p is bounded to K + 1 with "
+        "keep_decoded=false"
+    )
     summary = "full cache + top-K partial cache, refreshed when the query drifts (or every `stride` steps)"
     # refreshkv.txt A.1, A.4 (recycled-attention.txt §3.2 for `recycled`): the selection of the papers' runs
     presets = {
