@@ -121,20 +121,6 @@ def test_a_prompt_answers_the_same_when_the_prefix_cache_holds_it(engine, prompt
     assert answers[0] == answers[1] == answers[2]
 
 
-def test_a_preempted_request_continues_on_its_own_state(engine, prompts, monkeypatch):
-    """Under KV pressure vLLM preempts a request and recomputes its blocks when it comes back; it continues on the
-    C_p and schedule it had (parked meanwhile), so every answer equals the one it gives with room to spare."""
-    settings, asked = {"method": "refreshkv", "budget": 32}, [prompt[-700:] for prompt in prompts[4:8]]
-    roomy = run(engine, asked, settings, "roomy", max_tokens=160, ignore_eos=True)
-    resumed = vllm_rows.COUNTS.resumed
-    token_bytes = 30 * 3 * 64 * 2 * 4  # SmolLM2's keys and values, float32
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")  # else it overrides kv_cache_memory_bytes
-    tight = engine_for({"method": "full"}, max_model_len=2048, kv_cache_memory_bytes=2600 * token_bytes)
-    assert run(tight, asked, settings, "tight", max_tokens=160, ignore_eos=True) == roomy
-    assert vllm_rows.COUNTS.resumed > resumed  # some request left the batch and came back
-    assert settled_rows(tight, prompts) == 0
-
-
 def test_decode_tokens_per_second_are_the_tokens_over_the_wall_time_of_every_step(engine, prompts):
     """The serving benchmark's throughput (serving/wall_clock.py): tokens decoded after the prefill phase over the
     wall time from its end to the last step, no step left out."""
@@ -152,6 +138,43 @@ def test_decode_tokens_per_second_are_the_tokens_over_the_wall_time_of_every_ste
     assert run.summary()["step_ms_max"] == round(1000 * max(run.step_seconds), 2)
     assert len(run.first_token_seconds) == len(run.second_token_seconds) == 1
     assert run.layer_steps == 5 * 30  # decode-phase steps x layers
+
+
+def test_a_request_the_plugin_cannot_serve_fails_alone(engine, prompts):
+    params = SamplingParams(max_tokens=4, extra_args={"refreshkv": {"method": "snapkv"}})
+    with pytest.raises(VLLMValidationError, match="is an eviction method: vLLM's KV manager frees no blocks"):
+        engine.add_request("refused", TokensPrompt(prompt_token_ids=prompts[0]), params)
+    assert len(run(engine, prompts[:2], {"method": "refreshkv", "budget": 32}, "after", max_tokens=4)[1]) == 4
+
+
+def test_a_preempted_request_continues_on_its_own_state(engine, prompts, monkeypatch):
+    """Under KV pressure vLLM preempts a request and recomputes its blocks when it comes back; it continues on the
+    C_p and schedule it had (parked meanwhile), so every answer equals the one it gives with room to spare."""
+    settings, asked = {"method": "refreshkv", "budget": 32}, [prompt[-700:] for prompt in prompts[4:8]]
+    roomy = run(engine, asked, settings, "roomy", max_tokens=160, ignore_eos=True)
+    resumed = vllm_rows.COUNTS.resumed
+    token_bytes = 30 * 3 * 64 * 2 * 4  # SmolLM2's keys and values, float32
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")  # else it overrides kv_cache_memory_bytes
+    tight = engine_for({"method": "full"}, max_model_len=2048, kv_cache_memory_bytes=2600 * token_bytes)
+    assert run(tight, asked, settings, "tight", max_tokens=160, ignore_eos=True) == roomy
+    assert vllm_rows.COUNTS.resumed > resumed  # some request left the batch and came back
+    assert settled_rows(tight, prompts) == 0
+
+
+def test_a_requests_own_method_runs_on_an_engine_started_without_one(prompts):
+    """The plugin installed, no engine method: a request that names its own method is served by it (never ignored),
+    the others by vLLM's own attention."""
+    plain = engine_for(None)
+    before = vllm_rows.COUNTS.layer_steps
+    run(plain, prompts[:2], None, "plain", max_tokens=4)
+    assert vllm_rows.COUNTS.layer_steps == before
+    run(plain, prompts[:2], {"method": "refreshkv", "budget": 32}, "own", max_tokens=4)
+    assert vllm_rows.COUNTS.layer_steps - before == 2 * 3 * 30  # requests x decode steps x layers
+
+
+def test_an_unknown_method_refuses_the_engine_at_start():
+    with pytest.raises(Exception, match="method 'nope' is unknown; inside vLLM choose from: full, oracle"):
+        engine_for({"method": "nope"})
 
 
 TENSOR_PARALLEL_RUN = """
@@ -195,29 +218,6 @@ def test_every_tensor_parallel_rank_takes_the_same_decisions(prompts):
     assert tokens(3) == tokens(1)
 
 
-def test_a_requests_own_method_runs_on_an_engine_started_without_one(prompts):
-    """The plugin installed, no engine method: a request that names its own method is served by it (never ignored),
-    the others by vLLM's own attention."""
-    plain = engine_for(None)
-    before = vllm_rows.COUNTS.layer_steps
-    run(plain, prompts[:2], None, "plain", max_tokens=4)
-    assert vllm_rows.COUNTS.layer_steps == before
-    run(plain, prompts[:2], {"method": "refreshkv", "budget": 32}, "own", max_tokens=4)
-    assert vllm_rows.COUNTS.layer_steps - before == 2 * 3 * 30  # requests x decode steps x layers
-
-
-def test_a_request_the_plugin_cannot_serve_fails_alone(engine, prompts):
-    params = SamplingParams(max_tokens=4, extra_args={"refreshkv": {"method": "snapkv"}})
-    with pytest.raises(VLLMValidationError, match="is an eviction method: vLLM's KV manager frees no blocks"):
-        engine.add_request("refused", TokensPrompt(prompt_token_ids=prompts[0]), params)
-    assert len(run(engine, prompts[:2], {"method": "refreshkv", "budget": 32}, "after", max_tokens=4)[1]) == 4
-
-
-def test_an_unknown_method_refuses_the_engine_at_start():
-    with pytest.raises(Exception, match="method 'nope' is unknown; inside vLLM choose from: full, oracle"):
-        engine_for({"method": "nope"})
-
-
 def test_vllm_serve_with_the_plugin_answers_an_openai_chat_request(tmp_path, prompts):
     """`vllm serve` with the plugin switched on by one flag answers a chat request about a long document sent with
     the `openai` client, which notices nothing."""
@@ -238,7 +238,7 @@ def test_vllm_serve_with_the_plugin_answers_an_openai_chat_request(tmp_path, pro
     # OpenAI server module is the same server
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1"]
     command += ["--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096"]
-    command += ["--gpu-memory-utilization", "0.3", "--additional-config", config]
+    command += ["--gpu-memory-utilization", "0.3", "--max-num-seqs", "16", "--additional-config", config]
     log = open(tmp_path / "server.log", "w")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -15,7 +15,7 @@ import weakref
 import torch
 from vllm import SamplingParams
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
 from vllm.exceptions import VLLMValidationError
 from vllm.logger import init_logger
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
@@ -57,9 +57,10 @@ def word_spans(tokenizer_folder: str) -> object:
 
 
 def sum_over_tp_ranks(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum of `tensor` over the tensor-parallel ranks, the same bits on every rank: summed in float64, where a sum
-    of a few float32 values does not depend on the order the ranks add them in."""
-    return tensor_model_parallel_all_reduce(tensor.double()).to(tensor.dtype)
+    """The sum of `tensor` over the tensor-parallel ranks, the same bits on every rank: each rank's part gathered,
+    then added in rank order (an all-reduce may add them in another order on each rank)."""
+    parts = tensor_model_parallel_all_gather(tensor.unsqueeze(0), dim=0)
+    return parts.sum(dim=0)
 
 
 def model_facts(vllm_config: VllmConfig, policy: Policy) -> ModelFacts:
