@@ -276,22 +276,45 @@ def defaults() -> str:
     return table(rows, columns, "K = L/8 (examples)", full=full, transpose=True)
 
 
+def vllm_rows() -> list[dict]:
+    return json.loads((RESULTS / "vllm-serving" / "cpu.json").read_text(encoding="utf-8"))["rows"]
+
+
 def vllm_serving() -> str:
-    """Decode inside vLLM (benchmarks/perf/vllm_serving.py): per length and batch, each method's step against vLLM's
-    own and against the ceiling (vLLM's own step at a context of K tokens)."""
-    data = json.loads((RESULTS / "vllm-serving" / "cpu.json").read_text(encoding="utf-8"))
+    """Decode inside vLLM by the wall clock (benchmarks/perf/vllm_serving.py): per length and batch, each method's
+    decode tokens/s (every step counted) against vLLM's own and the ceiling, its steps, first tokens and refreshes."""
     lines = [
-        "| length | requests | attention | ms per step | tokens/s | vs vLLM's own | share of the ceiling "
-        "| KV MB read per step | bytes ceiling |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| length | requests | attention | decode tokens/s | vs vLLM's own | share of the ceiling | step ms: mean "
+        "/ median / p90 / max | largest step vs vLLM's own | first token s (vs own) | second token s | full steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in data["rows"]:
+    for row in vllm_rows():
         name = {"vllm": "vLLM's own", "ceiling": "ceiling: vLLM's own at K"}.get(row["method"], f"`{row['method']}`")
+        steps = " / ".join(f"{row[f'step_ms_{key}']:.0f}" for key in ("mean", "median", "p90", "max"))
         lines.append(
-            f"| {row['length']} | {row['batch']} | {name} | {row['ms_per_step']:.1f} | {row['tokens_per_s']:.1f} "
-            f"| {row['speedup_vs_vllm']:.2f}x | {row['share_of_ceiling']:.2f} | {row['kv_bytes_per_step'] / 1e6:.0f} "
-            f"| {row['bytes_ceiling']:.1f}x |"
+            f"| {row['length']} | {row['batch']} | {name} | {row['tokens_per_s']:.1f} | "
+            f"{row['tokens_per_s_vs_vllm']:.2f}x | {row['share_of_ceiling']:.2f} | {steps} | "
+            f"{row['step_ms_max_vs_vllm']:.2f}x | {row['first_token_s_mean']:.1f} "
+            f"({row['first_token_s_mean_vs_vllm']:.2f}x) | {row['second_token_s_mean']:.2f} | "
+            f"{row['full_step_share']:.3f} |"
         )
+    return "\n".join(lines)
+
+
+def vllm_headline() -> str:
+    """The README's line of the same figures: each method's decode tokens/s as a multiple of vLLM's own."""
+    rows = vllm_rows()
+    methods = [m for m in dict.fromkeys(row["method"] for row in rows) if m not in ("vllm", "ceiling")]
+    cells = sorted({(row["length"], row["batch"]) for row in rows})
+    lines = [
+        "| decode tokens/s vs vLLM's own, wall clock | " + " | ".join(f"{b} x {n}" for n, b in cells) + " |",
+        "|---|" + "---|" * len(cells),
+    ]
+    for method in methods + ["ceiling"]:
+        by_cell = {(row["length"], row["batch"]): row for row in rows if row["method"] == method}
+        name = "ceiling: vLLM's own at K" if method == "ceiling" else f"`{method}`"
+        ratios = " | ".join(f"{by_cell[cell]['tokens_per_s_vs_vllm']:.2f}x" for cell in cells)
+        lines.append(f"| {name} | {ratios} |")
     return "\n".join(lines)
 
 
@@ -312,6 +335,7 @@ TABLES = {
     "gemma-16k": gemma_16k,
     "defaults": defaults,
     "vllm-serving": vllm_serving,
+    "vllm-headline": vllm_headline,
     "lm-eval-agreement": script_summary("lm_eval_agreement", "lm-eval-agreement/smollm2.jsonl"),
     "lm-eval-choice": script_summary("lm_eval_choice", "lm-eval-choice/smollm2.jsonl"),
 }

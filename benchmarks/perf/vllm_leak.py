@@ -84,7 +84,7 @@ def main() -> None:
         "plugin_requests_after": ROWS.count(),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "readings": readings,
-        "restarted_after_preemption": vllm_rows.COUNTS.restarted,
+        "resumed_after_leaving_the_batch": vllm_rows.COUNTS.resumed,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
