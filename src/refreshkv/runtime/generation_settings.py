@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from ..core.policy import check_positive
+from ..core.policy import check_positive, shorten
 from .inputs import SamplingSettings, check_bool
 
 
@@ -69,7 +69,17 @@ class GenerationSettings(SamplingSettings):
 
     @classmethod
     def of(cls, settings: GenerationSettings | None = None, **keywords) -> GenerationSettings:
-        """`settings` (None: the defaults) with `keywords` in place of its fields; an unknown name is a TypeError."""
+        """`settings` (None: the defaults) with `keywords` in place of its fields; an unknown name is a TypeError,
+        settings of another type a ValueError, each one line naming what is allowed."""
+        if settings is not None and not isinstance(settings, GenerationSettings):
+            raise ValueError(
+                f"settings must be a GenerationSettings, e.g. settings=GenerationSettings(max_new_tokens=32), or "
+                f"None with the same names as keywords (max_new_tokens=32), got {type(settings).__name__} "
+                f"{shorten(settings)}"
+            )
+        unknown = sorted(set(keywords) - SETTINGS)
+        if unknown:
+            raise TypeError(f"unknown setting {', '.join(unknown)}; the settings: {', '.join(sorted(SETTINGS))}")
         return dataclasses.replace(settings if settings is not None else cls(), **keywords)
 
     def decoding(self, device: torch.device) -> DecodeSettings:
