@@ -1415,3 +1415,15 @@ def test_vllms_torchvision_beside_this_torch_is_one_line_naming_the_fix():
     library = subprocess.run([sys.executable, "-c", SHARED_ENVIRONMENT, "x"], capture_output=True, text=True, env=env)
     assert library.stdout.startswith("SharedEnvironmentError transformers cannot be imported here"), library.stderr
     assert library.stdout.rstrip().endswith(fix) and library.stderr == ""
+
+
+def test_the_recovery_tasks_sinks_beyond_its_budget_are_said():
+    from refreshkv.eval.perplexity import teacher_forced
+    from refreshkv.eval.recovery import probe_for
+
+    probe = probe_for(40, {"budget": 2, "sinks": 4, "steps": 2})
+    with pytest.warns(UserWarning) as said:
+        teacher_forced(tiny_model("llama", layers=2), list(range(3, 50)), 40, probe)
+    assert [str(w.message) for w in said] == [
+        "method 'full': recovery's sinks 4 does not fit in the budget of 2 tokens with the current token: keeps 1 sinks"
+    ]
