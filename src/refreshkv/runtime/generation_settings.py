@@ -79,7 +79,10 @@ class GenerationSettings(SamplingSettings):
             )
         unknown = sorted(set(keywords) - SETTINGS)
         if unknown:
-            raise TypeError(f"unknown setting {', '.join(unknown)}; the settings: {', '.join(sorted(SETTINGS))}")
+            raise TypeError(
+                f"unknown setting {', '.join(unknown)}; the settings: {', '.join(sorted(SETTINGS))} (a method's "
+                "parameters go to its method: make_policy(name, budget=...))"
+            )
         return dataclasses.replace(settings if settings is not None else cls(), **keywords)
 
     def decoding(self, device: torch.device) -> DecodeSettings:
