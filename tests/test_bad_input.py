@@ -1427,3 +1427,21 @@ def test_the_recovery_tasks_sinks_beyond_its_budget_are_said():
     assert [str(w.message) for w in said] == [
         "method 'full': recovery's sinks 4 does not fit in the budget of 2 tokens with the current token: keeps 1 sinks"
     ]
+
+
+@pytest.mark.parametrize(
+    "keywords, message",
+    [
+        ({"max_new_tokens": "2"}, "max_new_tokens must be an integer >= 1, got '2'"),
+        ({"prefill_rows": 0}, "prefill_rows must be an integer >= 1, got 0"),
+        ({"eos_token_id": [1, "2"]}, "eos_token_id must be a token id >= 0 or a list of them, got [1, '2']"),
+        ({"forced_tokens": [[5, 6]]}, "forced_tokens must be a (batch, N) torch tensor of token ids, got list"),
+    ],
+)
+def test_generation_settings_are_checked_when_made(keywords, message):
+    """They were accepted and refused (or not) at the first generation."""
+    from refreshkv import GenerationSettings
+
+    with pytest.raises(ValueError) as error:
+        GenerationSettings(**keywords)
+    assert str(error.value) == message

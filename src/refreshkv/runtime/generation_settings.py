@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from ..core.policy import check_positive, shorten
-from .inputs import SamplingSettings, check_bool
+from .inputs import SamplingSettings, check_bool, check_eos
 
 
 def default_eos_check_every(device: torch.device) -> int:
@@ -66,6 +66,14 @@ class GenerationSettings(SamplingSettings):
         super().__post_init__()
         for name in ("return_logits", "progress", "compile"):
             check_bool(name, getattr(self, name))
+        check_positive("max_new_tokens", self.max_new_tokens)
+        check_eos(self.eos_token_id)
+        for name in ("eos_check_every", "prefill_rows", "decode_rows"):
+            check_positive(name, getattr(self, name), allow_none=True)
+        if self.forced_tokens is not None and not isinstance(self.forced_tokens, torch.Tensor):
+            raise ValueError(
+                f"forced_tokens must be a (batch, N) torch tensor of token ids, got {type(self.forced_tokens).__name__}"
+            )
 
     @classmethod
     def of(cls, settings: GenerationSettings | None = None, **keywords) -> GenerationSettings:
