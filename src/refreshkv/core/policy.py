@@ -209,14 +209,14 @@ def check_budget(budget: object, budget_ratio: object, names: tuple[str, str] = 
         raise PolicyError(f"{ratio_name} must be a number in (0, 1], got {budget_ratio!r}")
 
 
-def check_budget_fits(policy: Policy, context: object, model: str = "the model") -> None:
+def check_budget_fits(policy: Policy, context: object) -> None:
     """The one rule for a budget against a model (the Python API's caches, the command line before and after the
     model loads, lm-eval's model_args): `budget` at most the model's context of `context` tokens (None: not known).
     A larger K could never be reached: a prompt and its answer fit in the context, so it would keep everything."""
     budget = getattr(policy, "budget", None)
     if is_number(context) and isinstance(budget, int) and not isinstance(budget, bool) and budget > context:
         raise PolicyError(
-            f"budget ({budget}) is above {model}'s context of {int(context)} tokens; give a budget of at most "
+            f"budget ({budget}) is above the model's context of {int(context)} tokens; give a budget of at most "
             f"{int(context)} tokens, or a budget_ratio in (0, 1]"
         )
 
