@@ -1257,7 +1257,7 @@ def public_api_cases():
         (lambda: generate(None, ids, method="full"), "model must be a transformers causal language model"),
         (lambda: generate_many("gpt2", ids, methods=["full"]), "model must be a transformers causal language model"),
         (lambda: load_model(123), "path must be a named model (smollm2-135m, gemma3-270m), a model folder"),
-        (lambda: load_model(dtype="float32"), "dtype must be a floating torch dtype, e.g. torch.float32"),
+        (lambda: load_model(dtype="int8"), "dtype must be a floating torch dtype or its name, e.g. torch.float32"),
         (lambda: load_model(device="gpu"), "device must be a torch device such as 'cpu' or 'cuda'"),
         (
             lambda: generate(model, ids, settings={"max_new_tokens": 2}),

@@ -241,17 +241,18 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
 
 
 def check_load_arguments(path: object, dtype: object, device: object) -> None:
-    """`path` None, a string or an os.PathLike; `dtype` a floating torch dtype; `device` one torch knows and this
-    machine has."""
+    """`path` None, a string or an os.PathLike; `dtype` a floating torch dtype (or its name, which transformers
+    takes too); `device` one torch knows and this machine has."""
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise ModelError(
             f"path must be a named model ({', '.join(NAMED_MODELS)}), a model folder or a .gguf file, as a string or "
             f"os.PathLike (None: {DEFAULT_MODEL}), got {type(path).__name__} {shorten(path)}"
         )
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+    named = getattr(torch, dtype, None) if isinstance(dtype, str) and dtype.isidentifier() else dtype
+    if not isinstance(named, torch.dtype) or not named.is_floating_point:  # transformers also takes the name
         raise ModelError(
-            f"dtype must be a floating torch dtype, e.g. torch.float32 or torch.bfloat16, got {type(dtype).__name__} "
-            f"{shorten(dtype)}"
+            "dtype must be a floating torch dtype or its name, e.g. torch.float32 or 'bfloat16', got "
+            f"{type(dtype).__name__} {shorten(dtype)}"
         )
     try:
         kind = torch.device(device).type  # type: ignore[call-overload]  # any value: refused below if no device
