@@ -273,7 +273,7 @@ def test_an_unwritable_results_file_is_refused_before_loading_the_model(tmp_path
     code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, blocker / "r.jsonl"))
     assert_one_line_error(code, err, f"cannot write {blocker / 'r.jsonl'}")
     code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, tmp_path))  # a folder
-    assert_one_line_error(code, err, f"cannot write {tmp_path}")
+    assert_one_line_error(code, err, f"results file {tmp_path} is a folder; give a file path")
     busy = tmp_path / "busy.jsonl"
     with ResultsFile(busy, run="other"):
         code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, busy))
