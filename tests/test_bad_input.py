@@ -1389,32 +1389,26 @@ class Broken:  # transformers' import failing as it does beside vLLM's torchvisi
         if name.split(".")[0] == "transformers":
             raise RuntimeError("operator torchvision::nms does not exist")
 sys.meta_path.insert(0, Broken())
-sys.argv = sys.argv[1:]
-if sys.argv[:1] == ["refreshkv"]:
-    from refreshkv.cli.app import main
-    main()
 try:
     import refreshkv
 except ImportError as error:
     print(type(error).__name__, error)
+sys.argv = ["refreshkv", "methods"]  # then the command line, in the same process
+from refreshkv.cli.app import main
+main()
 """
 
 
 def test_vllms_torchvision_beside_this_torch_is_one_line_naming_the_fix():
     fix = "pip uninstall -y torchvision torchaudio torchcodec, or keep vLLM in its own virtualenv (docs/serving.md)"
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent / "src")}
-    command = subprocess.run(
-        [sys.executable, "-c", SHARED_ENVIRONMENT, "refreshkv", "methods"], capture_output=True, text=True, env=env
-    )
-    assert command.returncode == 2 and len(command.stderr.splitlines()) == 1, command.stderr
-    assert command.stderr.startswith("error: transformers cannot be imported here (RuntimeError: operator torchvision")
-    assert (
-        "torchvision, torchaudio or torchcodec installed beside this torch break transformers' import" in command.stderr
-    )
-    assert command.stderr.rstrip().endswith(fix)
-    library = subprocess.run([sys.executable, "-c", SHARED_ENVIRONMENT, "x"], capture_output=True, text=True, env=env)
-    assert library.stdout.startswith("SharedEnvironmentError transformers cannot be imported here"), library.stderr
-    assert library.stdout.rstrip().endswith(fix) and library.stderr == ""
+    run = subprocess.run([sys.executable, "-c", SHARED_ENVIRONMENT], capture_output=True, text=True, env=env)
+    assert run.stdout.startswith("SharedEnvironmentError transformers cannot be imported here"), run.stderr
+    assert run.stdout.rstrip().endswith(fix) and len(run.stdout.splitlines()) == 1
+    assert run.returncode == 2 and len(run.stderr.splitlines()) == 1, run.stderr
+    assert run.stderr.startswith("error: transformers cannot be imported here (RuntimeError: operator torchvision")
+    assert "torchvision, torchaudio or torchcodec installed beside this torch break transformers' import" in run.stderr
+    assert run.stderr.rstrip().endswith(fix)
 
 
 def test_the_recovery_tasks_sinks_beyond_its_budget_are_said():
