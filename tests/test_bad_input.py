@@ -273,7 +273,7 @@ def test_an_unwritable_results_file_is_refused_before_loading_the_model(tmp_path
     code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, blocker / "r.jsonl"))
     assert_one_line_error(code, err, f"cannot write {blocker / 'r.jsonl'}")
     code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, tmp_path))  # a folder
-    assert_one_line_error(code, err, f"cannot write {tmp_path}")
+    assert_one_line_error(code, err, f"results file {tmp_path} is a folder; give a file path")
     busy = tmp_path / "busy.jsonl"
     with ResultsFile(busy, run="other"):
         code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, busy))
@@ -887,9 +887,13 @@ def test_a_huge_kernel_decodes_in_a_moment_as_a_prompt_wide_one_does(method):
         torch.randint(3, 120, (1, 48), generator=torch.Generator().manual_seed(1)),
     )
     started = time.perf_counter()
-    huge = generate(model, ids, method=method, budget=16, window=4, kernel=1_000_000_001, max_new_tokens=4)
+    with pytest.warns(
+        UserWarning, match="kernel 1000000001 is wider than the prompt .48 tokens.: it pools as kernel 95"
+    ):
+        huge = generate(model, ids, method=method, budget=16, window=4, kernel=1_000_000_001, max_new_tokens=4)
     assert time.perf_counter() - started < 5
-    wide = generate(model, ids, method=method, budget=16, window=4, kernel=97, max_new_tokens=4)
+    with pytest.warns(UserWarning, match="kernel 97 is wider than the prompt .48 tokens.: it pools as kernel 95"):
+        wide = generate(model, ids, method=method, budget=16, window=4, kernel=97, max_new_tokens=4)
     assert huge.tokens == wide.tokens
 
 
@@ -1214,3 +1218,224 @@ def test_decoding_past_the_announced_tokens_grows_the_answers_room_instead_of_ev
         tokens.append(llama.generate(ids, **with_cache(llama, cache), **options))
         assert cache.layers[1].state.partial.store.slots >= 8 + 11  # K and the 11 decoded tokens after the first
     assert torch.equal(tokens[0], tokens[1])
+
+
+# ---- wrong types at the Python API, one budget rule, clamps said, non-file outputs, a shared environment ----------
+
+
+def public_api_cases():
+    from refreshkv import (
+        GenerationSettings,
+        PolicyCache,
+        fastest_layout,
+        generate,
+        generate_many,
+        load_model,
+        make_policy,
+        pack_linear_weights,
+        with_cache,
+    )
+
+    model, ids = tiny_model("llama", layers=2), torch.randint(3, 100, (1, 12))
+    methods = "choose from: dynamickv, full"
+    return [
+        (
+            lambda: make_policy(["refreshkv"]),
+            f"method must be a method name (a string), got list ['refreshkv']; {methods}",
+        ),
+        (lambda: make_policy({"a": 1}), f"method must be a method name (a string), got dict {{'a': 1}}; {methods}"),
+        (
+            lambda: make_policy("refreshkv", preset=["paper"]),
+            "method 'refreshkv' has no preset ['paper']; its presets:",
+        ),
+        (lambda: make_policy("snapkv", pooling=["span"]), "unknown pooling '['span']'; choose from: centered"),
+        (lambda: generate(model, ids, method=["full"]), "method must be a method name or a make_policy(...) object"),
+        (
+            lambda: generate_many(model, ids, methods=["full", {"x": 1}]),
+            "methods[1] must be a method name or a make_policy(...) object, got dict {'x': 1}; the methods:",
+        ),
+        (lambda: generate(None, ids, method="full"), "model must be a transformers causal language model"),
+        (lambda: generate_many("gpt2", ids, methods=["full"]), "model must be a transformers causal language model"),
+        (lambda: load_model(123), "path must be a named model (smollm2-135m, gemma3-270m), a model folder"),
+        (lambda: load_model(dtype="int8"), "dtype must be a floating torch dtype or its name, e.g. torch.float32"),
+        (lambda: load_model(device="gpu"), "device must be a torch device such as 'cpu' or 'cuda'"),
+        (
+            lambda: generate(model, ids, settings={"max_new_tokens": 2}),
+            "settings must be a GenerationSettings, e.g. settings=GenerationSettings(max_new_tokens=32)",
+        ),
+        (
+            lambda: generate(model, ids, settings=GenerationSettings(), method="full", nonsense=1),
+            "method 'full' has no parameter nonsense",
+        ),
+        (lambda: generate_many(model, ids, methods=["full"], nonsense=1), "unknown setting nonsense; the settings:"),
+        (lambda: PolicyCache(make_policy("full"), None), "PolicyCache needs the model (a transformers model"),
+        (lambda: with_cache(None, None), "model must be a transformers model (a torch module"),
+        (lambda: fastest_layout([]), "model must be a transformers causal language model"),
+        (lambda: pack_linear_weights("model"), "model must be a transformers causal language model"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(18))
+def test_the_public_api_refuses_a_wrong_type_in_one_line_naming_the_argument(index):
+    """make_policy(["refreshkv"]) was `TypeError: unhashable type`, generate(None, ...) an AttributeError deep inside,
+    load_model(123) os.fspath's TypeError, settings={...} dataclasses.replace's TypeError."""
+    call, message = public_api_cases()[index]
+    with pytest.raises((ValueError, TypeError)) as error:
+        call()
+    assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_a_budget_above_the_models_context_is_refused_at_every_door(no_model, monkeypatch, capsys):
+    """demo --budget 100000 and generate --budget 100000 ran, keeping everything; lm-eval refused it."""
+    from refreshkv import PolicyError, generate, make_policy
+    from refreshkv.lm_eval.model import ModelArgsError, RefreshKVLM
+
+    said = "budget (100000) is above the model's context of 8192 tokens; give a budget of at most 8192 tokens"
+    code, _, err = cli(monkeypatch, capsys, "demo", "--length", "4096", "--budget", "100000")
+    assert_one_line_error(code, err, said)
+    code, _, err = cli(monkeypatch, capsys, "generate", "--method", "snapkv", "--budget", "100000", "--prompt", "hi")
+    assert_one_line_error(code, err, said)
+    code, _, err = cli(monkeypatch, capsys, "bench", "--methods", "full,snapkv", "--budget", "100000")
+    assert_one_line_error(code, err, said)
+    monkeypatch.setattr(refreshkv.lm_eval.model, "load_model", refreshkv.runtime.loading.load_model)  # refuses
+    with pytest.raises(ModelArgsError, match=r"^budget \(100000\) is above the model's context of 8192 tokens;"):
+        RefreshKVLM(method="snapkv", budget=100000)  # before the model loads
+    model, ids = tiny_model("llama", layers=2), torch.randint(3, 100, (1, 40))
+    with pytest.raises(PolicyError, match=r"^budget \(1025\) is above the model's context of 1024 tokens;"):
+        generate(model, ids, method="snapkv", budget=1025, max_new_tokens=2)
+    generate(model, ids, method="snapkv", budget=1024, max_new_tokens=2)  # the context itself: everything kept
+    with pytest.raises(PolicyError, match=r"^budget \(1025\) is above the model's context of 1024 tokens;"):
+        refreshkv.PolicyCache(make_policy("streamingllm", budget=1025), model)
+
+
+def test_a_folders_model_is_held_to_its_context_once_it_loads(tiny_loader, monkeypatch, capsys):
+    code, _, err = cli(
+        monkeypatch,
+        capsys,
+        "generate",
+        "--model",
+        "/some/folder",
+        "--method",
+        "h2o",
+        "--budget",
+        "5000",
+        "--prompt",
+        "a b",
+    )
+    assert_one_line_error(code, err, "budget (5000) is above the model's context of 1024 tokens")
+
+
+def test_a_clamped_value_is_named_with_the_value_used():
+    """A kernel of 1e9 pooled as the prompt's width, a budget too small for the sinks kept fewer, silently."""
+    from refreshkv import generate
+
+    model, ids = tiny_model("llama", layers=2), torch.randint(3, 100, (1, 12))
+    with pytest.warns(UserWarning) as said:
+        generate(model, ids, method="snapkv", budget=8, window=4, kernel=1_000_000_001, max_new_tokens=2)
+        generate(model, ids, method="streamingllm", budget=3, max_new_tokens=2)
+        generate(model, ids, method="streamingllm++", budget=2, sinks=6, max_new_tokens=2)
+        generate(model, ids, max_new_tokens=2, do_sample=True, top_k=1000, seed=0)
+    assert [str(w.message) for w in said] == [
+        "method 'snapkv': kernel 1000000001 is wider than the prompt (12 tokens): it pools as kernel 23, the widest "
+        "that fits",
+        "method 'streamingllm': sinks 4 does not fit in the budget of 3 tokens with the current token: keeps 2 sinks",
+        "method 'streamingllm++': sinks 6 does not fit in the budget of 2 tokens with the current token: keeps 1 sinks",
+        "top_k 1000 is above the vocabulary: samples from all 128 tokens",
+    ]
+
+
+def test_a_clamp_is_one_warning_line_on_the_command_line(tiny_loader, monkeypatch, capsys):
+    import warnings
+
+    words = " ".join(f"w{i}" for i in range(30))
+    args = ["generate", "--method", "snapkv", "--budget", "8", "--window", "4", "--kernel", "999", "--prompt", words]
+    line = "kernel 999 is wider than the prompt (30 tokens): it pools as kernel 59, the widest that fits"
+    with pytest.warns(UserWarning) as said:
+        code, _, err = cli(monkeypatch, capsys, *args, "--max-new-tokens", "2")
+    assert code in (0, None), err
+    assert [str(w.message) for w in said] == [f"method 'snapkv': {line}"]
+    message = said[0]
+    shown = warnings.formatwarning(message.message, message.category, message.filename, message.lineno)
+    assert shown == f"warning: method 'snapkv': {line}\n"  # as the command line prints it on stderr
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    path = tmp_path / "pipe"
+    os.mkfifo(path)
+    return path
+
+
+def test_an_output_that_is_a_fifo_is_refused_with_or_without_force(fifo, no_model, monkeypatch, capsys, doc, tmp_path):
+    """`bench --json /dev/full --force` renamed a temporary file over the device."""
+    from refreshkv.runtime.output_files import OutputError, write_text
+
+    for force in ([], ["--force"]):
+        code, _, err = cli(monkeypatch, capsys, "bench", "--json", fifo, "--lengths", "40", *force)
+        assert_one_line_error(code, err, f"bench output {fifo} is a FIFO (named pipe), not a regular file")
+        code, _, err = cli(monkeypatch, capsys, "trace", "--out", fifo, "--prompt", "hi", *force)
+        assert_one_line_error(code, err, f"trace file {fifo} is a FIFO (named pipe), not a regular file")
+    code, _, err = cli(monkeypatch, capsys, *ppl_eval_args(doc, fifo))
+    assert_one_line_error(code, err, f"results file {fifo} is a FIFO (named pipe), not a regular file")
+    with pytest.raises(OutputError, match="is a FIFO"):
+        write_text(fifo, "x", "report file")
+    assert fifo.is_fifo()
+
+
+SHARED_ENVIRONMENT = """
+import sys
+class Broken:  # transformers' import failing as it does beside vLLM's torchvision
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "transformers":
+            raise RuntimeError("operator torchvision::nms does not exist")
+sys.meta_path.insert(0, Broken())
+try:
+    import refreshkv
+except ImportError as error:
+    print(type(error).__name__, error)
+sys.argv = ["refreshkv", "methods"]  # then the command line, in the same process
+from refreshkv.cli.app import main
+main()
+"""
+
+
+def test_vllms_torchvision_beside_this_torch_is_one_line_naming_the_fix():
+    fix = "pip uninstall -y torchvision torchaudio torchcodec, or keep vLLM in its own virtualenv (docs/serving.md)"
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent / "src")}
+    run = subprocess.run([sys.executable, "-c", SHARED_ENVIRONMENT], capture_output=True, text=True, env=env)
+    assert run.stdout.startswith("SharedEnvironmentError transformers cannot be imported here"), run.stderr
+    assert run.stdout.rstrip().endswith(fix) and len(run.stdout.splitlines()) == 1
+    assert run.returncode == 2 and len(run.stderr.splitlines()) == 1, run.stderr
+    assert run.stderr.startswith("error: transformers cannot be imported here (RuntimeError: operator torchvision")
+    assert "torchvision, torchaudio or torchcodec installed beside this torch break transformers' import" in run.stderr
+    assert run.stderr.rstrip().endswith(fix)
+
+
+def test_the_recovery_tasks_sinks_beyond_its_budget_are_said():
+    from refreshkv.eval.perplexity import teacher_forced
+    from refreshkv.eval.recovery import probe_for
+
+    probe = probe_for(40, {"budget": 2, "sinks": 4, "steps": 2})
+    with pytest.warns(UserWarning) as said:
+        teacher_forced(tiny_model("llama", layers=2), list(range(3, 50)), 40, probe)
+    assert [str(w.message) for w in said] == [
+        "method 'full': recovery's sinks 4 does not fit in the budget of 2 tokens with the current token: keeps 1 sinks"
+    ]
+
+
+@pytest.mark.parametrize(
+    "keywords, message",
+    [
+        ({"max_new_tokens": "2"}, "max_new_tokens must be an integer >= 1, got '2'"),
+        ({"prefill_rows": 0}, "prefill_rows must be an integer >= 1, got 0"),
+        ({"eos_token_id": [1, "2"]}, "eos_token_id must be a token id >= 0 or a list of them, got [1, '2']"),
+        ({"forced_tokens": [[5, 6]]}, "forced_tokens must be a (batch, N) torch tensor of token ids, got list"),
+    ],
+)
+def test_generation_settings_are_checked_when_made(keywords, message):
+    """They were accepted and refused (or not) at the first generation."""
+    from refreshkv import GenerationSettings
+
+    with pytest.raises(ValueError) as error:
+        GenerationSettings(**keywords)
+    assert str(error.value) == message

@@ -9,7 +9,7 @@ from refreshkv import PolicyCache, PolicyError, make_policy
 from refreshkv.engine.cache_argument import with_cache
 
 NEW = 10
-EVERYTHING = {"refreshkv": {"budget": 4096}, "recycled": {"budget": 4096}, "h2o": {"budget": 4096}}
+EVERYTHING = {"refreshkv": {"budget": 1024}, "recycled": {"budget": 1024}, "h2o": {"budget": 1024}}
 
 
 def hf_generate(model, ids, policy=None, **kwargs):
@@ -43,7 +43,7 @@ def test_assisted_decoding_with_full(llama):
     out = hf_generate(llama, ids, make_policy("full"), assistant_model=assistant)
     assert torch.equal(out, plain)
     # refreshkv keeps every token in C_f, so it takes drafted tokens (one full step) and forgets the rejected ones
-    kept = hf_generate(llama, ids, make_policy("refreshkv", budget=4096), assistant_model=assistant)
+    kept = hf_generate(llama, ids, make_policy("refreshkv", budget=1024), assistant_model=assistant)
     assert torch.equal(kept, plain)
 
 

@@ -227,3 +227,26 @@ def test_ppl_windows(tmp_path):
         task.build(TOKENIZER, 500, 1, seed=1)
     with pytest.raises(ValueError, match="has 600 tokens"):
         task.build(TOKENIZER, 500, 1, seed=1, paths=[str(short)], target_tokens=100)
+
+
+def test_more_examples_than_a_task_can_make_distinct_are_refused(tmp_path):
+    """longbench ran fewer examples than asked without a word; ppl drew the same window again."""
+    path = tmp_path / "data.jsonl"
+    rows = [_longbench_row("hotpotqa", "a b c", ["a"]), _longbench_row("trec", "d e", ["d"])]
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    with pytest.raises(ValueError) as error:
+        get_task("longbench").build(TOKENIZER, 1000, 3, seed=0, path=str(path))
+    assert str(error.value) == (
+        f"task 'longbench': num_examples (--num-examples) 3 is more than the 2 distinct examples in {path} (its "
+        "rows); give at most 2"
+    )
+    assert len(get_task("longbench").build(TOKENIZER, 1000, 2, seed=0, path=str(path))) == 2
+    book = tmp_path / "book.txt"
+    book.write_text(" ".join(f"w{i}" for i in range(100)))
+    ppl = get_task("ppl")
+    assert len(ppl.build(TOKENIZER, 40, 57, 0, paths=[str(book)], target_tokens=4)) == 57  # 100 - 44 + 1 windows
+    with pytest.raises(ValueError) as error:
+        ppl.build(TOKENIZER, 40, 58, 0, paths=[str(book)], target_tokens=4)
+    assert str(error.value).startswith(
+        "task 'ppl': num_examples (--num-examples) 58 is more than the 57 distinct examples of 44 tokens in"
+    )

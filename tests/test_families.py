@@ -49,7 +49,7 @@ def test_keeping_everything_equals_transformers_beyond_the_sliding_window(family
     out = refreshkv.generate(
         model,
         ids,
-        method=make_policy(name, **METHODS[name].keep_everything()),
+        method=make_policy(name, **METHODS[name].keep_everything(model.config.max_position_embeddings)),
         max_new_tokens=NEW,
         eos_token_id=[],
         return_logits=True,

@@ -47,7 +47,7 @@ def test_keeping_everything_equals_transformers_beyond_the_window(gemma):
     outs = generate_many(
         model,
         ids,
-        methods=[make_policy(n, **METHODS[n].keep_everything()) for n in names],
+        methods=[make_policy(n, **METHODS[n].keep_everything(model.config.max_position_embeddings)) for n in names],
         max_new_tokens=NEW,
         eos_token_id=[],
     )
@@ -66,6 +66,8 @@ def test_model_generate_with_a_policy_cache_matches_transformers(gemma):
     model, tokenizer = gemma
     ids = long_prompt(tokenizer, 600)
     reference = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
-    cache = PolicyCache(make_policy("refreshkv", budget=1 << 20), model, max_new_tokens=NEW)
+    cache = PolicyCache(
+        make_policy("refreshkv", budget=model.config.max_position_embeddings), model, max_new_tokens=NEW
+    )
     ours = model.generate(ids, **with_cache(model, cache), max_new_tokens=NEW, do_sample=False, eos_token_id=None)
     assert torch.equal(ours, reference)

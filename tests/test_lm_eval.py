@@ -210,6 +210,7 @@ def test_command_line_refuses_in_one_line(monkeypatch, capsys, tmp_path):
     for args, said in (
         (["method=snapkv,windw=8", "refreshkv_numbers", TASKS_DIR], "unknown model_args windw; give model,"),
         (["method=full,threads=1", "gone", tmp_path], f"Unable to find '{tmp_path / 'gone.jsonl'}'"),
+        (["method=full", "nosuch_task", TASKS_DIR], "unknown task nosuch_task; list the tasks with: python -m "),
     ):
         model_args, task, folder = args
         command = ["--model", "refreshkv", "--model_args", model_args, "--tasks", task, "--include_path", str(folder)]
@@ -235,3 +236,68 @@ def test_without_lm_eval_the_package_says_what_to_install(monkeypatch, capsys, i
         assert caught.value.code == 2 and capsys.readouterr().err == f"refreshkv.lm_eval: error: {needs}\n"
     else:
         assert str(caught.value) == needs
+
+
+def lm_eval_cli(monkeypatch, capsys, *args) -> tuple[int, str]:
+    """(exit code, stderr) of `python -m refreshkv.lm_eval ARGS`, in this process."""
+    monkeypatch.setattr(sys, "argv", ["refreshkv.lm_eval", *map(str, args)])
+    with pytest.raises(SystemExit) as exit:
+        main()
+    return exit.value.code, capsys.readouterr().err
+
+
+@pytest.fixture
+def executed(monkeypatch):
+    """lm-eval's run replaced (its task index takes seconds): records that it started, runs `then` if set."""
+    from lm_eval._cli import HarnessCLI
+
+    calls = {"then": None, "ran": 0}
+
+    def execute(self, args):
+        calls["ran"] += 1
+        if calls["then"] is not None:
+            calls["then"]()
+
+    monkeypatch.setattr(HarnessCLI, "execute", execute)
+    return calls
+
+
+def test_paths_that_cannot_work_are_refused_before_the_run(monkeypatch, capsys, tmp_path, executed):
+    base = ["--model", "refreshkv", "--tasks", "refreshkv_numbers"]
+    code, err = lm_eval_cli(monkeypatch, capsys, *base, "--include_path", tmp_path / "nowhere")
+    assert code == 2 and err.splitlines()[-1] == (
+        f"refreshkv.lm_eval: error: --include_path {tmp_path / 'nowhere'} does not exist; give a folder (or YAML "
+        "file) of task configs"
+    )
+    (tmp_path / "a-file").write_text("x")
+    out = tmp_path / "a-file" / "results"
+    code, err = lm_eval_cli(monkeypatch, capsys, *base, "--include_path", TASKS_DIR, "--output_path", out)
+    assert code == 2 and err.splitlines()[-1] == (
+        f"refreshkv.lm_eval: error: --output_path {out} cannot be written (its folder is not writable); give another"
+    )
+    assert executed["ran"] == 0
+    code, err = lm_eval_cli(monkeypatch, capsys, *base, "--output_path", tmp_path / "new" / "results")
+    assert code == 0 and executed["ran"] == 1  # a folder still to be made under a writable one
+
+
+def test_ctrl_c_and_results_not_saved_end_in_one_line_never_exit_0(monkeypatch, capsys, tmp_path, executed):
+    import logging
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    executed["then"] = interrupted
+    code, err = lm_eval_cli(monkeypatch, capsys, "--model", "refreshkv", "--tasks", "x")
+    assert code == 130 and err.splitlines()[-1] == "refreshkv.lm_eval: interrupted"
+
+    def not_saved():  # what lm-eval's evaluation tracker logs when a write fails, and then carries on
+        tracker = logging.getLogger("lm_eval.loggers.evaluation_tracker")
+        tracker.warning("Could not save sample results")
+        tracker.info(repr(OSError(28, "No space left on device")))
+
+    executed["then"] = not_saved
+    code, err = lm_eval_cli(monkeypatch, capsys, "--model", "refreshkv", "--tasks", "x", "--output_path", tmp_path)
+    assert code == 1 and err.splitlines()[-1] == (
+        f"refreshkv.lm_eval: error: lm-eval did not save what it was asked to save under {tmp_path}: Could not save "
+        "sample results (OSError(28, 'No space left on device'))"
+    )

@@ -92,7 +92,13 @@ def test_keeping_everything_equals_full(request, family, name):
     model = request.getfixturevalue(family)
     ids = random_prompt(40, seed=3)
     full = run(model, ids, "full")
-    out = run(model, ids, method(name), **METHODS[method(name)].keep_everything(), **OPTIONS.get(name, {}))
+    out = run(
+        model,
+        ids,
+        method(name),
+        **METHODS[method(name)].keep_everything(model.config.max_position_embeddings),
+        **OPTIONS.get(name, {}),
+    )
     assert out.tokens == full.tokens
     assert max_diff(out.logits, full.logits) < 1e-4
 

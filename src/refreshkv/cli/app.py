@@ -190,9 +190,9 @@ def generate(
     from ..core.policy import make_policy
 
     params = params or {}
-    make_policy(method, **params)  # validate before loading anything
+    policies = [make_policy(method, **params)]  # validate before loading anything
     if compare is not None:
-        make_policy(compare)
+        policies.append(make_policy(compare))
     settings = GenerationSettings(  # checked by the API's own rules, before anything loads
         max_new_tokens=max_new_tokens,
         do_sample=sample,
@@ -204,7 +204,7 @@ def generate(
         progress=True,
     )
     text = read_prompt(prompt, prompt_file)
-    lm, tokenizer, _ = load_checked(model, check_runtime(dtype, device, compile, weight_layout))
+    lm, tokenizer, _ = load_checked(model, check_runtime(dtype, device, compile, weight_layout), policies)
     ids = encode(tokenizer, text, chat)
     methods = [(method, params)] + ([(compare, {})] if compare is not None else [])
     show(run_generations(lm, tokenizer, ids, methods, settings), as_json)
@@ -228,9 +228,8 @@ def demo(
     from .demo import METHODS, demo_prompt, found
 
     methods = [(name, {} if budget is None or name == "full" else {"budget": budget}) for name in METHODS]
-    for name, params in methods:
-        make_policy(name, **params)  # validate before loading anything
-    lm, tokenizer, _ = load_checked(model, check_runtime())
+    policies = [make_policy(name, **params) for name, params in methods]  # validate before loading anything
+    lm, tokenizer, _ = load_checked(model, check_runtime(), policies)
     ids = demo_prompt(tokenizer, length)
     check_length(lm, ids.shape[1], max_new_tokens)
     results = run_generations(

@@ -28,6 +28,14 @@ from .tables import print_table
 CONSOLE = Console()
 
 
+def bench_policies(methods: dict[str, dict]) -> list:
+    """The method objects of `bench_methods`' choice (the reference, transformers' own generation, has none)."""
+    from ..core.policy import make_policy
+    from ..measure.bench_round import REFERENCE, method_of
+
+    return [make_policy(method_of(name), **params) for name, params in methods.items() if name != REFERENCE]
+
+
 def bench_methods(names: str, budget: int, param: list[str]) -> dict[str, dict]:
     """Method name -> parameters: `budget` for every method that has one, plus `--param METHOD:NAME=VALUE`."""
     from ..core.policy import METHODS
@@ -143,7 +151,9 @@ def bench_command(
     for output in [json_out, *(plot_paths(plot) if plot is not None else ())]:
         if output is not None:
             check_output(output, "bench output", force)  # before minutes of measuring, not after
-    lm, tokenizer, layout = load_checked(model, check_runtime(dtype, device, compile, weight_layout, threads))
+    lm, tokenizer, layout = load_checked(
+        model, check_runtime(dtype, device, compile, weight_layout, threads), bench_policies(chosen)
+    )
     runs = rounds * len(chosen) * len(length_list) * len(set(batches))
     bars = []  # opened once run_bench has checked everything, so that a refusal stays one line
 
@@ -222,7 +232,7 @@ def profile_command(
     if length - step < 16:
         raise ValueError(f"--length {length} leaves fewer than 16 prompt tokens before step {step}")
     lm, tokenizer, layout = load_checked(
-        model, check_runtime(dtype, device, weight_layout=weight_layout, threads=threads)
+        model, check_runtime(dtype, device, weight_layout=weight_layout, threads=threads), [policy]
     )
     check_length(lm, length - step, step)
     prompts = bench_prompt(tokenizer, length - step, batch).to(lm.device)

@@ -119,7 +119,7 @@ def register(app, user_errors) -> None:
         runtime = check_runtime(dtype, device)
         # the rows' file is made before the model loads: a path that cannot take it is refused first
         with new_text_file(out, "--out") if out is not None else contextlib.nullcontext(sys.stdout) as sink:
-            lm, tokenizer, _ = load_checked(model, runtime)
+            lm, tokenizer, _ = load_checked(model, runtime, policies)
             form = TurnFormat(tokenizer)
             context = form.context(document).to(lm.device)
             check_length(lm, context.shape[1], max_new_tokens)  # before minutes of prefill

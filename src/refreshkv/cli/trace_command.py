@@ -107,7 +107,7 @@ def register(app: typer.Typer, user_errors) -> None:
             from ..measure.bench_report import check_plotting
 
             check_plotting()
-        lm, tokenizer, _ = load_checked(model, check_runtime(dtype))
+        lm, tokenizer, _ = load_checked(model, check_runtime(dtype), [policy])
         if task is None:
             if chat and not tokenizer.chat_template:
                 raise ValueError("this model has no chat template (a base model): leave out --chat")

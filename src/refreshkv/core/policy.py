@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeGuard
 
 from torch import Tensor
 
-from .attention_math import Scaling, prompt_attention
+from .attention_math import Scaling, pool_window, prompt_attention
 from .contract import MethodLayer, State
 from .kvstore import LayerState
 
@@ -136,6 +136,23 @@ class Policy(Generic[State]):
         """Refuse (PolicyError) a batch whose shortest real prompt has `shortest` tokens if the method cannot work
         on it (e.g. a window longer than the prompt); called once per generation, before any layer's prefill."""
 
+    def clamps(self, length: int, budget: int) -> list[str]:
+        """What this generation uses in place of a parameter it cannot use as given (clamped rather than refused),
+        one line each naming the parameter, the value given and the value used; the cache warns with each once per
+        generation. `length`: the prompt's tokens (padding included), `budget`: K. By default: a pooling `kernel`
+        wider than the prompt pools as the widest that fits (attention_math.pool)."""
+        kernel = getattr(self, "kernel", None)
+        if not isinstance(kernel, int) or kernel <= 1:
+            return []
+        before, after = pool_window(kernel, getattr(self, "pooling", "centered"))
+        used = min(before, length - 1) + min(after, length - 1) + 1
+        if used >= kernel:
+            return []
+        return [
+            f"kernel {kernel} is wider than the prompt ({length} tokens): it pools as kernel {used}, the widest"
+            " that fits"
+        ]
+
     def check_layers(self, layers: int) -> None:
         """Refuse (PolicyError) a model of `layers` layers if the method cannot work on it (e.g. no layer left to
         select in); called once, when the cache is built."""
@@ -149,8 +166,9 @@ class Policy(Generic[State]):
         )
 
     @classmethod
-    def keep_everything(cls) -> dict[str, object]:
-        """Parameters under which the method keeps and attends to every token, so it must equal `full`."""
+    def keep_everything(cls, context: int) -> dict[str, object]:
+        """Parameters under which the method keeps and attends to every token of a model whose context is `context`
+        tokens (prompt and answer together), so it must equal `full`."""
         return {}
 
     @classmethod
@@ -175,8 +193,8 @@ class BudgetPolicy(Policy[State]):
         check_budget(self.budget, self.budget_ratio)
 
     @classmethod
-    def keep_everything(cls) -> dict[str, object]:
-        return {"budget": 1 << 20}
+    def keep_everything(cls, context: int) -> dict[str, object]:
+        return {"budget": context}  # the most a budget may be (`check_budget_fits`); a generation holds no more
 
     def budget_for(self, prompt_length: int) -> int:
         return resolve_budget(prompt_length, self.budget, self.budget_ratio)
@@ -191,6 +209,18 @@ def check_budget(budget: object, budget_ratio: object, names: tuple[str, str] = 
     check_positive(budget_name, budget, allow_none=True)
     if budget_ratio is not None and not (is_number(budget_ratio) and 0 < budget_ratio <= 1):
         raise PolicyError(f"{ratio_name} must be a number in (0, 1], got {budget_ratio!r}")
+
+
+def check_budget_fits(policy: Policy, context: object) -> None:
+    """The one rule for a budget against a model (the Python API's caches, the command line before and after the
+    model loads, lm-eval's model_args): `budget` at most the model's context of `context` tokens (None: not known).
+    A larger K could never be reached: a prompt and its answer fit in the context, so it would keep everything."""
+    budget = getattr(policy, "budget", None)
+    if is_number(context) and isinstance(budget, int) and not isinstance(budget, bool) and budget > context:
+        raise PolicyError(
+            f"budget ({budget}) is above the model's context of {int(context)} tokens; give a budget of at most "
+            f"{int(context)} tokens, or a budget_ratio in (0, 1]"
+        )
 
 
 def ratio_or_default(budget_ratio: float | None) -> float:
@@ -231,7 +261,7 @@ def check_kernel(value: object) -> None:
 
 
 def check_choice(name: str, value: object, choices: Collection[str]) -> None:
-    if value not in choices:
+    if not isinstance(value, str) or value not in choices:
         raise PolicyError(f"unknown {name} '{value}'; choose from: {', '.join(choices)}")
 
 
@@ -293,16 +323,21 @@ def accepted_parameters(cls: type[Policy]) -> set[str]:
 
 def make_policy(name: str, preset: str | None = None, **params: object) -> Policy:
     """Build a method by name; parameters set to None are left at their defaults (or at `preset`'s values, which
-    parameters given beside it override)."""
+    parameters given beside it override). A name or preset that is not a string is refused in one line."""
+    if not isinstance(name, str):
+        raise PolicyError(
+            f"method must be a method name (a string), got {type(name).__name__} {shorten(name)}; choose from: "
+            f"{', '.join(sorted(METHODS))}"
+        )
     if name not in METHODS:
         raise PolicyError(f"unknown method '{name}'; choose from: {', '.join(sorted(METHODS))}")
     cls = METHODS[name]
     allowed = cls.parameters()
     given = {k: v for k, v in params.items() if v is not None}
     if preset is not None:
-        if preset not in cls.presets:
+        if not isinstance(preset, str) or preset not in cls.presets:
             raise PolicyError(
-                f"method '{name}' has no preset {preset!r}; its presets: {', '.join(cls.presets) or 'none'}"
+                f"method '{name}' has no preset {shorten(preset)}; its presets: {', '.join(cls.presets) or 'none'}"
             )
         given = {**cls.presets[preset], **given}
     unknown = sorted(set(given) - set(allowed))
@@ -318,10 +353,26 @@ def make_policy(name: str, preset: str | None = None, **params: object) -> Polic
     return cls(**given)
 
 
+def shorten(value: object, limit: int = 60) -> str:
+    """`repr(value)` in at most `limit` characters, on one line (for a refusal that quotes what it was given)."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_method_given(name: str, method: object) -> None:
+    """`method` (the argument `name`) is a method name or a method object: anything else is one line."""
+    if not isinstance(method, (str, Policy)):
+        raise PolicyError(
+            f"{name} must be a method name or a make_policy(...) object, got {type(method).__name__} "
+            f"{shorten(method)}; the methods: {', '.join(sorted(METHODS))}"
+        )
+
+
 def policy_of(method: str | Policy, **params: Any) -> Policy:
     """`method` as a Policy: a name is built with `params` (`make_policy`); a Policy object is taken as it is and
     refuses parameters beside it, which it would ignore (its own were set when it was made)."""
     if not isinstance(method, Policy):
+        check_method_given("method", method)
         return make_policy(method, **params)
     if params:
         raise PolicyError(

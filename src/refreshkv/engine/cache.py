@@ -19,6 +19,7 @@ conversation's next turn); a new prompt given to it is refused until `reset` (co
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections import Counter
 from typing import Any
@@ -31,7 +32,7 @@ from ..core.attention_math import Scaling
 from ..core.contract import MethodLayer
 from ..core.full_cache import DEFAULT_GROUP_SIZE, FullCacheStore, make_full_store
 from ..core.kvstore import LayerState
-from ..core.policy import Policy, PolicyError, check_positive, croppable_methods
+from ..core.policy import Policy, PolicyError, check_budget_fits, check_positive, croppable_methods, shorten
 from ..core.rope import inverse_frequencies
 from .continuation import ContinuationCheck
 from .decode_stats import DecodeStats
@@ -269,8 +270,13 @@ class PolicyCache(Cache):
                 model_or_config.set_attn_implementation(ATTENTION_NAME)
             config = model_or_config.config
             weakref.finalize(self, ContinuationCheck(model_or_config, self).close)  # a new prompt is not a next turn
-        else:
+        elif hasattr(model_or_config, "get_text_config") or hasattr(model_or_config, "num_hidden_layers"):
             config = model_or_config
+        else:
+            raise PolicyError(
+                "PolicyCache needs the model (a transformers model, e.g. from refreshkv.load_model()) or its config, "
+                f"got {type(model_or_config).__name__} {shorten(model_or_config)}"
+            )
         if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
             raise PolicyError(
                 f"the model uses attn_implementation={getattr(config, '_attn_implementation', None)!r}; a PolicyCache "
@@ -280,6 +286,7 @@ class PolicyCache(Cache):
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_layers = text_config.num_hidden_layers
         policy.check_layers(self.num_layers)
+        check_budget_fits(policy, getattr(text_config, "max_position_embeddings", None))
         self.model_type = text_config.model_type  # some methods' defaults depend on the family (e.g. a threshold)
         layer_types = getattr(text_config, "layer_types", None) or [None] * self.num_layers
         # per layer (layer types may rotate differently); None: no RoPE the package can undo
@@ -346,6 +353,8 @@ class PolicyCache(Cache):
         total = length + self.expected_new_tokens()
         self.windowed = [window is not None and total > window for window in self.layer_windows]
         self.budget = self.policy.budget_for(self.prompt_length)
+        for note in self.policy.clamps(length, self.budget):  # a value used in place of the one given, said once
+            warnings.warn(f"method '{self.policy.name}': {note}", stacklevel=2)
 
     def _read_prompt_spans(self, word_table: WordTable, key: torch.Tensor) -> torch.Tensor:
         ids = self.token_watch.ids if self.token_watch is not None else None

@@ -28,4 +28,9 @@ def cache_keyword(model: nn.Module) -> str:
 
 def with_cache(model: nn.Module, cache: object) -> dict[str, Any]:
     """Keyword arguments passing `cache` to `model(...)` or `model.generate(...)`."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"model must be a transformers model (a torch module, e.g. from refreshkv.load_model()), got "
+            f"{type(model).__name__}"
+        )
     return {cache_keyword(model): cache}

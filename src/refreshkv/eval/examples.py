@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+from tqdm.auto import tqdm
+
 from ..runtime.conversation import TurnFormat
 from ..runtime.generate import check_length
 from .config import RunConfig, find_task, task_kind
@@ -40,7 +42,7 @@ def prepare(model, tokenizer, config: RunConfig, num_examples: int) -> list[Prep
         options["chat"] = chat
     examples = task.build(tokenizer, config.length, num_examples, config.seed, **options)
     prepared = []
-    for example in examples:
+    for example in tqdm(examples, desc=f"{config.task}: encoding examples", unit="ex", delay=2, leave=False):
         if task_kind(task) == "generation":
             ids = encode_prompt(tokenizer, example, chat)
             check_length(model, len(ids), example["max_new_tokens"])

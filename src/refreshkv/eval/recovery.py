@@ -36,6 +36,7 @@ from ..core.attention_math import attention_probs
 from ..core.kvstore import FullStore
 from ..core.policy import PolicyError, resolve_budget
 from ..methods.full import Full
+from ..methods.streamingllm import effective_sinks, sink_clamps
 from .tasks.base import Example, example_id
 from .tasks.ppl import PerplexityTask
 
@@ -105,6 +106,10 @@ class RecoveryProbe(Full):
     steps: int = 10
     sinks: int = 4
 
+    def clamps(self, length: int, budget: int) -> list[str]:
+        """The streaming comparison keeps at most K - 1 sinks, as streamingllm does (`effective_sinks`)."""
+        return super().clamps(length, budget) + [f"recovery's {note}" for note in sink_clamps(self.sinks, self.top_k)]
+
     def store_prompt(self, layer, query, key, value, scaling):
         layer.state = RecoveryStore(key, layer.cache.capacity())
         layer.state.append(key, value)
@@ -126,7 +131,7 @@ class RecoveryProbe(Full):
         chosen = store.chosen
         decoded_since = probs[:, chosen.shape[1] :].sum(-1)
         topk = (probs[:, : chosen.shape[1]] * chosen).sum(-1) + decoded_since
-        sinks = max(0, min(self.sinks, self.top_k - 1))
+        sinks = effective_sinks(self.sinks, self.top_k)
         keep = torch.zeros(n, dtype=torch.bool, device=probs.device)
         keep[:sinks] = True
         keep[max(sinks, n - (self.top_k - sinks)) :] = True

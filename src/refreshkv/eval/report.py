@@ -33,7 +33,7 @@ import os
 from pathlib import Path
 
 from ..runtime.markdown import md_row, md_text
-from ..runtime.output_files import refuse_link, write_text
+from ..runtime.output_files import refuse_not_a_file, write_text
 from . import stats
 from .summary import (
     FRONTIER_TARGET,
@@ -314,7 +314,7 @@ def write_report(paths, out_dir: str | os.PathLike | None = None, plots: bool = 
 
     summary = out_dir / "summary.md"
     for name in ["summary.md", *(name for name, _ in PLOTS if plots)]:  # a link refused before anything is written
-        refuse_link(out_dir / name, "report file")
+        refuse_not_a_file(out_dir / name, "report file")
     written = write_plots(groups, out_dir) if plots else []
     write_text(summary, markdown_summary(groups, [str(p) for p in paths], written), "report file")
     return groups, out_dir, written + [summary]

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..runtime.output_files import refuse_link, write_failed
+from ..runtime.output_files import refuse_not_a_file, write_failed
 
 
 class ResultsError(ValueError):
@@ -146,7 +146,7 @@ class ResultsFile:
 
     def _open_locked(self) -> tuple[int, bool]:
         """(descriptor holding the lock, whether this run created the file)."""
-        refuse_link(self.path, "results file")
+        refuse_not_a_file(self.path, "results file")  # a FIFO would block the open; a device takes no rows
         append = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW  # a link made after the check is not followed either
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,10 +34,11 @@ from lm_eval.models.utils import handle_stop_sequences
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
-from ..core.policy import METHODS, PolicyError, accepted_parameters, check_positive, make_policy
+from ..core.policy import METHODS, PolicyError, accepted_parameters, check_budget_fits, check_positive, make_policy
 from ..eval.perplexity import continuation_losses, plain_losses, teacher_forced
 from ..runtime.generate import generate
 from ..runtime.loading import load_model
+from ..runtime.models import named_context
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # what model_args may hold besides the method's parameters
@@ -58,6 +59,14 @@ GENERATION_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k",
 
 class ModelArgsError(ValueError):
     """A model argument that cannot be used; the message is one line naming what is allowed."""
+
+
+def budget_fits(policy, context: int | None) -> None:
+    """The package's one budget rule (`check_budget_fits`), as a model argument's error."""
+    try:
+        check_budget_fits(policy, context)
+    except PolicyError as error:
+        raise ModelArgsError(str(error)) from None
 
 
 @register_model("refreshkv")
@@ -86,11 +95,10 @@ class RefreshKVLM(TemplateLM):
         if threads is not None:
             torch.set_num_threads(threads)
         self.target_tokens = target_tokens
+        budget_fits(self.policy, named_context(str(model)))  # a named model's context: before it loads
         self.model, self.tokenizer = load_model(str(model), DTYPES[dtype], device_of(device))
         self.max_length = int(self.model.config.max_position_embeddings)
-        budget = getattr(self.policy, "budget", None)
-        if budget is not None and budget > self.max_length:
-            raise ModelArgsError(f"budget ({budget}) is above the model's context of {self.max_length} tokens")
+        budget_fits(self.policy, self.max_length)
 
     # ---- what lm-eval reads of a model ----
 

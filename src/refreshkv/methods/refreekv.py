@@ -137,7 +137,7 @@ class ReFreeKV(SelectionPolicy):
         check_window("rows", self.rows, shortest)
 
     @classmethod
-    def keep_everything(cls) -> dict[str, object]:
+    def keep_everything(cls, context: int) -> dict[str, object]:
         return {"threshold": 0.0}
 
     def budget_for(self, prompt_length: int) -> int:

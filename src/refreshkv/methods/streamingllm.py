@@ -33,6 +33,14 @@ def effective_sinks(sinks: int, budget: int) -> int:
     return max(0, min(sinks, budget - 1))
 
 
+def sink_clamps(sinks: int, budget: int) -> list[str]:
+    """The warning line where the budget keeps fewer sinks than asked (`effective_sinks`), else none."""
+    used = effective_sinks(sinks, budget)
+    if used == sinks:
+        return []
+    return [f"sinks {sinks} does not fit in the budget of {budget} tokens with the current token: keeps {used} sinks"]
+
+
 def sink_recent_scores(length: int, sinks: int, pads: Tensor | None, batch: int, device: torch.device) -> Tensor:
     """(B, length) float32 keep-priority of each prompt position: +inf for a row's sinks, the position for the
     others, -inf for left padding. Keeping the top K gives sinks + most recent; evicting the minimum the oldest."""
@@ -62,6 +70,9 @@ class StreamingLLM(SelectionPolicy):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_sinks(self.sinks)
+
+    def clamps(self, length: int, budget: int) -> list[str]:
+        return super().clamps(length, budget) + sink_clamps(self.sinks, budget)
 
     def max_slots(self, layer: SelectionLayer) -> int:
         return layer.budget

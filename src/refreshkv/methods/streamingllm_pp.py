@@ -29,7 +29,7 @@ from ..core.contract import MethodLayer
 from ..core.full_cache import DEFAULT_GROUP_SIZE, FullCacheStore, check_full_cache, check_group_size
 from ..core.kvstore import gather_tokens
 from ..core.policy import BudgetPolicy, check_positive, register
-from .streamingllm import check_sinks, effective_sinks
+from .streamingllm import check_sinks, effective_sinks, sink_clamps
 
 FullCacheLayer = MethodLayer[FullCacheStore]  # the layer streamingllm++ works on: its full cache, however held
 
@@ -58,6 +58,9 @@ class StreamingLLMPlusPlus(BudgetPolicy[FullCacheStore]):
         check_sinks(self.sinks)
         check_positive("stride", self.stride)
         check_full_cache(self.full_cache, self.group_size)
+
+    def clamps(self, length: int, budget: int) -> list[str]:
+        return super().clamps(length, budget) + sink_clamps(self.sinks, budget)
 
     def store_prompt(self, layer: FullCacheLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> None:
         check_group_size(self.full_cache, self.group_size, key.shape[-1])

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from ..core.policy import Policy, check_positive, make_policy, policy_of
+from ..core.policy import Policy, check_method_given, check_positive, make_policy, policy_of
 from ..engine.cache import PolicyCache
 from ..engine.cache_argument import with_cache
 from ..engine.join_rows import join_caches
@@ -24,7 +25,15 @@ from ..engine.shared_prefill import SharedPrefill
 from .compiled import check_compile_works, compiled_forward, runs_eagerly
 from .fidelity import fidelity as fidelity_to
 from .generation_settings import SETTINGS, DecodeSettings, GenerationSettings
-from .inputs import check_attention_mask, check_bool, check_eos, check_new_tokens, check_token_ids, vocabulary_size
+from .inputs import (
+    check_attention_mask,
+    check_bool,
+    check_eos,
+    check_model,
+    check_new_tokens,
+    check_token_ids,
+    vocabulary_size,
+)
 
 
 @dataclasses.dataclass
@@ -134,6 +143,7 @@ def generate(
 
     `keywords`: the fields of `GenerationSettings` (overriding `settings`'s) and the method's parameters.
     """
+    check_model(model)
     policy = policy_of(method, **{name: value for name, value in keywords.items() if name not in SETTINGS})
     given = {name: value for name, value in keywords.items() if name in SETTINGS}
     return generate_many(model, input_ids, attention_mask, methods=[policy], settings=settings, **given)[0]
@@ -164,6 +174,7 @@ def generate_many(
     next-token distributions step by step (runtime/fidelity.py). The first method is the reference, named in the
     KL's key (`kl_to_full` where it is `full`).
     """
+    check_model(model)
     settings = GenerationSettings.of(settings, **keywords)
     max_new_tokens, eos_token_id, forced_tokens = settings.max_new_tokens, settings.eos_token_id, settings.forced_tokens
     if isinstance(methods, (str, Policy)) or not isinstance(methods, Sequence):
@@ -174,10 +185,17 @@ def generate_many(
     if not methods:
         raise ValueError("methods must name at least one method")
     check_bool("fidelity", fidelity)
+    for index, method in enumerate(methods):
+        check_method_given(f"methods[{index}]", method)
     policies = [m if isinstance(m, Policy) else make_policy(m) for m in methods]
-    check_token_ids("input_ids", input_ids, vocabulary_size(model))
+    vocabulary = vocabulary_size(model)
+    check_token_ids("input_ids", input_ids, vocabulary)
+    if settings.do_sample and settings.top_k is not None and settings.top_k > vocabulary:
+        warnings.warn(
+            f"top_k {settings.top_k} is above the vocabulary: samples from all {vocabulary} tokens", stacklevel=3
+        )
     if forced_tokens is not None:
-        check_token_ids("forced_tokens", forced_tokens, vocabulary_size(model))
+        check_token_ids("forced_tokens", forced_tokens, vocabulary)
         max_new_tokens, eos_token_id = forced_tokens.shape[1], []
     check_new_tokens(max_new_tokens)
     check_positive("prefill_rows", settings.prefill_rows, allow_none=True)

@@ -7,8 +7,8 @@ import dataclasses
 
 import torch
 
-from ..core.policy import check_positive
-from .inputs import SamplingSettings, check_bool
+from ..core.policy import check_positive, shorten
+from .inputs import SamplingSettings, check_bool, check_eos
 
 
 def default_eos_check_every(device: torch.device) -> int:
@@ -66,10 +66,31 @@ class GenerationSettings(SamplingSettings):
         super().__post_init__()
         for name in ("return_logits", "progress", "compile"):
             check_bool(name, getattr(self, name))
+        check_positive("max_new_tokens", self.max_new_tokens)
+        check_eos(self.eos_token_id)
+        for name in ("eos_check_every", "prefill_rows", "decode_rows"):
+            check_positive(name, getattr(self, name), allow_none=True)
+        if self.forced_tokens is not None and not isinstance(self.forced_tokens, torch.Tensor):
+            raise ValueError(
+                f"forced_tokens must be a (batch, N) torch tensor of token ids, got {type(self.forced_tokens).__name__}"
+            )
 
     @classmethod
     def of(cls, settings: GenerationSettings | None = None, **keywords) -> GenerationSettings:
-        """`settings` (None: the defaults) with `keywords` in place of its fields; an unknown name is a TypeError."""
+        """`settings` (None: the defaults) with `keywords` in place of its fields; an unknown name is a TypeError,
+        settings of another type a ValueError, each one line naming what is allowed."""
+        if settings is not None and not isinstance(settings, GenerationSettings):
+            raise ValueError(
+                f"settings must be a GenerationSettings, e.g. settings=GenerationSettings(max_new_tokens=32), or "
+                f"None with the same names as keywords (max_new_tokens=32), got {type(settings).__name__} "
+                f"{shorten(settings)}"
+            )
+        unknown = sorted(set(keywords) - SETTINGS)
+        if unknown:
+            raise TypeError(
+                f"unknown setting {', '.join(unknown)}; the settings: {', '.join(sorted(SETTINGS))} (a method's "
+                "parameters go to its method: make_policy(name, budget=...))"
+            )
         return dataclasses.replace(settings if settings is not None else cls(), **keywords)
 
     def decoding(self, device: torch.device) -> DecodeSettings:

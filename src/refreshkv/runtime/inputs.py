@@ -12,7 +12,17 @@ import dataclasses
 
 import torch
 
-from ..core.policy import check_positive, is_number
+from ..core.policy import check_positive, is_number, shorten
+
+
+def check_model(model, name: str = "model") -> None:
+    """A transformers causal language model (what `load_model` gives): a torch module with a config and an input
+    embedding. Anything else fails deep inside the first call that reads it."""
+    if not (isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "get_input_embeddings")):
+        raise ValueError(
+            f"{name} must be a transformers causal language model, e.g. the first of refreshkv.load_model(), got "
+            f"{type(model).__name__} {shorten(model)}"
+        )
 
 
 def vocabulary_size(model) -> int:

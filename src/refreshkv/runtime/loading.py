@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from ..core.policy import shorten
+from ..environment import refuse
 from . import conversion_record
 from .cache_folder import cache_dir, exclusive, file_hash
 from .models import DEFAULT_MODEL, NAMED_MODELS, ModelError, NamedModel, looks_like_a_name, named_model
@@ -196,9 +198,15 @@ def resolve_model_dir(path: str | os.PathLike | None = None) -> Path:
 
 def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """Load (model, tokenizer) offline: `path` a named model (`smollm2-135m`, the default when None;
-    `gemma3-270m`), a local model folder or a .gguf file. The model uses this library's attention function."""
+    `gemma3-270m`), a local model folder or a .gguf file. The model uses this library's attention function.
+    Arguments of the wrong type or value are refused in one `ModelError` line before anything is read."""
+    check_load_arguments(path, dtype, device)
     _offline()
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    except (ImportError, RuntimeError) as error:  # vLLM's torchvision beside this torch: one line
+        refuse(error)
+        raise
 
     from ..engine.attention import ATTENTION_NAME
 
@@ -230,6 +238,31 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
     model.eval()
     check_attention(model)
     return model, tokenizer
+
+
+def check_load_arguments(path: object, dtype: object, device: object) -> None:
+    """`path` None, a string or an os.PathLike; `dtype` a floating torch dtype (or its name, which transformers
+    takes too); `device` one torch knows and this machine has."""
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ModelError(
+            f"path must be a named model ({', '.join(NAMED_MODELS)}), a model folder or a .gguf file, as a string or "
+            f"os.PathLike (None: {DEFAULT_MODEL}), got {type(path).__name__} {shorten(path)}"
+        )
+    named = getattr(torch, dtype, None) if isinstance(dtype, str) and dtype.isidentifier() else dtype
+    if not isinstance(named, torch.dtype) or not named.is_floating_point:  # transformers also takes the name
+        raise ModelError(
+            "dtype must be a floating torch dtype or its name, e.g. torch.float32 or 'bfloat16', got "
+            f"{type(dtype).__name__} {shorten(dtype)}"
+        )
+    try:
+        kind = torch.device(device).type  # type: ignore[call-overload]  # any value: refused below if no device
+    except (RuntimeError, TypeError, ValueError):
+        raise ModelError(
+            f"device must be a torch device such as 'cpu' or 'cuda' (a string or torch.device), got "
+            f"{type(device).__name__} {shorten(device)}"
+        ) from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"device {str(device)!r} was asked for but no CUDA GPU is available here; give device='cpu'")
 
 
 def check_attention(model) -> None:

@@ -128,6 +128,15 @@ def named_model(name: str) -> NamedModel | None:
     return NAMED_MODELS.get(name)
 
 
+def named_context(model: object) -> int | None:
+    """The context of `model` where it is known before loading: a named model's (None: the default one), else None
+    (a folder's or a .gguf's is read when it loads)."""
+    if model is None:
+        return NAMED_MODELS[DEFAULT_MODEL].context
+    named = named_model(model) if isinstance(model, str) else None
+    return named.context if named is not None else None
+
+
 def looks_like_a_name(value: str) -> bool:
     """A --model value meant as a name rather than a path (no folder separator, no file suffix)."""
     return "/" not in value and "\\" not in value and not Path(value).suffix and not value.startswith(".")

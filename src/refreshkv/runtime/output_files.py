@@ -7,6 +7,8 @@ rows, benchmark JSON and plots, a training run's records). docs/evaluation.md, "
 - A file is never written through a symbolic link: a link at the path (even one whose target is missing, which
   would be created) is refused in one line, never followed and never replaced (`refuse_link`, and O_NOFOLLOW or
   O_EXCL on every open, so that a link made after the check is not followed either).
+- Only a regular file is ever replaced or appended to: a folder, a device (/dev/full), a FIFO or a socket at the path
+  is refused in one line, --force or not (`refuse_not_a_file`), never renamed over.
 - An output that a run cannot resume (a trace, a benchmark's JSON and plots) never replaces a file without --force,
   and its folder is checked before the work (`check_output`).
 - A file is written whole or not at all: a new file is created exclusively (`create_new`), and a file that is
@@ -26,6 +28,7 @@ import errno
 import io
 import os
 import secrets
+import stat
 import tempfile
 from pathlib import Path
 
@@ -58,12 +61,35 @@ def refuse_link(path: Path, what: str) -> None:
         )
 
 
-def check_output(path: Path, what: str, force: bool) -> None:
-    """Refuse, before any work, an output that could not be written at the end (a link, a folder that is missing or
-    cannot take a file) or that would replace a file without `force` (the command's --force)."""
+def refuse_not_a_file(path: Path, what: str) -> None:
+    """Refuse `path` if a link, or anything but a regular file, is there (a folder, a device such as /dev/full, a
+    FIFO, a socket): an output never replaces, appends to or renames over one of those."""
     refuse_link(path, what)
-    if path.is_dir():
+    try:
+        mode = path.lstat().st_mode
+    except OSError:  # nothing there (or nothing this process may see): the write says what is wrong
+        return
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISDIR(mode):
         raise OutputError(f"{what} {path} is a folder; give a file path")
+    kind = (
+        "a FIFO (named pipe)"
+        if stat.S_ISFIFO(mode)
+        else "a device"
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "not a file"
+    )
+    raise OutputError(f"{what} {path} is {kind}, not a regular file; give a file path (--force or not)")
+
+
+def check_output(path: Path, what: str, force: bool) -> None:
+    """Refuse, before any work, an output that could not be written at the end (a link, a folder or other non-file
+    at the path, a folder that is missing or cannot take a file) or that would replace a file without `force` (the
+    command's --force)."""
+    refuse_not_a_file(path, what)
     if path.exists() and not force:
         raise OutputError(f"{what} {path} exists; give --force to replace it, or choose another file")
     try:
@@ -89,7 +115,7 @@ def create_new(path: Path, what: str) -> int:
     try:
         return _exclusive(path)
     except FileExistsError:
-        refuse_link(path, what)  # made since the check
+        refuse_not_a_file(path, what)  # made since the check
         raise OutputError(f"{what} {path} exists; remove it or choose another file") from None
     except OSError as error:
         raise _cannot(path, what, error) from None
@@ -115,8 +141,9 @@ def new_text_file(path: Path, what: str):
 
 def write_bytes(path: Path, data: bytes, what: str) -> None:
     """`data` as the whole new content of `path`, written beside it, then renamed over it: a reader sees the old file
-    or the new one, never a part. A link at `path` is refused; a full disk is a `WriteFailed`, the old file kept."""
-    refuse_link(path, what)
+    or the new one, never a part. A link or anything but a regular file at `path` is refused; a full disk is a
+    `WriteFailed`, the old file kept."""
+    refuse_not_a_file(path, what)
     staging = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
     try:
         file = os.fdopen(_exclusive(staging), "wb")
@@ -130,7 +157,7 @@ def write_bytes(path: Path, data: bytes, what: str) -> None:
                 file.write(data)
         except OSError as error:
             raise write_failed(path, what, error, len(data)) from None
-        refuse_link(path, what)  # made while writing: the rename would replace the link itself, still refused
+        refuse_not_a_file(path, what)  # made while writing: the rename would replace it, still refused
         try:
             os.replace(staging, path)
         except OSError as error:  # e.g. a folder of that name

@@ -25,6 +25,8 @@ import weakref
 
 import torch
 
+from .inputs import check_model
+
 _MODULES: dict[int, weakref.ref] = {}  # a PackedLinear by its number, for the compiled operator
 _NUMBERS = itertools.count()
 _OPERATORS = torch.library.Library("refreshkv", "FRAGMENT")
@@ -86,6 +88,7 @@ torch.library.register_fake("refreshkv::packed_linear", _packed_product_shape, l
 def pack_linear_weights(model) -> dict[str, str]:
     """Replace every `nn.Linear` of the model by a `PackedLinear`, in place; returns {"576x576": "packed", ...}
     for the shapes packed. Refuses (ValueError, one line) a model these weights cannot be packed for."""
+    check_model(model)
     weight = next(model.parameters())
     problem = packing_problem(weight.device.type, weight.dtype)
     if problem is not None:

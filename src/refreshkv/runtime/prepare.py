@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterable
 
 import torch
 
+from ..core.policy import Policy, check_budget_fits
 from .compiled import check_compile_works
+from .models import named_context
 from .packed_linear import packing_problem
 from .weight_layout import check_weight_layout, set_weight_layout
 
@@ -64,13 +67,19 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def load_checked(model, runtime: Runtime):
+def load_checked(model, runtime: Runtime, policies: Iterable[Policy] = ()):
     """(model, tokenizer, layout) for checked options: torch's CPU threads set, the model loaded (`model`: a name,
     a folder or a .gguf; None = the default), its weights stored in the runtime's layout (`layout`: the choices
-    `set_weight_layout` made, None for the stored layout)."""
+    `set_weight_layout` made, None for the stored layout). The `policies` the command will run are held to the
+    model's context (`check_budget_fits`): a named model's before it loads, any other's once it has."""
     from .loading import load_model
 
+    policies = list(policies)
+    for policy in policies:
+        check_budget_fits(policy, named_context(model))
     if runtime.threads is not None:
         torch.set_num_threads(runtime.threads)
     lm, tokenizer = load_model(model, dtype=runtime.dtype, device=runtime.device)
+    for policy in policies:
+        check_budget_fits(policy, lm.config.max_position_embeddings)
     return lm, tokenizer, set_weight_layout(lm, runtime.weight_layout)

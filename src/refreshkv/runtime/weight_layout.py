@@ -24,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .inputs import check_model
 from .packed_linear import pack_linear_weights
 
 LAYOUTS = ("stored", "fastest", "packed")
@@ -93,6 +94,7 @@ def fastest_layout(model) -> dict[str, str]:
     the weights it has, up to `SAMPLE_BYTES` of them (the transposed copies of that sample are the only extra
     memory, besides one matrix at a time while re-storing).
     """
+    check_model(model)
     chosen = {}
     with torch.no_grad():
         for (rows, cols), weights in linear_weights(model).items():

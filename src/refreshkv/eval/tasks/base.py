@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NotRequired, Protocol, TypedDict
 
 
@@ -33,6 +33,23 @@ class Task(Protocol):
     def build(self, tokenizer, length: int, num_examples: int, seed: int, **options) -> list[Example]: ...
 
     def score(self, prediction: str, example: Example) -> float: ...
+
+
+def building(num_examples: int, task: str) -> Iterable[int]:
+    """The indices of the examples a task builds, with a progress bar on stderr once building has taken 2 s (many
+    examples at a long length take minutes before the first one runs)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(range(num_examples), desc=f"{task}: building examples", unit="ex", delay=2, leave=False)
+
+
+def check_distinct(task: str, num_examples: int, distinct: int, what: str) -> None:
+    """Refuse more examples than the task can make distinct (`what`: where they come from), in one line."""
+    if num_examples > distinct:
+        raise ValueError(
+            f"task '{task}': num_examples (--num-examples) {num_examples} is more than the {distinct} distinct "
+            f"examples {what}; give at most {distinct}"
+        )
 
 
 def example_id(task: str, length: int, seed: int, index: int) -> str:

@@ -28,7 +28,7 @@ import re
 from collections.abc import Sequence
 
 from refreshkv.eval.sources import english_words
-from refreshkv.eval.tasks.base import Example, example_id, fit_to_length
+from refreshkv.eval.tasks.base import Example, building, example_id, fit_to_length
 
 PROMPT = (
     "You are given many keys composed of a few words. Your task is to generate a chain of {count} keys such that "
@@ -103,7 +103,10 @@ class ChainOfKeyTask:
     ) -> list[Example]:
         if words < 2 or chain_length < 1:
             raise ValueError(f"chain_of_key needs words >= 2 and chain_length >= 1, got {words} and {chain_length}")
-        return [self._example(tokenizer, length, seed, index, words, chain_length) for index in range(num_examples)]
+        return [
+            self._example(tokenizer, length, seed, index, words, chain_length)
+            for index in building(num_examples, self.name)
+        ]
 
     def _example(self, tokenizer, length: int, seed: int, index: int, words: int, chain_length: int) -> Example:
         rng = random.Random(f"{self.name}/{seed}/{index}")

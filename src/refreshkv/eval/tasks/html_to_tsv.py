@@ -26,7 +26,7 @@ import yaml
 from refreshkv.eval.metrics import longproc_tsv_f1
 from refreshkv.eval.sources import data_dir as resolve_data_dir
 from refreshkv.eval.sources import data_file
-from refreshkv.eval.tasks.base import Example, count_tokens, example_id
+from refreshkv.eval.tasks.base import Example, check_distinct, count_tokens, example_id
 
 SPLITS = ("0.5k", "2k", "8k")
 DATA_DIR_ENV = "REFRESHKV_HTML_TSV_DIR"
@@ -75,6 +75,7 @@ class HtmlToTsvTask:
             raise ValueError(
                 f"no html_to_tsv {split} item fits in {length} tokens; the shortest prompt has {shortest} tokens"
             )
+        check_distinct(self.name, num_examples, len(examples), f"of split {split} that fit in {length} tokens")
         return examples
 
     def score(self, prediction: str, example: Example) -> float:

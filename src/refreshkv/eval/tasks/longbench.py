@@ -26,7 +26,7 @@ from pathlib import Path
 
 from refreshkv.eval import metrics
 from refreshkv.eval.sources import data_file
-from refreshkv.eval.tasks.base import Example, count_tokens, example_id, fit_to_length
+from refreshkv.eval.tasks.base import Example, check_distinct, count_tokens, example_id, fit_to_length
 
 
 @dataclass(frozen=True)
@@ -180,6 +180,7 @@ class LongBenchTask:
         if path is None:
             raise ValueError("task 'longbench' needs the option 'path' (a LongBench JSONL file)")
         rows = read_jsonl(data_file(path, self.name))
+        check_distinct(self.name, num_examples, len(rows), f"in {path} (its rows)")
         if num_examples < len(rows):
             chosen = sorted(random.Random(f"{self.name}/{seed}").sample(range(len(rows)), num_examples))
             rows = [rows[i] for i in chosen]

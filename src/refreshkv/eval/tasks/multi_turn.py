@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 
 from refreshkv.eval.sources import english_words
-from refreshkv.eval.tasks.base import Example, example_id, fit_to_length
+from refreshkv.eval.tasks.base import Example, building, example_id, fit_to_length
 from refreshkv.texts import book_text
 
 MAX_NEW_TOKENS = 24
@@ -61,7 +61,9 @@ class MultiTurnTask:
         self, tokenizer, length: int, num_examples: int, seed: int, needles: int = 6, question: str = "prefixed"
     ) -> list[Example]:
         self.check_options({"needles": needles, "question": question})
-        examples = [self._example(tokenizer, length, seed, index, needles) for index in range(num_examples)]
+        examples = [
+            self._example(tokenizer, length, seed, index, needles) for index in building(num_examples, self.name)
+        ]
         if question == "bare":
             for example in examples:
                 for turn in example["turns"]:

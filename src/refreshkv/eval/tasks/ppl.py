@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from refreshkv.eval.sources import data_file
-from refreshkv.eval.tasks.base import Example, example_id
+from refreshkv.eval.tasks.base import Example, building, check_distinct, example_id
 from refreshkv.texts.documents import read_documents
 
 
@@ -108,9 +108,10 @@ class PerplexityTask:
         if not documents:
             raise ValueError(f"task 'ppl': no document in {paths} has {text_tokens} tokens")
         starts_per_document = [len(ids) - text_tokens + 1 for _, ids in documents]
+        check_distinct(self.name, num_examples, sum(starts_per_document), f"of {text_tokens} tokens in {paths}")
         rng = random.Random(f"{self.name}/{seed}")
         examples = []
-        for index in range(num_examples):
+        for index in building(num_examples, self.name):
             name, ids = rng.choices(documents, weights=starts_per_document)[0]
             start = rng.randrange(len(ids) - text_tokens + 1)
             examples.append(

@@ -46,7 +46,7 @@ from __future__ import annotations
 import random
 
 from refreshkv.eval.sources import ruler_module
-from refreshkv.eval.tasks.base import Example, encode_user_turn, example_id, fit_to_length
+from refreshkv.eval.tasks.base import Example, building, encode_user_turn, example_id, fit_to_length
 from refreshkv.eval.tasks.ruler_prompts import (
     common_words,
     family_constants,
@@ -119,7 +119,7 @@ class RulerTask:
         subtasks = [_check_subtask(chosen)] if chosen else list(SUBTASKS)
         frame = model_frame(model_template, chat)
         examples = []
-        for index in range(num_examples):
+        for index in building(num_examples, self.name):
             name = subtasks[index % len(subtasks)]
             task = f"ruler/{name}"
             family, args = subtask_config(name)
