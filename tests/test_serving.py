@@ -153,7 +153,7 @@ def test_a_request_that_leaves_the_batch_is_parked_until_the_engine_drops_its_pa
         ({"kernel": 1e9}, "kernel must be an odd integer >= 1, got 1000000000.0"),
         ({"window": {"a": 1}}, "window must be an integer >= 1, got {'a': 1}"),
         ({"keep_decoded": "yes"}, "keep_decoded must be true or false, got 'yes'"),
-        ({"method": "refreshkv", "budget": 9000}, "budget 9000 is above the model's context of 8192 tokens"),
+        ({"method": "refreshkv", "budget": 9000}, "budget (9000) is above the model's context of 8192 tokens"),
         ({"method": "refreshkv", "full_cache": "int8"}, "full_cache must be 'dense'"),
         ({"method": "refreshkv", "windoww": 3}, "method 'refreshkv' has no parameter windoww"),
         ("{not json", "the 'refreshkv' settings are not JSON"),

@@ -108,8 +108,8 @@ class ThinK(BudgetPolicy[ThinKState]):
         self.token_policy()  # its own parameters refused now, before any model loads
 
     @classmethod
-    def keep_everything(cls) -> dict[str, object]:
-        return {"budget": 1 << 20, "prune_ratio": 0.0}
+    def keep_everything(cls, context: int) -> dict[str, object]:
+        return {"budget": context, "prune_ratio": 0.0}
 
     def token_policy(self) -> SelectionPolicy | None:
         """The token method, made with this method's budget and window (None for `none`)."""

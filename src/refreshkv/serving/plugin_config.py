@@ -15,7 +15,7 @@ import json
 import math
 from typing import Any
 
-from ..core.policy import METHODS, Policy, PolicyError, make_policy
+from ..core.policy import METHODS, Policy, PolicyError, check_budget_fits, make_policy
 
 CONFIG_KEY = "refreshkv"
 # the methods that keep every token and read C_f through the `FullCacheStore` interface, which paged blocks implement
@@ -58,9 +58,7 @@ def served_policy(settings: object, context: int | None = None) -> Policy:
             raise
         given = ", ".join(f"{key}={json.dumps(value)}" for key, value in params.items())
         raise PolicyError(f"method '{method}' cannot take {given}: {error}") from None
-    budget = getattr(policy, "budget", None)
-    if context is not None and isinstance(budget, int) and budget > context:
-        raise PolicyError(f"budget {budget} is above the model's context of {context} tokens")
+    check_budget_fits(policy, context)
     return policy
 
 
