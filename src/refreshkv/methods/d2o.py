@@ -157,9 +157,17 @@ class D2O(SelectionPolicy):
     def score_key(self) -> str:
         return repr(dataclasses.replace(self, budget=None, budget_ratio=None, tau=1.0))  # K and tau not in it
 
-    def layer_weights(self, density: Tensor) -> Tensor:
-        """(B, layers) std^(-1/tau): the denser (lower-spread) layer weighs more."""
-        return density.clamp(min=1e-12) ** (-1 / self.tau)
+    def layer_budgets(self, density: Tensor, count: Tensor, budget: int) -> Tensor:
+        """(B, layers) integer budgets from the layers' spreads `density` (B, layers) and each row's real prompt
+        tokens `count` (B,): K // 2 (at least 1) each, the rest of K x layers in proportion to std^(-1/tau), each
+        at most `count`."""
+        floor = count.clamp(max=max(1, budget // 2)).unsqueeze(-1).expand_as(density)
+        caps = count.unsqueeze(-1).expand_as(density) - floor
+        total = (budget * density.shape[-1] - floor.sum(-1)).clamp(min=0)
+        # std^(-1/tau), the denser (lower spread) weighing more, scaled so the largest is 1 (no overflow at small tau)
+        exponent = -density.double().clamp(min=1e-12).log() / self.tau
+        weights = (exponent - exponent.amax(-1, keepdim=True)).exp()
+        return floor + apportion(weights, total, caps)
 
     def store_prompt(self, layer: SelectionLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> None:
         length = key.shape[2]
@@ -174,13 +182,8 @@ class D2O(SelectionPolicy):
         real = torch.ones(key.shape[:3], dtype=torch.bool, device=key.device)
         if valid is not None:
             real = real & valid.view(valid.shape[0], 1, -1)
-        states = [cast(D2OState, other.state) for other in layers]
-        weights = torch.stack([cast(Tensor, s.density) for s in states], dim=-1)
-        count = real[:, 0].sum(-1)  # (B,) real prompt tokens
-        floor = count.clamp(max=max(1, layer.budget // 2)).unsqueeze(-1).expand_as(weights)  # every layer's least
-        caps = count.unsqueeze(-1).expand_as(weights) - floor
-        total = (layer.budget * len(layers) - floor.sum(-1)).clamp(min=0)
-        budgets = floor + apportion(self.layer_weights(weights), total, caps)  # (B, layers)
+        density = torch.stack([cast(Tensor, cast(D2OState, other.state).density) for other in layers], dim=-1)
+        budgets = self.layer_budgets(density, real[:, 0].sum(-1), layer.budget)
         for other, own in zip(layers, budgets.unbind(-1)):
             self.cut(other, own, real)
 
