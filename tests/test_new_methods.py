@@ -288,7 +288,7 @@ def test_d2o_merges_nothing_when_nothing_is_evicted_and_skips_pads():
 
 
 def test_d2o_layer_budgets_give_the_denser_layers_more():
-    policy = make_policy("d2o", tau=1.0)
+    policy = make_policy("d2o", temperature=1.0)
     density = torch.tensor([[0.01, 0.02, 0.04]])  # the first layer's attention is the most uniform
     budgets = policy.layer_budgets(density, torch.tensor([60]), 12)
     # 6 each, the other 18 shared as 1/std = 100 : 50 : 25 -> 10.29, 5.14, 2.57 (largest remainder to the last)
@@ -296,7 +296,7 @@ def test_d2o_layer_budgets_give_the_denser_layers_more():
     capped = policy.layer_budgets(density, torch.tensor([14]), 12)
     # the first layer capped at the 14 tokens there are; its excess shared by the others 50 : 25 (6.67, 3.33)
     assert capped.tolist() == [[14, 13, 9]]
-    sharp = make_policy("d2o", tau=1e-3).layer_budgets(density, torch.tensor([60]), 12)
+    sharp = make_policy("d2o", temperature=1e-3).layer_budgets(density, torch.tensor([60]), 12)
     assert sharp.tolist() == [[24, 6, 6]]  # all 18 shared tokens to the densest layer
 
 
@@ -325,8 +325,8 @@ def test_d2o_compresses_back_to_each_layers_budget(model):
 @pytest.mark.parametrize(
     "params, message",
     [
-        ({"tau": 0}, "tau must be a number > 0"),
-        ({"tau": "x"}, "tau must be a number > 0"),
+        ({"temperature": 0}, "temperature must be a number > 0"),
+        ({"temperature": "x"}, "temperature must be a number > 0"),
         ({"aggregation": "median"}, "aggregation"),
         ({"budget": 0}, "budget"),
     ],

@@ -5,7 +5,7 @@ H2O's eviction in each layer with the evicted tokens merged into their most simi
 Layer level: layers whose attention is spread densely over the prompt lose more by eviction, so they keep more. The
 paper measures a layer's density by the variance of its attention; here, per batch row, a layer's statistic is the
 standard deviation over the real prompt tokens of each token's share of the layer's cumulative attention (H2O's
-score, normalized to sum 1, mean over KV heads), and the layer's weight is std^(-1/`tau`): low variance (dense,
+score, normalized to sum 1, mean over KV heads), and the layer's weight is std^(-1/`temperature`): low variance (dense,
 uniform attention) gets more. Every layer keeps at least K // 2 (at least 1); the rest of the total K x layers is
 shared in proportion to the weights.
 
@@ -24,12 +24,16 @@ back to each layer's budget, without merging. The paper evicts one token per dec
 its threshold as tau_t = `beta` max(U_t) + (1 - `beta`) tau_(t-1); that per-step merging is not done here, and
 `beta` is therefore not a parameter.
 
+Sources: the paper's abstract and overview (budgets from the variance of each layer's attention; eviction plus merging
+under a moving-average similarity threshold), and its threshold and merge weights (Eq. 9-12) as restated in public
+code that cites them; the paper's own layer formula was not at hand, so the layer statistic below is this package's.
+
 Choices where the paper is silent or that differ from it:
 - The floor of K // 2 per layer (the paper states no least budget; without one a layer of sharp attention could
   be left with no token).
 - The density statistic (std of the cumulative-attention shares, not the variance of the raw attention map) and
-  the weight std^(-1/tau), tau = 1 by default; budgets are integers by largest remainders, capped at each row's
-  real prompt length, the excess shared among the other layers (`dynamickv`'s `apportion`).
+  the weight std^(-1/temperature), temperature 1 by default; budgets are integers by largest remainders, capped at
+  each row's real prompt length, the excess shared among the other layers (`dynamickv`'s `apportion`).
 - Budgets are allocated once every layer has seen the prompt: each layer holds its whole prompt until the last layer
   of the method has stored its own, then every layer is cut to its budget (the prefill holds the full cache for that
   moment, as `full` does).
@@ -132,7 +136,7 @@ class D2O(SelectionPolicy):
     token merged into its most similar kept key (softmax weights) when its similarity reaches the mean best one.
 
     Parameters: `budget`: K tokens per KV head per layer on average (or `budget_ratio`: K as a share of the longest
-    prompt, 1/8 by default); `tau` (1.0) the temperature of the layer weights std^(-1/tau); `aggregation` (max) of
+    prompt, 1/8 by default); `temperature` (1.0) of the layer weights std^(-1/temperature); `aggregation` (max) of
     the cumulative attention over a GQA group; `compress_every` (None: decoded tokens appended) N: every N decoded
     tokens each layer back to its budget by the stored scores, without merging.
     """
@@ -140,13 +144,13 @@ class D2O(SelectionPolicy):
     name = "d2o"
     summary = "layer budgets by attention density; H2O eviction with evicted tokens merged into similar kept keys"
 
-    tau: float = 1.0
+    temperature: float = 1.0
     aggregation: str = "max"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not is_number(self.tau) or not self.tau > 0:
-            raise PolicyError(f"tau must be a number > 0, got {self.tau!r}")
+        if not is_number(self.temperature) or not self.temperature > 0:
+            raise PolicyError(f"temperature must be a number > 0, got {self.temperature!r}")
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
 
     def score(
@@ -155,17 +159,19 @@ class D2O(SelectionPolicy):
         return cumulative_attention(query, key, scaling, valid, self.aggregation)
 
     def score_key(self) -> str:
-        return repr(dataclasses.replace(self, budget=None, budget_ratio=None, tau=1.0))  # K and tau not in it
+        # the cumulative attention depends on neither K nor the temperature
+        return repr(dataclasses.replace(self, budget=None, budget_ratio=None, temperature=1.0))
 
     def layer_budgets(self, density: Tensor, count: Tensor, budget: int) -> Tensor:
         """(B, layers) integer budgets from the layers' spreads `density` (B, layers) and each row's real prompt
-        tokens `count` (B,): K // 2 (at least 1) each, the rest of K x layers in proportion to std^(-1/tau), each
-        at most `count`."""
+        tokens `count` (B,): K // 2 (at least 1) each, the rest of K x layers in proportion to
+        std^(-1/temperature), each at most `count`."""
         floor = count.clamp(max=max(1, budget // 2)).unsqueeze(-1).expand_as(density)
         caps = count.unsqueeze(-1).expand_as(density) - floor
         total = (budget * density.shape[-1] - floor.sum(-1)).clamp(min=0)
-        # std^(-1/tau), the denser (lower spread) weighing more, scaled so the largest is 1 (no overflow at small tau)
-        exponent = -density.double().clamp(min=1e-12).log() / self.tau
+        # std^(-1/temperature), the denser (lower spread) weighing more, scaled so the largest is 1 (no overflow at
+        # a small temperature)
+        exponent = -density.double().clamp(min=1e-12).log() / self.temperature
         weights = (exponent - exponent.amax(-1, keepdim=True)).exp()
         return floor + apportion(weights, total, caps)
 
