@@ -41,6 +41,8 @@ Choices where the paper is silent or that differ from it:
   every KV head of a layer keeps the layer's budget; the threshold tau_0 is each KV head's own.
 - Cumulative attention aggregated over a GQA group by `aggregation` (max), as `h2o`; a merged token keeps its
   position and its score.
+- Under `compress_every`, each row back to its layer's budget, the last half of the batch's smallest budget in the
+  layer protected (H2O's recent window); decoded tokens are scored as in snapkv.
 """
 
 from __future__ import annotations
