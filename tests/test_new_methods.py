@@ -254,3 +254,84 @@ def test_lazyeviction_tracks_recurrence_and_evicts_only_every_w_steps(model):
         assert int(state.longest_interval.max()) > 0  # some token came back after a gap
         held = int((state.kept(None) >= 0).sum(-1).max())
         assert held == 12 + (29 % 8)  # back to K at step 24, then 5 decoded tokens appended since
+
+
+def test_d2o_merges_an_evicted_token_into_its_nearest_kept_key_above_the_mean_best_similarity():
+    from refreshkv.methods.d2o import merge_evicted
+
+    keys = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.1], [0.6, 0.8], [-1.0, 0.0]]).view(1, 1, 5, 2)
+    values = torch.arange(10.0).view(1, 1, 5, 2)
+    kept = torch.tensor([True, True, False, False, False]).view(1, 1, 5)
+    real = torch.ones_like(kept)
+    merged_keys, merged_values, target = merge_evicted(keys, values, kept, real)
+    # best cosines of the evicted tokens: 0.995 (to 0), 0.8 (to 1), 0.0: the threshold is their mean, 0.598
+    assert target[0, 0].tolist() == [-1, -1, 0, 1, -1]  # token 4 is below it: dropped
+    best = torch.tensor([1.0, 0.1]).div(torch.tensor([1.0, 0.1]).norm())[0]
+    for kept_at, evicted_at, cosine in ((0, 2, best), (1, 3, torch.tensor(0.8))):
+        weight, own = cosine.exp(), torch.tensor(1.0).exp()  # softmax weights, the kept token's similarity 1
+        for merged, tensor in ((merged_values, values), (merged_keys, keys)):
+            expected = (own * tensor[0, 0, kept_at] + weight * tensor[0, 0, evicted_at]) / (own + weight)
+            assert torch.allclose(merged[0, 0, kept_at], expected)
+    assert torch.equal(merged_values[0, 0, 2:], values[0, 0, 2:])  # evicted slots untouched (not held anyway)
+
+
+def test_d2o_merges_nothing_when_nothing_is_evicted_and_skips_pads():
+    from refreshkv.methods.d2o import merge_evicted
+
+    keys, values = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
+    kept = torch.ones(1, 2, 6, dtype=torch.bool)
+    assert merge_evicted(keys, values, kept, kept)[1] is values
+    real = torch.tensor([False, False, True, True, True, True]).expand(1, 2, 6)
+    kept = real & torch.tensor([False, False, True, False, False, True])
+    _, _, target = merge_evicted(keys, values, kept, real)
+    assert bool((target[..., :2] == -1).all())  # pads are never merged
+
+
+def test_d2o_layer_budgets_give_the_denser_layers_more():
+    policy = make_policy("d2o", temperature=1.0)
+    density = torch.tensor([[0.01, 0.02, 0.04]])  # the first layer's attention is the most uniform
+    budgets = policy.layer_budgets(density, torch.tensor([60]), 12)
+    # 6 each, the other 18 shared as 1/std = 100 : 50 : 25 -> 10.29, 5.14, 2.57 (largest remainder to the last)
+    assert budgets.tolist() == [[16, 11, 9]]
+    capped = policy.layer_budgets(density, torch.tensor([14]), 12)
+    # the first layer capped at the 14 tokens there are; its excess shared by the others 50 : 25 (6.67, 3.33)
+    assert capped.tolist() == [[14, 13, 9]]
+    sharp = make_policy("d2o", temperature=1e-3).layer_budgets(density, torch.tensor([60]), 12)
+    assert sharp.tolist() == [[24, 6, 6]]  # all 18 shared tokens to the densest layer
+
+
+def test_d2o_keeps_each_layers_share_in_every_head(model, monkeypatch):
+    from refreshkv.methods import d2o
+
+    spreads = iter([0.04, 0.01, 0.02])  # one per layer, bottom first
+    monkeypatch.setattr(d2o, "attention_spread", lambda scores, valid: torch.tensor([next(spreads)]))
+    out = generate(model, random_prompt(60, seed=9), "d2o", new=1, budget=12)
+    budgets = [int(layer.state.allocated) for layer in out.cache.layers]
+    assert budgets == [9, 16, 11]
+    for held, budget in zip(held_per_head(out), budgets):
+        assert held.tolist() == [[budget, budget]]
+    for layer, budget in zip(out.cache.layers, budgets):  # H2O's recent half of the layer's budget
+        recent = budget - budget // 2
+        assert set(range(60 - recent, 60)) <= set(layer.state.kept(None)[0, 0].tolist())
+
+
+def test_d2o_compresses_back_to_each_layers_budget(model):
+    out = generate(model, random_prompt(40, seed=10), "d2o", new=20, budget=12, compress_every=4)
+    for layer in out.cache.layers:
+        held = (layer.state.kept(None) >= 0).sum(-1)
+        assert bool((held == int(layer.state.allocated) + 19 % 4).all())  # back to its budget at step 16, 3 since
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"temperature": 0}, "temperature must be a number > 0"),
+        ({"temperature": "x"}, "temperature must be a number > 0"),
+        ({"aggregation": "median"}, "aggregation"),
+        ({"budget": 0}, "budget"),
+    ],
+)
+def test_d2o_refuses_bad_parameters_in_one_line(params, message):
+    with pytest.raises(PolicyError) as error:
+        make_policy("d2o", **params)
+    assert message in str(error.value) and "\n" not in str(error.value)
