@@ -1237,7 +1237,9 @@ def public_api_cases():
     )
 
     model, ids = tiny_model("llama", layers=2), torch.randint(3, 100, (1, 12))
-    methods = "choose from: dynamickv, full"
+    from refreshkv import METHODS
+
+    methods = "choose from: " + ", ".join(sorted(METHODS))
     return [
         (
             lambda: make_policy(["refreshkv"]),

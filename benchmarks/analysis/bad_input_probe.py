@@ -4,8 +4,9 @@
 
 Groups (`group` column): `cli` (the `refreshkv` command line, each case a subprocess), `python` (the public API in
 this process, on the embedded SmolLM2-135M, loaded once), `lm_eval` (`python -m refreshkv.lm_eval`, a subprocess),
-and `vllm_server`, `vllm_offline`, which hold no case yet: another group is a list of `Case`s in `CASES` and a
-runner in `RUNNERS` that returns an `Observed`.
+`vllm_server` (requests to vLLM's OpenAI server with the plugin on, one server started for the group) and
+`vllm_offline` (`vllm.LLM` in this process); the last two in the vLLM virtualenv. A group is a list of `Case`s in
+`CASES` and a runner in `RUNNERS` that returns an `Observed`.
 
 Expected: `refuse` (a one-line refusal naming the argument: the command's last stderr line holds `said`, exit code
 `code`, no traceback; in Python a ValueError or TypeError whose one-line message holds `said`), or `result` (exit
@@ -814,12 +815,76 @@ LM_EVAL_CASES = [
     ),
 ]
 
+
+def vllm_request(id: str, settings: object, expected: str, said: str = "", raw: bool = False) -> Case:
+    """A request to vLLM's OpenAI server whose `vllm_xargs` carry the plugin's settings as JSON text (`raw`: the
+    value itself, as a client might send it): a refusal is HTTP 400 whose one-line message holds `said`."""
+    given = json.dumps(settings) if raw else f"json.dumps({json.dumps(settings)})"
+    return Case(id, "vllm_server", f"vllm_xargs refreshkv={given}", expected, said, 400, (settings, raw))
+
+
+VLLM_SERVER_CASES = [
+    vllm_request("srv-served-recycled", {"method": "recycled", "budget": 64}, "result"),
+    vllm_request("srv-served-refreshkv-ratio", {"method": "refreshkv", "budget_ratio": 0.25}, "result"),
+    vllm_request("srv-full", {"method": "full"}, "result"),
+    vllm_request("srv-budget-above-context", {"method": "refreshkv", "budget": 10**9}, "result"),
+    vllm_request("srv-method-list", {"method": ["refreshkv"]}, "refuse", "refreshkv: method must be a method's name"),
+    vllm_request("srv-method-object", {"method": {"a": 1}}, "refuse", "refreshkv: method must be a method's name"),
+    vllm_request("srv-method-number", {"method": 3}, "refuse", "refreshkv: method must be a method's name"),
+    vllm_request("srv-method-null", {"method": None}, "refuse", "refreshkv: method must be a method's name"),
+    vllm_request("srv-method-unknown", {"method": "nope"}, "refuse", "method 'nope' is unknown"),
+    vllm_request("srv-method-quest", {"method": "quest"}, "refuse", "not served over vLLM's blocks yet"),
+    vllm_request("srv-method-snapkv", {"method": "snapkv"}, "refuse", "vLLM's KV manager frees no blocks"),
+    vllm_request("srv-preset-list", {"preset": ["paper"]}, "refuse", "refreshkv:"),
+    vllm_request("srv-preset-unknown", {"preset": "nope"}, "refuse", "has no preset 'nope'"),
+    vllm_request("srv-budget-string", {"budget": "12"}, "refuse", "budget must be an integer >= 1, got '12'"),
+    vllm_request("srv-budget-bool", {"budget": True}, "refuse", "budget must be an integer >= 1, got True"),
+    vllm_request("srv-budget-zero", {"budget": 0}, "refuse", "budget must be an integer >= 1, got 0"),
+    vllm_request("srv-budget-float", {"budget": 12.5}, "refuse", "budget must be an integer >= 1, got 12.5"),
+    vllm_request("srv-budget-nan", {"budget": float("nan")}, "refuse", "budget must be a finite number"),
+    vllm_request("srv-ratio-above-one", {"budget_ratio": 2}, "refuse", "budget_ratio must be a number in (0, 1]"),
+    vllm_request("srv-ratio-inf", {"budget_ratio": float("inf")}, "refuse", "budget_ratio must be a finite number"),
+    vllm_request("srv-stride-zero", {"method": "recycled", "stride": 0}, "refuse", "stride must be an integer >= 1"),
+    vllm_request("srv-kernel-huge", {"kernel": 10**9 + 1}, "result"),
+    vllm_request("srv-kernel-even", {"kernel": 4}, "refuse", "kernel must be an odd integer >= 1"),
+    vllm_request("srv-threshold-string", {"threshold": "0.9"}, "refuse", "threshold must be a cosine similarity"),
+    vllm_request("srv-unknown-key", {"windoww": 3}, "refuse", "has no parameter windoww"),
+    vllm_request("srv-full-cache-int8", {"full_cache": "int8"}, "refuse", "full_cache must be 'dense'"),
+    vllm_request("srv-settings-list", ["refreshkv"], "refuse", "settings must be an object"),
+    vllm_request("srv-settings-number", 3, "refuse", "settings must be an object"),
+    Case(
+        "srv-settings-not-json",
+        "vllm_server",
+        "vllm_xargs refreshkv='{not json'",
+        "refuse",
+        "are not JSON",
+        400,
+        ("{not json", True),
+    ),
+    vllm_request("srv-settings-object", {"method": "recycled"}, "refuse", "vllm_xargs", raw=True),
+]
+
+
+def vllm_offline(id: str, settings: object, expected: str, said: str = "") -> Case:
+    """vllm.LLM(...).generate with the plugin's settings in the sampling parameters' `extra_args`."""
+    return Case(id, "vllm_offline", f"extra_args={{'refreshkv': {settings!r}}}", expected, said, args=(settings,))
+
+
+VLLM_OFFLINE_CASES = [
+    vllm_offline("llm-served-recycled", {"method": "recycled", "budget": 64}, "result"),
+    vllm_offline("llm-method-list", {"method": ["refreshkv"]}, "refuse", "refreshkv: method must be a method's name"),
+    vllm_offline("llm-method-quest", {"method": "quest"}, "refuse", "not served over vLLM's blocks yet"),
+    vllm_offline("llm-budget-string", {"budget": "12"}, "refuse", "budget must be an integer >= 1, got '12'"),
+    vllm_offline("llm-settings-json-text", '{"method": "recycled", "stride": 5}', "result"),
+    vllm_offline("llm-settings-bad-json", "{not json", "refuse", "are not JSON"),
+]
+
 CASES: dict[str, list[Case]] = {
     "cli": CLI_CASES,
     "python": PYTHON_CASES,
     "lm_eval": LM_EVAL_CASES,
-    "vllm_server": [],  # the OpenAI server's requests (HTTP status, body): to be added with a runner
-    "vllm_offline": [],  # vllm.LLM(...) with the plugin's settings: to be added with a runner
+    "vllm_server": VLLM_SERVER_CASES,
+    "vllm_offline": VLLM_OFFLINE_CASES,
 }
 
 
@@ -893,18 +958,123 @@ def run_python(case: Case, objects: dict) -> Observed:
     )
 
 
-RUNNERS: dict[str, Callable[[Case, dict], Observed]] = {"cli": run_cli, "python": run_python, "lm_eval": run_lm_eval}
+def vllm_server(objects: dict) -> object:
+    """One OpenAI server with the plugin on (its engine's method refreshkv), started for the group (in the vLLM
+    virtualenv), and an `openai` client for it; stopped at exit."""
+    if "client" not in objects:
+        import atexit
+        import socket
+
+        from openai import OpenAI
+
+        from refreshkv.runtime.loading import resolve_model_dir
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        folder = str(resolve_model_dir("smollm2-135m"))
+        config = json.dumps({"refreshkv": {"method": "refreshkv", "budget_ratio": 0.125}})
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--port", str(port)]
+        command += ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "4096", "--max-num-seqs", "8"]
+        command += ["--additional-config", config]
+        log = open(SCRATCH / "server.log", "w")  # noqa: SIM115 (open while the server runs)
+        env = {**environment(), "VLLM_CPU_KVCACHE_SPACE": "1"}
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        atexit.register(server.terminate)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=600, max_retries=0)
+        for _ in range(300):
+            try:
+                client.models.list()
+                break
+            except Exception:  # noqa: BLE001 (not up yet)
+                if server.poll() is not None:
+                    raise RuntimeError((SCRATCH / "server.log").read_text()[-2000:]) from None
+                time.sleep(2)
+        objects.update(client=client, folder=folder)
+    return objects["client"]
+
+
+def run_vllm_server(case: Case, objects: dict) -> Observed:
+    client = vllm_server(objects)
+    settings, raw = case.args
+    text = settings if raw and isinstance(settings, str) else settings if raw else json.dumps(settings)
+    started = time.perf_counter()
+    try:
+        client.completions.create(  # type: ignore[attr-defined]
+            model=objects["folder"],
+            prompt=WORDS,
+            max_tokens=4,
+            temperature=0,
+            extra_body={"vllm_xargs": {"refreshkv": text}},
+        )
+    except Exception as error:  # noqa: BLE001 (what it answered is the observation)
+        status = getattr(error, "status_code", type(error).__name__)
+        body = getattr(error, "body", None)
+        message = (body or {}).get("message", str(error)) if isinstance(body, dict) else str(error)
+        lines = [line for line in str(message).splitlines() if line.strip()]
+        return Observed(
+            status,
+            plain(lines[0]) if lines else "",
+            len(lines),
+            status == 500,
+            seconds=round(time.perf_counter() - started, 1),
+        )
+    return Observed(200, "", 0, False, seconds=round(time.perf_counter() - started, 1))
+
+
+def run_vllm_offline(case: Case, objects: dict) -> Observed:
+    if "llm" not in objects:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm import LLM
+
+        from refreshkv.runtime.loading import resolve_model_dir
+
+        objects["llm"] = LLM(
+            str(resolve_model_dir("smollm2-135m")),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=2048,
+            max_num_seqs=4,
+            additional_config={"refreshkv": {"method": "refreshkv", "budget_ratio": 0.125}},
+        )
+    from vllm import SamplingParams
+
+    started = time.perf_counter()
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0, extra_args={"refreshkv": case.args[0]})
+        objects["llm"].generate([WORDS], params, use_tqdm=False)
+    except Exception as error:  # noqa: BLE001 (what it raised is the observation)
+        message = plain(str(error))
+        return Observed(
+            type(error).__name__,
+            message.splitlines()[0] if message else "",
+            len(message.splitlines()),
+            # vLLM's own error for a request it refuses is its message alone; anything else a traceback
+            not isinstance(error, ValueError) and type(error).__name__ != "VLLMValidationError",
+            seconds=round(time.perf_counter() - started, 1),
+        )
+    return Observed(None, "", 0, False, seconds=round(time.perf_counter() - started, 1))
+
+
+RUNNERS: dict[str, Callable[[Case, dict], Observed]] = {
+    "cli": run_cli,
+    "python": run_python,
+    "lm_eval": run_lm_eval,
+    "vllm_server": run_vllm_server,
+    "vllm_offline": run_vllm_offline,
+}
 
 
 def is_clean(case: Case, seen: Observed) -> bool:
     if seen.traceback:
         return False
     if case.expected == "result":
-        ended = seen.code in (0, None)
+        ended = seen.code in (0, None, 200)
         return ended and (not case.said or case.said in seen.warning)
-    if case.group == "python":
+    if case.group in ("python", "vllm_offline"):
         return (
-            seen.code in ("ValueError", "TypeError", "PolicyError", "ModelError")
+            seen.code in ("ValueError", "TypeError", "PolicyError", "ModelError", "VLLMValidationError")
             and seen.lines == 1
             and (case.said in seen.last_line)
         )
@@ -940,8 +1110,11 @@ def write_readme(path: Path, rows: list[dict]) -> None:
     counts = {group: [r for r in rows if r["group"] == group] for group in GROUPS}
     unclean = [r for r in rows if not r["clean"]]
     before = {r["id"]: r for r in read_rows(path.with_name(BEFORE))}
-    was = {
-        group: sum(not before[r["id"]]["clean"] for r in found if r["id"] in before) for group, found in counts.items()
+    was = {  # "-" where the earlier checkout ran none of the group's cases
+        group: sum(not before[r["id"]]["clean"] for r in found if r["id"] in before)
+        if any(r["id"] in before for r in found)
+        else "-"
+        for group, found in counts.items()
     }
     base = next(iter(before.values()), {}).get("commit", "?")
     lines = [
@@ -970,8 +1143,9 @@ def write_readme(path: Path, rows: list[dict]) -> None:
             for group, found in counts.items()
         ),
         "",
-        "`vllm_server` and `vllm_offline` hold no case yet (benchmarks/analysis/bad_input_probe.py: `CASES`, "
-        "`RUNNERS`).",
+        "`vllm_server` and `vllm_offline` run in the vLLM virtualenv (docs/serving.md): `python "
+        "benchmarks/analysis/bad_input_probe.py --group vllm_server --group vllm_offline`; the server's requests "
+        "carry the settings as JSON text in `vllm_xargs`, its refusals are HTTP 400 (`code`).",
         "",
         "Not clean: " + (", ".join(f"`{r['id']}`" for r in unclean) if unclean else "none") + ".",
         "",

@@ -23,6 +23,7 @@ Choices where the paper is silent or that differ from it:
 from __future__ import annotations
 
 import dataclasses
+from typing import Self
 
 import torch
 from torch import Tensor
@@ -51,6 +52,25 @@ class MixedState(SelectionState):
     value_min: Tensor | None = dataclasses.field(default=None, kw_only=True)
     low_positions: Tensor | None = dataclasses.field(default=None, kw_only=True)
     balance: Tensor | None = dataclasses.field(default=None, kw_only=True)
+
+    @classmethod
+    def align_groups(cls, states: list[Self]) -> None:
+        """Row groups prefilled apart (engine/join_rows.py): besides the selection, each group's low-precision
+        tokens are as many as its rows evicted most; the groups' are made as many as the widest's, the added entries
+        empty (position -1, masked; codes and scales 0), as the batch prefilled at once holds them."""
+        super().align_groups(states)
+        widest = max(state.low_positions.shape[2] for state in states if state.low_positions is not None)
+        for state in states:
+            assert state.low_positions is not None  # set at the prompt
+            extra = widest - state.low_positions.shape[2]
+            if extra == 0:
+                continue
+            for name in ("key_codes", "key_scale", "key_min", "value_codes", "value_scale", "value_min"):
+                held = getattr(state, name)
+                if held is not None:
+                    setattr(state, name, torch.cat([held, held.new_zeros(*held.shape[:2], extra, *held.shape[3:])], 2))
+            empty = state.low_positions.new_full((*state.low_positions.shape[:2], extra), -1)
+            state.low_positions = torch.cat([state.low_positions, empty], dim=2)
 
     def low_tensors(self) -> list[Tensor]:
         tensors = [self.key_codes, self.key_scale, self.key_min, self.value_codes, self.value_scale]
