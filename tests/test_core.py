@@ -603,7 +603,9 @@ def test_the_window_anchor_is_the_mean_of_the_window_queries_before_rope(llama):
     positions = newest[:, None] - torch.arange(window - 1, -1, -1)
     cos, sin = llama.model.rotary_emb(before, positions)
     rotated, _ = apply_rotary_pos_emb(before, before, cos, sin)
-    layer = SimpleNamespace(rope_inv_freq=inverse_frequencies(llama), positions=lambda device: newest)
+    layer = SimpleNamespace(
+        rope_inv_freq=inverse_frequencies(llama), positions=lambda device: newest, mean_over_heads=lambda q: q.mean(1)
+    )
     anchored = make_policy("refreshkv", anchor="window", window=window).question_anchor(layer, rotated)
     torch.testing.assert_close(anchored, before[:, :, -1].mean(1), atol=1e-5, rtol=1e-5)
     last = make_policy("refreshkv").question_anchor(layer, rotated)

@@ -81,6 +81,7 @@ def test_the_compiled_step_compiles_whole_and_equals_eager(two_layers, name):
     rows of different lengths; the default schedules of recycled and refreshkv reach a full step within NEW steps."""
     ids, mask = left_pad([random_prompt(40, seed=2)[0], random_prompt(34, seed=4)[0]])
     eager = run(two_layers, ids, method(name), mask, **small_budget(name))
+    torch._dynamo.reset()  # each method's graphs alone: all of them on one model pass dynamo's limit of graphs
     fused = run(two_layers, ids, method(name), mask, compile=True, **small_budget(name))
     assert fused.tokens == eager.tokens
     assert fused.cache.stats.per_step(NEW - 1) == eager.cache.stats.per_step(NEW - 1)

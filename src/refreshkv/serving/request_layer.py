@@ -65,6 +65,7 @@ class Request:
     # its running list of answer tokens: a request that leaves the batch and comes back is found by them
     owner: weakref.ref | None = None
     answer: list[int] = dataclasses.field(default_factory=list)
+    prompt_length: int = 0  # the prompt's tokens, without the answer (the newest token is at prompt + answer - 1)
     # per layer, the keys and values of each token decoded so far, as the method's steps made them, and the layers
     # where vLLM's recomputation after a preemption is still to be overwritten with them
     answer_kv: dict[int, list[tuple[Tensor, Tensor]]] = dataclasses.field(default_factory=dict)
@@ -83,12 +84,15 @@ class Request:
         """Whether the method acts: else K holds every token it will have, and the engine's own attention runs."""
         return self.policy.name != "full" and self.budget < self.prefilled + self.new_tokens
 
-    def is_decoding(self, seq_len: int) -> bool:
-        """Whether the last token of a batch row ending at `seq_len` is one the method decodes: a token after the
-        prefill, once the prompt is stored. A row of several such tokens is a request that comes back after vLLM
-        preempted it: the tokens before the last are recomputed into the blocks by vLLM's kernel, and the last is the
-        method's, on the state the request kept (batch_rows.py)."""
-        return seq_len - 1 >= self.prefilled and bool(self.layers)
+    def is_decoding(self, seq_len: int, query_len: int) -> bool:
+        """Whether the last token of a batch row of `query_len` tokens ending at `seq_len` is one the method decodes:
+        a token after the prefill, once the prompt is stored. A row of several tokens that ends at the newest one is a
+        request that comes back after vLLM preempted it: the tokens before the last are recomputed into the blocks by
+        vLLM's kernel, and the last is the method's, on the state the request kept (batch_rows.py); an earlier
+        chunk of that recomputation is vLLM's alone."""
+        if not self.layers or seq_len - 1 < self.prefilled:
+            return False
+        return query_len == 1 or seq_len == self.prompt_length + len(self.answer)
 
     @property
     def window(self) -> int:

@@ -144,5 +144,5 @@ class RequestRows(LogitsProcessor):
         # an answer so far without a parked state: its request was parked past PARKED_AT_MOST; what vLLM prefills
         # again, the prompt and the answer so far, is its question
         request = Request(policy, [*prompt, *output], max(new_tokens, 0), facts, COUNTS)
-        request.owner, request.answer = weakref.ref(params), output
+        request.owner, request.answer, request.prompt_length = weakref.ref(params), output, len(prompt)
         return request if request.served else None
