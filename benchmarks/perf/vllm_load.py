@@ -104,7 +104,8 @@ def serve(name: str, args, prompts: list[list[int]]) -> dict:
                 outcomes[outcome] = outcomes.get(outcome, 0) + 1
         wall = time.monotonic() - started
         time.sleep(5)  # the engine's last steps: a finished request leaves the batch at the next one
-        client.completions.create(model=folder, prompt=prompts[0][:64], max_tokens=2)
+        untouched = {"vllm_xargs": {"refreshkv": json.dumps({"method": "full"})}}  # holds no plugin state itself
+        client.completions.create(model=folder, prompt=prompts[0][:64], max_tokens=2, extra_body=untouched)
         time.sleep(2)
         after = server_rss(process)
         done.set()
