@@ -81,14 +81,17 @@ class RefreshKVMetadataBuilder(CPUAttentionMetadataBuilder):
         engine_rows, decodes, prefills = [], [], []
         for row in range(batch.num_reqs):
             request, start, end, seq_len = ROWS.rows.get(row), starts[row], starts[row + 1], lengths[row]
+            if request is None or end == start:  # vLLM's alone: no block table to slice
+                engine_rows.append((row, start, end, seq_len))
+                continue
             block_ids = batch.block_table_tensor[row, : -(-seq_len // self.block_size)]
-            if request is not None and end > start and request.is_decoding(seq_len, end - start):
+            if request.is_decoding(seq_len, end - start):
                 decodes.append((end - 1, request, seq_len, block_ids))
                 if end - 1 > start:  # a resumed request's recomputed tokens: vLLM's, before its last
                     engine_rows.append((row, start, end - 1, seq_len - 1))
                 continue
             engine_rows.append((row, start, end, seq_len))
-            if request is not None and end > start and not request.layers:  # its prompt, not yet stored
+            if not request.layers:  # its prompt, not yet stored
                 prefills.append((request, start, end, seq_len, block_ids))
         planned = PlannedMetadata(**{f.name: getattr(whole, f.name) for f in dataclasses.fields(whole)})
         if not decodes:
