@@ -12,17 +12,23 @@ from conftest import random_prompt
 from refreshkv import PolicyCache, make_policy, with_cache
 from refreshkv.core.policy import PolicyError
 from refreshkv.serving.batch_rows import BatchRows
-from refreshkv.serving.paged_store import PagedBlocks, PagedFullStore
+from refreshkv.serving.paged_store import PagedBlocks, PagedFullStore, cpu_blocks
 from refreshkv.serving.plugin_config import served_policy
 from refreshkv.serving.request_layer import ModelFacts, Request, StepCounts
 
 
-def paged(keys: torch.Tensor, values: torch.Tensor, block_size: int, order: list[int]):
-    """(1, Hkv, L, D) keys and values written into blocks `order` (a block table), as (blocks, Hkv, size, D)."""
+def paged(keys: torch.Tensor, values: torch.Tensor, block_size: int, order: list[int], layout: str = "rows"):
+    """(1, Hkv, L, D) keys and values written into blocks `order` (a block table), as (blocks, Hkv, size, D): each
+    token's row whole ("rows"), or as vLLM's CPU cache lays them ("vllm_cpu": a block's keys channel-major, read where
+    they lie by the C)."""
     heads, length, dim = keys.shape[1:]
     count = -(-length // block_size)
-    store_k = torch.full((max(order) + 1, heads, block_size, dim), float("nan"))
-    store_v = store_k.clone()
+    if layout == "vllm_cpu":
+        blocks = cpu_blocks(torch.full((max(order) + 1, heads, block_size, 2 * dim), float("nan")))
+        store_k, store_v = blocks.keys, blocks.values
+    else:
+        store_k = torch.full((max(order) + 1, heads, block_size, dim), float("nan"))
+        store_v = store_k.clone()
     for i, block in enumerate(order[:count]):
         span = slice(i * block_size, min((i + 1) * block_size, length))
         store_k[block, :, : span.stop - span.start] = keys[0, :, span]
@@ -30,9 +36,10 @@ def paged(keys: torch.Tensor, values: torch.Tensor, block_size: int, order: list
     return PagedBlocks(store_k, store_v), torch.tensor(order)
 
 
-def test_a_span_of_paged_blocks_reads_as_the_tokens_written():
+@pytest.mark.parametrize("layout", ["rows", "vllm_cpu"])
+def test_a_span_of_paged_blocks_reads_as_the_tokens_written(layout):
     keys, values = torch.randn(1, 2, 37, 4), torch.randn(1, 2, 37, 4)
-    blocks, table = paged(keys, values, 8, [5, 0, 3, 7, 1])
+    blocks, table = paged(keys, values, 8, [5, 0, 3, 7, 1], layout)
     for start, end in ((0, 37), (3, 30), (8, 16), (36, 37)):
         read_k, read_v = blocks.gather(table, start, end)
         assert torch.equal(read_k, keys[:, :, start:end]) and torch.equal(read_v, values[:, :, start:end])
@@ -56,7 +63,8 @@ def test_a_span_of_paged_blocks_reads_as_the_tokens_written():
         ("oracle", {"budget": 12}),
     ],
 )
-def test_a_request_over_paged_blocks_decodes_as_the_transformers_cache(llama, monkeypatch, method, params):
+@pytest.mark.parametrize("layout", ["rows", "vllm_cpu"])
+def test_a_request_over_paged_blocks_decodes_as_the_transformers_cache(llama, monkeypatch, method, params, layout):
     """The method's own hooks on a `RequestLayer` over blocks give the transformers cache's outputs, step by step."""
     from refreshkv.engine.cache import PolicyLayer
 
@@ -69,6 +77,11 @@ def test_a_request_over_paged_blocks_decodes_as_the_transformers_cache(llama, mo
         return output
 
     monkeypatch.setattr(PolicyLayer, "attend", recorded)
+    spans: list[tuple[int, int]] = []  # the spans of C_f gathered out of the blocks during a decode step
+    gather = PagedBlocks.gather
+    monkeypatch.setattr(
+        PagedBlocks, "gather", lambda self, ids, start, end: spans.append((start, end)) or gather(self, ids, start, end)
+    )
     policy, length, new = make_policy(method, **params), 40, 8
     ids = random_prompt(length)
     cache = PolicyCache(policy, llama, max_new_tokens=new)
@@ -85,15 +98,43 @@ def test_a_request_over_paged_blocks_decodes_as_the_transformers_cache(llama, mo
         keys = torch.cat([call[1] for call in steps], dim=2)
         values = torch.cat([call[2] for call in steps], dim=2)
         request.keep_window(layer_idx, steps[0][0], 0)
-        request.store_prompt(layer_idx, *paged(keys[:, :, :length], values[:, :, :length], 16, [3, 0, 2]), steps[0][4])
+        prompt_blocks = paged(keys[:, :, :length], values[:, :, :length], 16, [3, 0, 2], layout)
+        request.store_prompt(layer_idx, *prompt_blocks, steps[0][4])
         for step, (query, key, value, expected, scaling) in enumerate(steps[1:], start=1):
             seen = length + step
-            blocks, table = paged(keys[:, :, :seen], values[:, :, :seen], 16, [3, 0, 2, 1, 4])
+            blocks, table = paged(keys[:, :, :seen], values[:, :, :seen], 16, [3, 0, 2, 1, 4], layout)
+            spans.clear()
             got = request.decode(layer_idx, query, key, value, scaling, blocks, table, seen)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+            if layout == "vllm_cpu" and method in ("refreshkv", "recycled"):  # C_f read where it lies, never copied
+                assert all(end - start <= new for start, end in spans), spans
     state = request.layers[0].state
     assert isinstance(state if method in ("oracle", "streamingllm++") else state.full, PagedFullStore)
     assert request.counts.layer_steps == len(calls) * (new - 1)
+
+
+def test_a_full_step_over_vllms_cpu_blocks_attends_and_gathers_where_they_lie():
+    """The C reads vLLM's CPU layout in place: PyTorch's attention over the gathered tokens, and the selected tokens."""
+    from refreshkv.core.attention_math import attend_with_probs
+    from refreshkv.core.native_attention import attend_paged, gather_paged
+
+    torch.manual_seed(0)
+    keys, values = torch.randn(1, 3, 300, 64), torch.randn(1, 3, 300, 64)
+    blocks, table = paged(keys, values, 32, [4, 9, 0, 7, 2, 5, 1, 3, 6, 8], "vllm_cpu")
+    query = torch.randn(1, 9, 1, 64)
+    attended = attend_paged(query, blocks.keys, blocks.values, table, 300, 0.125)
+    assert attended is not None  # the C path, not a fallback
+    expected = attend_with_probs(query, keys, values, 0.125, None)
+    for got, want in zip(attended, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    index = torch.tensor([[0, 31, 32, 299], [5, 6, 200, 100], [299, 0, 64, 65]])
+    out = torch.zeros(1, 3, 6, 64), torch.zeros(1, 3, 6, 64)
+    assert gather_paged(blocks.keys, blocks.values, table, index, out)
+    heads = torch.arange(3).unsqueeze(1)
+    assert torch.equal(out[0][0, :, :4], keys[0, heads, index]) and torch.equal(
+        out[1][0, :, :4], values[0, heads, index]
+    )
+    assert not out[0][0, :, 4:].any()  # the slots after k untouched
 
 
 def test_the_batch_rows_follow_removals_additions_and_moves():

@@ -139,6 +139,22 @@ class FullStore(LayerState):
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.span(0, self.length)
 
+    def attend(
+        self, query: torch.Tensor, scaling: object, valid: torch.Tensor | None, rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`attention_math.attend_with_probs` of one query token over every token held, computed where the store
+        holds them, by a store that holds them otherwise (codes, a serving engine's blocks), for the batch elements
+        marked in `rows` ((B,) bool; None: all). None here, and where that store cannot: attend over `view()`."""
+        return None
+
+    def gather(
+        self, index: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor | None = None
+    ) -> bool:
+        """The keys and values of the tokens at `index` (B, H, k) into the first k slots of `out` (B, H, slots, D),
+        read where a store that holds them otherwise holds them (only the elements marked in `rows`). False here, and
+        where that store cannot, with nothing written: gather from `view()`."""
+        return False
+
     def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [start, end), ready to attend to."""
         return self.keys[:, :, start:end], self.values[:, :, start:end]

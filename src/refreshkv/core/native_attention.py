@@ -1,7 +1,8 @@
 """One query token's attention in C on the CPU (selection_kernels.c, loaded by native_library.py): a full step's
 products, softmax and weighted values for the batch elements that take it, their keys and values read where they lie,
-faster there than SDPA; the results are PyTorch's (tests/test_native_selection.py). What a query must be for the C to
-take it is checked here for native_quantized.py too.
+faster there than SDPA; the results are PyTorch's (tests/test_native_selection.py); and the same over one request's
+tokens in a serving engine's paged blocks (`attend_paged`). What a query must be for the C to take it is checked here
+for native_quantized.py too.
 """
 
 from __future__ import annotations
@@ -153,3 +154,79 @@ _attend_operator = operator(
         query.new_empty(*keys.shape[:2], query.shape[1] // keys.shape[1], keys.shape[2]),
     ),
 )
+
+
+def attend_paged(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_ids: torch.Tensor, length: int, scaling: object
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`attention_math.attend_with_probs` of one request's query token (1, Hq, 1, D) over its first `length` tokens
+    in paged blocks, read where they lie: `keys` and `values` (blocks, Hkv, block_size, D) views of the engine's
+    cache, a block's keys channel-major and its values token-major (vLLM's CPU layout), `block_ids` its blocks in
+    position order. The output (1, 1, Hq, D) and the float32 probabilities (1, Hkv, G, length). None where the C cannot
+    (another layout or dtype, a GPU, under torch.compile): then gather the tokens first."""
+    blocks, kv_heads, size, dim = keys.shape
+    if not (paged_fits(keys, values) and query_fits(query, scaling, (1, kv_heads, length, dim), None, per_head=False)):
+        return None
+    group = query.shape[1] // kv_heads
+    packed = query.reshape(kv_heads, group, dim).contiguous()
+    table = block_ids[: -(-length // size)].to(torch.int64).contiguous()
+    strides, threads = BlockStrides.of(keys, values), torch.get_num_threads()
+    logits = torch.empty(1, kv_heads, group, length)
+    paged = (table.data_ptr(), size, length, kv_heads, group, dim)
+    kernels().paged_logits(packed.data_ptr(), keys.data_ptr(), strides, *paged, scaling, logits.data_ptr(), threads)
+    probs = logits.softmax(dim=-1)
+    output = torch.empty_like(packed)
+    if kernels().paged_weigh_values(
+        probs.data_ptr(), values.data_ptr(), strides, *paged, output.data_ptr(), _wide(), threads
+    ):
+        raise MemoryError(f"attention: no scratch space for {kv_heads} x {len(table)} blocks")
+    return output.reshape(1, 1, kv_heads * group, dim), probs
+
+
+def paged_fits(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Paged blocks (blocks, Hkv, block_size, D) the C reads: float32 on the CPU, each block's keys channel-major and
+    its values token-major (vLLM's CPU layout), eager."""
+    size, dim = keys.shape[2:]
+    return (
+        keys.dtype == values.dtype == torch.float32
+        and keys.shape == values.shape
+        and keys.stride(2) == 1
+        and keys.stride(3) == size
+        and values.stride(3) == 1
+        and values.stride(2) == dim
+        and keys.stride()[:2] == values.stride()[:2]
+        and on_cpu(keys, values)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def gather_paged(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    block_ids: torch.Tensor,
+    index: torch.Tensor,
+    out: tuple[torch.Tensor, ...],
+) -> bool:
+    """Each KV head's tokens at `index` (Hkv, k) of one request's paged blocks (as `attend_paged`'s) into the first k
+    slots of `out` (keys, values: (1, Hkv, slots, D), contiguous float32). False, with nothing written, where the C
+    cannot."""
+    heads, k = index.shape
+    if not (paged_fits(keys, values) and all(o.is_contiguous() and o.dtype == torch.float32 for o in out[:2])):
+        return False
+    index, table = index.to(torch.int64).contiguous(), block_ids.to(torch.int64).contiguous()
+    slots, dim = out[0].shape[2], keys.shape[3]
+    kernels().paged_gather(
+        keys.data_ptr(),
+        values.data_ptr(),
+        BlockStrides.of(keys, values),
+        table.data_ptr(),
+        keys.shape[2],
+        index.data_ptr(),
+        heads,
+        k,
+        dim,
+        slots,
+        out[0].data_ptr(),
+        out[1].data_ptr(),
+    )
+    return True

@@ -139,6 +139,13 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     library.weigh_values_rows.argtypes = [pointer, pointer, BlockStrides, size, size, size, size, size, pointer]
     library.weigh_values_rows.argtypes += [pointer, status, status]
     library.logits_rows.restype, library.weigh_values_rows.restype = None, status
+    paged = [pointer, pointer, BlockStrides, pointer, size, size, size, size, size]
+    library.paged_logits.argtypes = [*paged, ctypes.c_float, pointer, status]
+    library.paged_weigh_values.argtypes = [*paged, pointer, status, status]
+    library.paged_logits.restype, library.paged_weigh_values.restype = None, status
+    library.paged_gather.argtypes = [pointer, pointer, BlockStrides, pointer, size, pointer, size, size, size, size]
+    library.paged_gather.argtypes += [pointer, pointer]
+    library.paged_gather.restype = None
     quantized = [pointer, QuantizedCache, size, size, size, size, size]
     library.quantized_logits_rows.argtypes = [*quantized, ctypes.c_float, pointer, pointer, pointer, status]
     library.quantized_weigh_rows.argtypes = [*quantized, pointer, pointer, status]

@@ -75,8 +75,8 @@ def refresh_partial(
     words: torch.Tensor | None,
     valid: torch.Tensor | None,
     k: int,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    keys: torch.Tensor | None,
+    values: torch.Tensor | None,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     carry: tuple[float, float] = (0.0, 0.0),
     rows: torch.Tensor | None = None,
@@ -90,8 +90,10 @@ def refresh_partial(
     ones, not the decoded ones) first scores at least share x its score there, and with `floor` = (positions, scores,
     share) ((B, Hkv, slots) each, a selection kept aside) each token there at least share x its score there. With
     `rows` ((B,) bool), only those batch elements are refreshed; the others' store is left as it is.
-    `per_head`: each query head's window-mean probabilities (B, Hkv, G, n), float32; keys and values (B, Hkv, n, D).
-    False, with nothing written, where the C path is not available or a tensor lies otherwise."""
+    `per_head`: each query head's window-mean probabilities (B, Hkv, G, n), float32; keys and values (B, Hkv, n, D),
+    or None: the store's positions and scores alone are written, its keys and values are the caller's to gather (a
+    C_f that reads where it lies: `FullStore.gather`). False, with nothing written, where the C path is not available
+    or a tensor lies otherwise."""
     key_out, value_out, positions, scores = store
     if (
         per_head.dtype != torch.float32
@@ -103,8 +105,15 @@ def refresh_partial(
     compiling = torch.compiler.is_compiling()
     fits = (
         0 < k <= n
-        and _tokenrows_fit(batch, heads, k, keys, values, key_out, value_out)
-        and keys.shape[2] == n
+        and (
+            keys is None
+            and values is None
+            and not compiling
+            or keys is not None
+            and values is not None
+            and _tokenrows_fit(batch, heads, k, keys, values, key_out, value_out)
+            and keys.shape[2] == n
+        )
         and all(t.shape == key_out.shape[:3] and t.is_contiguous() for t in (positions, scores))
         and positions.dtype == torch.long
         and scores.dtype == torch.float32
@@ -240,10 +249,10 @@ def _refresh(
         0 if words is None else words.shape[1],
         None if valid is None else valid.data_ptr(),
         k,
-        keys.data_ptr(),
-        values.data_ptr(),
-        BlockStrides.of(keys, values),
-        keys.shape[3] * keys.element_size(),
+        None if keys is None else keys.data_ptr(),
+        None if values is None else values.data_ptr(),
+        BlockStrides() if keys is None else BlockStrides.of(keys, values),
+        key_out.shape[3] * key_out.element_size(),
         key_out.shape[2],
         key_out.data_ptr(),
         value_out.data_ptr(),

@@ -30,9 +30,9 @@ from torch import Tensor
 from .attention_math import Scaling, attend_with_probs, decode_attention, top_k
 from .contract import MethodLayer
 from .device_steps import DeviceLayer, attend
+from .full_cache import FullCacheStore
 from .kvstore import LayerState, SlotStore, gather_tokens
 from .policy import BudgetPolicy, PolicyError, check_positive
-from .quantized_store import QuantizedFullStore
 
 APPENDED = 2.0  # above any attention probability: decoded tokens outrank prompt tokens unless a method says otherwise
 
@@ -139,12 +139,11 @@ class SelectionState(LayerState):
         self.store.load(keys, values, index.clamp(min=0) if ragged else index, positions)
         self._scored(positions, scores, ragged)
 
-    def load_quantized(
-        self, full: QuantizedFullStore, index: Tensor, scores: Tensor, rows: Tensor | None = None
-    ) -> bool:
-        """`load` of the tokens at `index` (a top k: no entry -1) of a quantized C_f, dequantized straight into the
-        slots (`QuantizedFullStore.gather`); only in the batch elements marked in `rows` ((B,) bool) if given, the
-        others' slots left as they are. False, with nothing changed, where that cannot be done."""
+    def load_gathered(self, full: FullCacheStore, index: Tensor, scores: Tensor, rows: Tensor | None = None) -> bool:
+        """`load` of the tokens at `index` (a top k: no entry -1) of a C_f that reads them where it holds them (a
+        quantized one dequantized straight into the slots, a serving engine's blocks: `gather`); only in the batch
+        elements marked in `rows` ((B,) bool) if given, the others' slots left as they are. False, with nothing
+        changed, where that cannot be done."""
         if not full.gather(index, (self.store.keys, self.store.values), rows):
             return False
         self.store.hold(index, rows)

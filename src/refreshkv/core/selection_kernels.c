@@ -12,7 +12,8 @@ AVX2 runs as an AVX2 one). Besides them the one intrinsic is SSE2's streaming st
 1,024 keys or more on the CPU: core/attention_math.py), for some rows of a batch only where asked, read where the rows
 lie in the cache (a batch whose rows disagree at a query check: only the rows that refresh read all of C_f).
 `quantized_logits_rows`, `quantized_weigh_rows` and `dequantize_rows` are the same full step over a C_f held in codes:
-attention read from the codes, and the selected tokens alone dequantized into C_p.
+attention read from the codes, and the selected tokens alone dequantized into C_p; `paged_logits` and
+`paged_weigh_values` over a serving engine's paged blocks.
 Where the loader builds it with OpenMP (only into a process whose PyTorch runs on the same OpenMP runtime, so that the
 loops run on PyTorch's own threads), the work of a call is split between `threads` threads: pieces of positions,
 rows, pieces of slots; each piece is computed as one thread would, so the results do not depend on the split.
@@ -297,8 +298,8 @@ int gather_rows(const char *keys, const char *values, BlockStrides strides, int6
    decoded ones), and with `floor_share` > 0 at least floor_share x its score in `floor_positions` and `floor_scores`
    (batch x heads x floor_slots: a selection kept aside, the question's). Its k highest in position order
    (top_k_of_keys) fill the first k of the store's `slots`: their positions (`positions`, batch x heads x slots),
-   scores (`kept_scores`, likewise) and key and value rows (as gather_rows). The slots from k on are empty: position
-   -1, score -inf, a copy of the last kept row.
+   scores (`kept_scores`, likewise) and key and value rows (as gather_rows; not where `key_source` is NULL: the
+   caller gathers them). The slots from k on are empty: position -1, score -inf, a copy of the last kept row.
    Per batch element (only those marked in `rows`, batch bytes, where it is not NULL), five steps, each shared out
    between `threads` threads: the group's highest and the pooling in pieces of positions, the spread in parts cut where
    words start, the top K by head, the gather in pieces of slots. Returns 0, or -1 with nothing written if no scratch
@@ -381,6 +382,7 @@ AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads,
                 kept_scores[out + slot] = slot < k ? scores[taken[h * k + slot]] : -INFINITY;
             }
         }
+        if (!key_source) continue; /* the caller gathers the rows (a cache laid out otherwise) */
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < heads * slot_pieces; task++) {
             int64_t h = task / slot_pieces;
@@ -561,6 +563,34 @@ WIDE static void wide_weighted(const float *weights, const float *values, int64_
 }
 #endif
 
+/* The sums over positions first .. last - 1 of each query head's weights (`weights`: group x n) times the value rows
+   (`values`, rows of dim floats) into `sums` (group x dim): with `wide` (dim a multiple of 64, AVX-512 checked) by
+   `wide_weighted`, else two query heads at a time in registers. */
+INLINE void weigh_span(const float *weights, const float *values, int64_t group, int64_t n, int64_t dim, int64_t first,
+                       int64_t last, float *sums, int wide) {
+#if defined(WIDE)
+    if (wide) {
+        wide_weighted(weights, values, group, n, dim, first, last, sums);
+        return;
+    }
+#else
+    (void)wide;
+#endif
+    for (int64_t g = 0; g < group; g += 2) {
+        int64_t other = g + 1 < group ? g + 1 : g; /* an odd group's last head is summed twice, kept once */
+        for (int64_t lo = 0; lo < dim; lo += WIDTH) {
+            int64_t width = lo + WIDTH < dim ? WIDTH : dim - lo;
+            float sums0[WIDTH] = {0.0f}, sums1[WIDTH] = {0.0f};
+            if (width == WIDTH)
+                add_weighted(sums0, sums1, weights + g * n, weights + other * n, values + lo, dim, first, last, WIDTH);
+            else
+                add_weighted(sums0, sums1, weights + g * n, weights + other * n, values + lo, dim, first, last, width);
+            memcpy(sums + g * dim + lo, sums0, width * sizeof(float));
+            memcpy(sums + other * dim + lo, sums1, width * sizeof(float));
+        }
+    }
+}
+
 /* A full step's output for the batch elements marked in `rows`, the others not written: per (batch, KV head), each
    query head's probabilities (`probs`: batch x heads x group x n) times the first n values (float32, as the keys of
    logits_rows), into `out` (batch x heads x group x dim): attention_math.weighted_values. Each task sums a span of
@@ -587,27 +617,7 @@ AVX2_CLONE int weigh_values_rows(const float *probs, const char *value_source, B
         const float *values = (const float *)(value_source + b * strides.value_batch + h * strides.value_head);
         const float *weights = probs + block * group * n;
         float *sums = partials + task * group * dim;
-#if defined(WIDE)
-        if (wide) {
-            wide_weighted(weights, values, group, n, dim, first, last, sums);
-            continue;
-        }
-#endif
-        for (int64_t g = 0; g < group; g += 2) {
-            int64_t other = g + 1 < group ? g + 1 : g; /* an odd group's last head is summed twice, kept once */
-            for (int64_t lo = 0; lo < dim; lo += WIDTH) {
-                int64_t width = lo + WIDTH < dim ? WIDTH : dim - lo;
-                float sums0[WIDTH] = {0.0f}, sums1[WIDTH] = {0.0f};
-                if (width == WIDTH)
-                    add_weighted(sums0, sums1, weights + g * n, weights + other * n, values + lo, dim, first, last,
-                                 WIDTH);
-                else
-                    add_weighted(sums0, sums1, weights + g * n, weights + other * n, values + lo, dim, first, last,
-                                 width);
-                memcpy(sums + g * dim + lo, sums0, width * sizeof(float));
-                memcpy(sums + other * dim + lo, sums1, width * sizeof(float));
-            }
-        }
+        weigh_span(weights, values, group, n, dim, first, last, sums, wide);
     }
     for (int64_t k = 0; k < blocks; k++) {
         float *target = out + marked[k] * group * dim;
@@ -619,6 +629,96 @@ AVX2_CLONE int weigh_values_rows(const float *probs, const char *value_source, B
     }
     free(partials);
     return 0;
+}
+
+/* One request's full step over a paged cache where it lies (vLLM's CPU layout, serving/paged_store.py): its n tokens
+   in the blocks `block_ids` (block_size tokens each, in position order), each (block, KV head) `strides` apart (the
+   `batch` strides are those between blocks), its keys channel-major (dim rows of block_size floats), its values
+   token-major (block_size rows of dim floats). `paged_logits`: each query head's products with the n keys, times
+   `scale`, into `logits` (heads x group x n), per (head, block), each product summed over dim in order, block_size
+   positions side by side. `paged_weigh_values`: the probabilities (as `logits`) times the values into `out` (heads x
+   group x dim), a partial sum per block (`weigh_span`), the blocks then added in order: the split does not depend on
+   `threads`. 0, or 1 without scratch space. */
+enum { KEYS_AT_ONCE = 32 }; /* a block's keys whose products one pass sums in registers (4 AVX2 vectors) */
+
+/* Adds q[d] x channels[d * stride + t] to sums[t] for d < dim in order, t < width: a local array the compiler keeps in
+   registers (through the loop of KEYS_AT_ONCE, when width is that constant). */
+INLINE void add_channels(float *sums, const float *q, const float *channels, int64_t stride, int64_t dim,
+                         int64_t width) {
+    for (int64_t d = 0; d < dim; d++)
+        for (int64_t t = 0; t < width; t++) sums[t] += q[d] * channels[d * stride + t];
+}
+
+AVX2_CLONE void paged_logits(const float *query, const char *key_source, BlockStrides strides, const int64_t *block_ids,
+                             int64_t block_size, int64_t n, int64_t heads, int64_t group, int64_t dim, float scale,
+                             float *logits, int threads) {
+    int64_t blocks = (n + block_size - 1) / block_size;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t task = 0; task < heads * blocks; task++) {
+        int64_t h = task / blocks, j = task % blocks, lo = j * block_size;
+        int64_t count = lo + block_size < n ? block_size : n - lo;
+        const float *keys = (const float *)(key_source + block_ids[j] * strides.key_batch + h * strides.key_head);
+        for (int64_t g = 0; g < group; g++) {
+            const float *q = query + (h * group + g) * dim;
+            float *out = logits + (h * group + g) * n + lo;
+            for (int64_t first = 0; first < count; first += KEYS_AT_ONCE) {
+                int64_t width = count - first < KEYS_AT_ONCE ? count - first : KEYS_AT_ONCE;
+                float sums[KEYS_AT_ONCE] = {0.0f};
+                if (width == KEYS_AT_ONCE)
+                    add_channels(sums, q, keys + first, block_size, dim, KEYS_AT_ONCE);
+                else
+                    add_channels(sums, q, keys + first, block_size, dim, width);
+                for (int64_t t = 0; t < width; t++) out[first + t] = sums[t] * scale;
+            }
+        }
+    }
+}
+
+AVX2_CLONE int paged_weigh_values(const float *probs, const char *value_source, BlockStrides strides,
+                                  const int64_t *block_ids, int64_t block_size, int64_t n, int64_t heads,
+                                  int64_t group, int64_t dim, float *out, int wide, int threads) {
+    int64_t blocks = (n + block_size - 1) / block_size;
+    float *partials = malloc((size_t)(heads * blocks * group * dim + 1) * sizeof(float));
+    if (!partials) return 1;
+#if defined(WIDE)
+    wide = wide && dim % 64 == 0 && __builtin_cpu_supports("avx512f");
+#else
+    wide = 0;
+#endif
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t task = 0; task < heads * blocks; task++) {
+        int64_t h = task / blocks, j = task % blocks, lo = j * block_size;
+        int64_t count = lo + block_size < n ? block_size : n - lo;
+        const float *values = (const float *)(value_source + block_ids[j] * strides.value_batch + h * strides.value_head);
+        weigh_span(probs + h * group * n + lo, values, group, n, dim, 0, count, partials + task * group * dim, wide);
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        float *target = out + h * group * dim;
+        memcpy(target, partials + h * blocks * group * dim, (size_t)(group * dim) * sizeof(float));
+        for (int64_t j = 1; j < blocks; j++) {
+            const float *sums = partials + (h * blocks + j) * group * dim;
+            for (int64_t e = 0; e < group * dim; e++) target[e] += sums[e];
+        }
+    }
+    free(partials);
+    return 0;
+}
+
+/* The keys and values of each KV head's `k` positions (`index`: heads x k) of one request's paged cache (as
+   paged_logits's) into the first k of `slots` rows per head of `key_out` / `value_out` (heads x slots x dim). */
+void paged_gather(const char *key_source, const char *value_source, BlockStrides strides, const int64_t *block_ids,
+                  int64_t block_size, const int64_t *index, int64_t heads, int64_t k, int64_t dim, int64_t slots,
+                  float *key_out, float *value_out) {
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t slot = 0; slot < k; slot++) {
+            int64_t position = index[h * k + slot], block = block_ids[position / block_size];
+            int64_t offset = position % block_size;
+            const float *keys = (const float *)(key_source + block * strides.key_batch + h * strides.key_head);
+            const float *values = (const float *)(value_source + block * strides.value_batch + h * strides.value_head);
+            float *key_row = key_out + (h * slots + slot) * dim;
+            for (int64_t d = 0; d < dim; d++) key_row[d] = keys[d * block_size + offset];
+            memcpy(value_out + (h * slots + slot) * dim, values + offset * dim, (size_t)dim * sizeof(float));
+        }
 }
 
 /* A C_f held in `bits` bits (core/quantized_store.py) as this file sees it: per (batch, KV head) block, `stored`

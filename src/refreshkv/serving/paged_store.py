@@ -1,9 +1,10 @@
 """C_f as a serving engine holds it: one request's tokens in the engine's paged blocks, read through the
 `FullStore` interface that the methods read C_f by (`view`, `span`, `length`), never copied beside them.
 
-The engine writes every token into its blocks itself (before attention runs), so `append` only counts them. A read
-gathers the blocks that hold a span into one (1, Hkv, n, D) tensor: a full step of refreshkv reads all of C_f this
-way, a partial step none of it.
+The engine writes every token into its blocks itself (before attention runs), so `append` only counts them. A full
+step of refreshkv attends over the blocks where they lie (`attend`, in C on the CPU) and reads the tokens it selects
+alone (`gather`); a partial step reads none of C_f. A `span` (the answer so far, a method without the C path) gathers
+the blocks that hold it into one (1, Hkv, n, D) tensor.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..core.kvstore import FullStore
+from ..core.native_attention import attend_paged, gather_paged
 from ..core.policy import PolicyError
 
 
@@ -36,6 +38,13 @@ class PagedBlocks:
             spans.append(held.reshape(held.shape[0], -1, held.shape[3])[None, :, offset : offset + end - start])
         return spans[0], spans[1]
 
+    def tokens(self, block_ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values (Hkv, k, D) of each KV head's own positions (Hkv, k) of a request whose block table is
+        `block_ids`."""
+        blocks, offsets = block_ids[positions // self.block_size], positions % self.block_size
+        heads = torch.arange(positions.shape[0]).unsqueeze(1)
+        return self.keys[blocks, heads, offsets], self.values[blocks, heads, offsets]
+
     def write(self, block_ids: Tensor, start: int, keys: Tensor, values: Tensor) -> None:
         """Write keys and values (1, Hkv, n, D) at positions [start, start + n) of a request whose block table is
         `block_ids`, where they lie in the engine's layout."""
@@ -43,6 +52,17 @@ class PagedBlocks:
         blocks, offsets = block_ids[positions // self.block_size], positions % self.block_size
         for store, written in ((self.keys, keys), (self.values, values)):
             store[blocks, :, offsets] = written[0].transpose(0, 1).to(store.dtype)
+
+
+def cpu_blocks(kv_cache: Tensor) -> PagedBlocks:
+    """vLLM's CPU cache of one layer, (blocks, Hkv, block_size, 2 D), as keys and values (blocks, Hkv, block_size, D):
+    per block and head its keys lie channel-major (D, block_size), then its values token-major (block_size, D)."""
+    size, dim = kv_cache.shape[2], kv_cache.shape[3] // 2
+    # views, never copies (a layer's cache is hundreds of MB, and may lie strided in the engine's allocation): the
+    # first half of each block's (block_size, 2 D) rows holds its keys, the second its values
+    keys = kv_cache[:, :, : size // 2].flatten(-2).unflatten(-1, (dim, size)).transpose(2, 3)
+    values = kv_cache[:, :, size // 2 :].flatten(-2).unflatten(-1, (size, dim))
+    return PagedBlocks(keys, values)
 
 
 class PagedFullStore(FullStore):
@@ -58,6 +78,26 @@ class PagedFullStore(FullStore):
 
     def span(self, start: int, end: int) -> tuple[Tensor, Tensor]:
         return self.blocks.gather(self.block_ids, start, end)
+
+    def attend(
+        self, query: Tensor, scaling: object, valid: Tensor | None, rows: Tensor | None = None
+    ) -> tuple[Tensor, Tensor] | None:
+        """A full step over the blocks where they lie (native_attention.attend_paged): one request, no mask."""
+        if valid is not None:
+            return None
+        blocks = self.blocks
+        return attend_paged(query, blocks.keys, blocks.values, self.block_ids, self.length, scaling)
+
+    def gather(self, index: Tensor, out: tuple[Tensor, Tensor], rows: Tensor | None = None) -> bool:
+        """The selected tokens alone, read from the blocks into the first k slots of `out`."""
+        if rows is not None and not bool(rows.all()):
+            return False
+        blocks = self.blocks
+        if gather_paged(blocks.keys, blocks.values, self.block_ids, index[0], out):
+            return True
+        for target, read in zip(out, blocks.tokens(self.block_ids, index[0])):
+            target[0, :, : index.shape[-1]] = read
+        return True
 
     def crop(self, tokens: int) -> None:
         raise PolicyError("a request's tokens in vLLM's blocks are vLLM's to forget")

@@ -32,7 +32,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from ..core.policy import Policy, PolicyError
 from .batch_rows import ROWS
-from .paged_store import PagedBlocks
+from .paged_store import PagedBlocks, cpu_blocks
 from .plugin_config import worst_case_bytes
 from .request_layer import Request
 from .vllm_rows import LOG, UNSERVED, engine_policy
@@ -199,17 +199,6 @@ def paged_blocks(kv_cache: Tensor, isa: str) -> PagedBlocks:
     """One layer's vLLM CPU cache, its layout checked once (`checked_layout`)."""
     checked_layout(isa, kv_cache.dtype, kv_cache.shape[2], kv_cache.shape[3] // 2)
     return cpu_blocks(kv_cache)
-
-
-def cpu_blocks(kv_cache: Tensor) -> PagedBlocks:
-    """vLLM's CPU cache of one layer, (blocks, Hkv, block_size, 2 D), as keys and values (blocks, Hkv, block_size, D):
-    per block and head its keys lie channel-major (D, block_size), then its values token-major (block_size, D)."""
-    size, dim = kv_cache.shape[2], kv_cache.shape[3] // 2
-    # views, never copies (a layer's cache is hundreds of MB, and may lie strided in the engine's allocation): the
-    # first half of each block's (block_size, 2 D) rows holds its keys, the second its values
-    keys = kv_cache[:, :, : size // 2].flatten(-2).unflatten(-1, (dim, size)).transpose(2, 3)
-    values = kv_cache[:, :, size // 2 :].flatten(-2).unflatten(-1, (size, dim))
-    return PagedBlocks(keys, values)
 
 
 @functools.cache

@@ -5,7 +5,7 @@ pooled, aggregated over a GQA group and spread over words (`selection_scores`), 
 least `carry` x its score there and each token the question's window selected at least `question_floor` x its score
 there; then the top K. With `keep_decoded` the answer so far is held after the K. C_f may be the transformers cache's
 store, a quantized one, static decoding's fixed-size buffers or a paged engine's blocks (refreshkv.serving): it is
-read through the `FullCacheStore` interface (`view`, `span`, `length`).
+read through the `FullCacheStore` interface (`view`, `span`, `length`; `attend` and `gather` where it reads in place).
 
 Choices where the papers are silent:
 - Tokens appended by partial steps are never evicted before recycled ones (the papers evict "the recycled token with
@@ -26,8 +26,7 @@ from ...core import native_selection
 from ...core.attention_math import pool_window, selection_scores, window_mean
 from ...core.contract import MethodLayer
 from ...core.full_cache import FullCacheStore
-from ...core.kvstore import FullStore, LayerState
-from ...core.quantized_store import QuantizedFullStore
+from ...core.kvstore import FullStore, LayerState, gather_tokens
 from ...core.selection import APPENDED, SelectionState, keep_top  # APPENDED: decoded tokens outrank recycled ones
 
 
@@ -101,14 +100,15 @@ class SelectionRule:
         layer: RefreshLayer,
         probs: Tensor,
         valid: Tensor | None,
-        full_kv: QuantizedFullStore | tuple[Tensor, Tensor],
+        full_kv: FullCacheStore | tuple[Tensor, Tensor],
         rows: Tensor | None = None,
         carry: bool = True,
         held: tuple[Tensor, Tensor] | None = None,
         before: int | None = None,
     ) -> int:
         """Rebuild C_p from window probabilities (B, Hkv, G, w, n) over C_f's keys and values `full_kv` (read once
-        per full step), or over a quantized C_f whose selected tokens alone are dequantized; only `rows` (B,) bool if
+        per full step), or over a C_f that reads its selected tokens alone where it holds them (a quantized one, an
+        engine's blocks: `gather`); only `rows` (B,) bool if
         given; with `before`, from the tokens before that position alone; without `carry`, from these probabilities
         alone (a new question). `held`: C_p's positions and scores before this step's token took a slot, which a
         refreshed row carries. Returns the tokens selected (k).
@@ -135,8 +135,9 @@ class SelectionRule:
             for target, source in zip((partial.store.positions, partial.scores), held):
                 copy_rows(target, source, rows)
         floor = self.question_selection(layer.state) if carry else None
-        if self.aggregation != "mean" and isinstance(full_kv, tuple):
-            keys, values = full_kv
+        if self.aggregation != "mean":
+            # a C_f that reads where it lies (codes, an engine's blocks) gathers the tokens the C selects itself
+            keys, values = full_kv if isinstance(full_kv, tuple) else (None, None)
             window, first_only = pool_window(self.kernel, self.pooling), self.aggregation == "first"
             if native_selection.refresh_partial(
                 per_head,
@@ -152,6 +153,8 @@ class SelectionRule:
                 rows,
                 floor,
             ):
+                if not isinstance(full_kv, tuple):
+                    gather_selected(full_kv, partial, k, rows)
                 if rows is None:
                     partial.loaded(k)
                 else:  # the other rows keep their slots; the refreshed ones' from k on are empty
@@ -166,7 +169,7 @@ class SelectionRule:
             positions, floor_scores, share = floor
             scores = carried((positions, floor_scores), scores, share)
         index, kept = keep_top(scores, k)  # pads scored -inf: a top k, no entry -1
-        if not isinstance(full_kv, tuple) and partial.load_quantized(full_kv, index, kept, rows):
+        if not isinstance(full_kv, tuple) and partial.load_gathered(full_kv, index, kept, rows):
             return k
         keys, values = full_kv if isinstance(full_kv, tuple) else full_kv.view()
         refreshed = partial if rows is None else SelectionState.empty_like(keys, partial.store.slots)
@@ -199,6 +202,17 @@ class SelectionRule:
         if self.question_floor == 0 or state.question_positions is None or state.question_scores is None:
             return None
         return state.question_positions, state.question_scores, self.question_floor
+
+
+def gather_selected(full: FullCacheStore, partial: SelectionState, k: int, rows: Tensor | None) -> None:
+    """The keys and values of the k tokens C_p's first slots hold (just selected) into those slots, read from a C_f
+    that holds them otherwise (`gather`), or where it cannot, from its `view()` (only `rows` if given)."""
+    store = partial.store
+    index, out = store.positions[..., :k], (store.keys, store.values)
+    if full.gather(index, out, rows):
+        return
+    for target, source in zip(out, gather_tokens(index, *full.view())):
+        copy_rows(target[:, :, :k], source, rows)
 
 
 def hold_answer(layer: RefreshLayer, kept: int, rows: Tensor | None) -> None:

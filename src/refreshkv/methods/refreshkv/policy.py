@@ -51,7 +51,7 @@ from ...core.attention_math import (
     decode_attention,
 )
 from ...core.device_steps import DeviceLayer
-from ...core.full_cache import DEFAULT_GROUP_SIZE, check_full_cache, check_group_size
+from ...core.full_cache import DEFAULT_GROUP_SIZE, FullCacheStore, check_full_cache, check_group_size
 from ...core.kvstore import FullStore, LayerState
 from ...core.policy import (
     BudgetPolicy,
@@ -62,7 +62,6 @@ from ...core.policy import (
     is_number,
     register,
 )
-from ...core.quantized_store import QuantizedFullStore
 from ...core.selection import APPENDED, SelectionState
 from .device_step import runs_on_device as dense_with_partial
 from .device_step import step as step_on_device
@@ -370,11 +369,10 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         full = state.full
         self.make_room(layer)
         valid = layer.valid_positions(full.length, query.device)
-        # A quantized C_f is read from its codes, a dense one where it lies; each, where the C can, for `rows` alone.
-        source: QuantizedFullStore | tuple[Tensor, Tensor]
-        attended = None
-        if isinstance(full, QuantizedFullStore):
-            source, attended = full, full.attend(query, scaling, valid, rows)
+        # C_f read where it lies: a quantized one from its codes, a serving engine's in its blocks, a dense one as it
+        # is; each, where the C can, for `rows` alone.
+        source: FullCacheStore | tuple[Tensor, Tensor] = full
+        attended = full.attend(query, scaling, valid, rows)
         read_rows = rows
         if attended is None:
             keys, values = source = full.view()
