@@ -173,7 +173,9 @@ def attend_paged(
     strides, threads = BlockStrides.of(keys, values), torch.get_num_threads()
     logits = torch.empty(1, kv_heads, group, length)
     paged = (table.data_ptr(), size, length, kv_heads, group, dim)
-    kernels().paged_logits(packed.data_ptr(), keys.data_ptr(), strides, *paged, scaling, logits.data_ptr(), threads)
+    kernels().paged_logits(
+        packed.data_ptr(), keys.data_ptr(), strides, *paged, scaling, logits.data_ptr(), _wide(), threads
+    )
     probs = logits.softmax(dim=-1)
     output = torch.empty_like(packed)
     if kernels().paged_weigh_values(
@@ -208,13 +210,18 @@ def gather_paged(
     out: tuple[torch.Tensor, ...],
 ) -> bool:
     """Each KV head's tokens at `index` (Hkv, k) of one request's paged blocks (as `attend_paged`'s) into the first k
-    slots of `out` (keys, values: (1, Hkv, slots, D), contiguous float32). False, with nothing written, where the C
-    cannot."""
+    slots of `out` (keys, values: (1, Hkv, n >= k, D) float32, each head's slots one after another, as a store's
+    slots from some slot on lie). False, with nothing written, where the C cannot."""
     heads, k = index.shape
-    if not (paged_fits(keys, values) and all(o.is_contiguous() and o.dtype == torch.float32 for o in out[:2])):
+    dim = keys.shape[3]
+    slots = out[0].stride(1) // dim
+    lies = all(
+        o.dtype == torch.float32 and o.stride(3) == 1 and o.stride(2) == dim and o.stride(1) == slots * dim
+        for o in out[:2]
+    )
+    if not (lies and out[0].stride() == out[1].stride() and k <= out[0].shape[2] and paged_fits(keys, values)):
         return False
     index, table = index.to(torch.int64).contiguous(), block_ids.to(torch.int64).contiguous()
-    slots, dim = out[0].shape[2], keys.shape[3]
     kernels().paged_gather(
         keys.data_ptr(),
         values.data_ptr(),

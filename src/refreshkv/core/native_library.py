@@ -140,7 +140,7 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     library.weigh_values_rows.argtypes += [pointer, status, status]
     library.logits_rows.restype, library.weigh_values_rows.restype = None, status
     paged = [pointer, pointer, BlockStrides, pointer, size, size, size, size, size]
-    library.paged_logits.argtypes = [*paged, ctypes.c_float, pointer, status]
+    library.paged_logits.argtypes = [*paged, ctypes.c_float, pointer, status, status]
     library.paged_weigh_values.argtypes = [*paged, pointer, status, status]
     library.paged_logits.restype, library.paged_weigh_values.restype = None, status
     library.paged_gather.argtypes = [pointer, pointer, BlockStrides, pointer, size, pointer, size, size, size, size]

@@ -649,15 +649,62 @@ INLINE void add_channels(float *sums, const float *q, const float *channels, int
         for (int64_t t = 0; t < width; t++) sums[t] += q[d] * channels[d * stride + t];
 }
 
+#if defined(WIDE)
+enum { WIDE_KEYS = 64, WIDE_HEADS = 4 }; /* keys (4 registers) and query heads whose products one pass keeps */
+
+/* `paged_logits` of one (head, block) in AVX-512: WIDE_KEYS keys at a time against WIDE_HEADS query heads, each key
+   channel row loaded once for them all (a last, partial set of keys masked); each product summed over dim in order
+   with fused multiply-adds. */
+WIDE static void wide_paged_logits(const float *q, const float *keys, int64_t block_size, int64_t count, int64_t group,
+                                   int64_t n, int64_t dim, float scale, float *out) {
+    for (int64_t first = 0; first < count; first += WIDE_KEYS) {
+        __mmask16 mask[4];
+        for (int c = 0; c < 4; c++) {
+            int64_t left = count - first - 16 * c;
+            mask[c] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+        }
+        for (int64_t g = 0; g < group; g += WIDE_HEADS) {
+            int64_t heads_here = group - g < WIDE_HEADS ? group - g : WIDE_HEADS;
+            __m512 sum[WIDE_HEADS][4];
+            for (int k = 0; k < WIDE_HEADS; k++)
+                for (int c = 0; c < 4; c++) sum[k][c] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < dim; d++) {
+                __m512 row[4];
+                for (int c = 0; c < 4; c++) row[c] = _mm512_maskz_loadu_ps(mask[c], keys + d * block_size + first + 16 * c);
+                for (int k = 0; k < heads_here; k++) {
+                    __m512 weight = _mm512_set1_ps(q[(g + k) * dim + d]);
+                    for (int c = 0; c < 4; c++) sum[k][c] = _mm512_fmadd_ps(weight, row[c], sum[k][c]);
+                }
+            }
+            for (int k = 0; k < heads_here; k++)
+                for (int c = 0; c < 4; c++)
+                    _mm512_mask_storeu_ps(out + (g + k) * n + first + 16 * c, mask[c],
+                                          _mm512_mul_ps(sum[k][c], _mm512_set1_ps(scale)));
+        }
+    }
+}
+#endif
+
 AVX2_CLONE void paged_logits(const float *query, const char *key_source, BlockStrides strides, const int64_t *block_ids,
                              int64_t block_size, int64_t n, int64_t heads, int64_t group, int64_t dim, float scale,
-                             float *logits, int threads) {
+                             float *logits, int wide, int threads) {
     int64_t blocks = (n + block_size - 1) / block_size;
+#if defined(WIDE)
+    wide = wide && __builtin_cpu_supports("avx512f");
+#else
+    wide = 0;
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t task = 0; task < heads * blocks; task++) {
         int64_t h = task / blocks, j = task % blocks, lo = j * block_size;
         int64_t count = lo + block_size < n ? block_size : n - lo;
         const float *keys = (const float *)(key_source + block_ids[j] * strides.key_batch + h * strides.key_head);
+#if defined(WIDE)
+        if (wide) {
+            wide_paged_logits(query + h * group * dim, keys, block_size, count, group, n, dim, scale, logits + h * group * n + lo);
+            continue;
+        }
+#endif
         for (int64_t g = 0; g < group; g++) {
             const float *q = query + (h * group + g) * dim;
             float *out = logits + (h * group + g) * n + lo;

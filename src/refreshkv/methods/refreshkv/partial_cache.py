@@ -226,16 +226,14 @@ def hold_answer(layer: RefreshLayer, kept: int, rows: Tensor | None) -> None:
     start = max(state.answer_start, end - (partial.store.slots - kept))
     if start >= end:
         return
-    keys, values = state.full.span(start, end)
     store, taken = partial.store, slice(kept, kept + end - start)
-    positions = torch.arange(start, end, device=keys.device).expand(*keys.shape[:3])
+    positions = torch.arange(start, end, device=store.positions.device).expand(*store.positions.shape[:2], -1)
     scores = answer_scores(positions, state.answer_start)
-    for target, source in (
-        (store.keys[:, :, taken], keys),
-        (store.values[:, :, taken], values),
-        (store.positions[:, :, taken], positions),
-        (partial.scores[:, :, taken], scores),
-    ):
+    held = [(store.positions[:, :, taken], positions), (partial.scores[:, :, taken], scores)]
+    if not state.full.gather(positions, (store.keys[:, :, taken], store.values[:, :, taken]), rows):
+        keys, values = state.full.span(start, end)  # a C_f that does not read in place
+        held += [(store.keys[:, :, taken], keys), (store.values[:, :, taken], values)]
+    for target, source in held:
         copy_rows(target, source, rows)
     if rows is None:
         partial.loaded(kept + end - start)
