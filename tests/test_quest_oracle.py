@@ -8,6 +8,7 @@ import torch
 from conftest import random_prompt, tiny_model
 
 from refreshkv import PolicyError, generate, make_policy
+from refreshkv.core.kvstore import FullStore
 from refreshkv.methods.quest import PagedStore
 
 INF = float("inf")
@@ -20,7 +21,7 @@ def keys_of(*rows) -> torch.Tensor:
 
 def test_pages_keep_each_channel_range_and_the_page_being_written_grows():
     keys = keys_of([1, -2], [3, 0], [-1, 5], [2, 2], [0, -4])  # pages of 2: [0,1] [2,3] [4]
-    store = PagedStore(keys, capacity=8, page_size=2, pads=None)
+    store = PagedStore(FullStore(keys, 8), keys, capacity=8, page_size=2, pads=None)
     store.load_prompt(keys, keys)
     assert store.pages == 3
     assert store.lows[0, 0, :3].tolist() == [[1, -2], [-1, 2], [0, -4]]
@@ -33,7 +34,7 @@ def test_pages_keep_each_channel_range_and_the_page_being_written_grows():
 
 def test_pages_start_at_a_rows_first_real_token_and_pads_never_widen_one():
     keys = keys_of([100, 100], [1, 2], [3, 4], [5, 6])  # position 0 is a pad
-    store = PagedStore(keys, capacity=6, page_size=2, pads=torch.tensor([1]))
+    store = PagedStore(FullStore(keys, 6), keys, capacity=6, page_size=2, pads=torch.tensor([1]))
     store.load_prompt(keys, keys)
     assert store.pages == 2
     assert store.lows[0, 0, :2].tolist() == [[1, 2], [5, 6]] and store.highs[0, 0, :2].tolist() == [[3, 4], [5, 6]]
@@ -45,7 +46,7 @@ def test_pages_start_at_a_rows_first_real_token_and_pads_never_widen_one():
 def test_the_page_bound_is_an_upper_bound_of_every_query_key_product():
     torch.manual_seed(0)
     keys = torch.randn(1, 2, 64, 8)
-    store = PagedStore(keys, capacity=64, page_size=8, pads=None)
+    store = PagedStore(FullStore(keys, 64), keys, capacity=64, page_size=8, pads=None)
     store.load_prompt(keys, keys)
     query = torch.randn(1, 4, 1, 8)  # 2 query heads per KV head
     packed = query.view(1, 2, 2, 8)
@@ -61,7 +62,7 @@ def test_the_page_bound_is_an_upper_bound_of_every_query_key_product():
 def test_quest_picks_the_pages_with_the_highest_bound_and_the_page_being_written():
     quest = make_policy("quest", budget=4, page_size=2)
     keys = keys_of([0, 0], [0, 0], [5, 0], [0, 0], [0, 1], [0, 0], [-3, 3], [0, 0], [1, 1])  # 5 pages, last partial
-    store = PagedStore(keys, capacity=12, page_size=2, pads=None)
+    store = PagedStore(FullStore(keys, 12), keys, capacity=12, page_size=2, pads=None)
     store.load_prompt(keys, keys)
     query = torch.tensor([1.0, 1.0]).view(1, 1, 1, 2)
     # bounds (q = [1, 1]: the sum of each page's maxima): page0 0, page1 5, page2 1, page3 3; K/2 = 2 pages

@@ -61,6 +61,9 @@ def test_a_span_of_paged_blocks_reads_as_the_tokens_written(layout):
         ("recycled", {"budget": 12, "stride": 2}),
         ("streamingllm++", {"budget": 12, "stride": 3}),
         ("oracle", {"budget": 12}),
+        # pages of 8 tokens (inside vLLM, a page is the engine's block where page_size equals the block size)
+        ("quest", {"budget": 16, "page_size": 8, "dense_layers": 1}),
+        ("fasa", {"budget": 12}),
     ],
 )
 @pytest.mark.parametrize("layout", ["rows", "vllm_cpu"])
@@ -106,7 +109,7 @@ def test_a_request_over_paged_blocks_decodes_as_the_transformers_cache(llama, mo
             spans.clear()
             got = request.decode(layer_idx, query, key, value, scaling, blocks, table, seen)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-            if layout == "vllm_cpu" and method in ("refreshkv", "recycled"):  # C_f read where it lies, never copied
+            if layout == "vllm_cpu" and method in ("refreshkv", "recycled", "quest"):  # C_f read where it lies
                 assert all(end - start <= new for start, end in spans), spans
     state = request.layers[0].state
     assert isinstance(state if method in ("oracle", "streamingllm++") else state.full, PagedFullStore)
@@ -175,9 +178,9 @@ def test_a_request_that_leaves_the_batch_is_parked_until_the_engine_drops_its_pa
 @pytest.mark.parametrize(
     "settings, message",
     [
-        ({"method": "nope"}, "method 'nope' is unknown; inside vLLM choose from: full, oracle"),
+        ({"method": "nope"}, "method 'nope' is unknown; inside vLLM choose from: fasa, full, oracle, quest"),
         ({"method": "snapkv"}, "is an eviction method: vLLM's KV manager frees no blocks in the middle of a request"),
-        ({"method": "quest"}, "method 'quest' is not served over vLLM's blocks yet"),
+        ({"method": "quest", "page_size": 0}, "page_size must be an integer >= 1, got 0"),
         ({"method": ["refreshkv"]}, 'method must be a method\'s name, got ["refreshkv"]; inside vLLM choose from'),
         ({"method": {"a": 1}}, 'method must be a method\'s name, got {"a": 1}'),
         ({"method": None}, "method must be a method's name, got null"),

@@ -99,7 +99,7 @@ def test_with_k_at_the_prompt_the_tokens_are_vllms_own(engine, prompts):
     assert settled_rows(engine, prompts) == 0
 
 
-@pytest.mark.parametrize("method", ["refreshkv", "recycled", "streamingllm++", "oracle"])
+@pytest.mark.parametrize("method", ["refreshkv", "recycled", "streamingllm++", "oracle", "quest", "fasa"])
 def test_at_a_small_k_the_method_reads_less_and_its_state_goes_with_the_request(engine, prompts, method):
     before = (vllm_rows.COUNTS.layer_steps, vllm_rows.COUNTS.full_layer_steps)
     tokens = run(engine, prompts, {"method": method, "budget": 32}, f"small-{method}", abort={1, 4})
@@ -108,6 +108,29 @@ def test_at_a_small_k_the_method_reads_less_and_its_state_goes_with_the_request(
     assert steps > 0 and full < steps  # partial steps
     assert [len(row) for i, row in enumerate(tokens) if i in (1, 4)] == [3, 3]
     assert settled_rows(engine, prompts) == 0
+
+
+def test_quest_over_vllms_blocks_answers_as_the_transformers_loop_with_pages_of_a_block(engine):
+    """Quest's pages where the page size is vLLM's block size: its bounds kept as the blocks fill, its pages read in
+    place. A 1,178-token question over 10 blocks at K = 2 blocks: the tokens of the package's transformers loop,
+    which are not `full`'s (the method acts)."""
+    import torch
+
+    from refreshkv import generate, load_model
+
+    block = engine.vllm_config.cache_config.block_size
+    tokenizer = engine.get_tokenizer()
+    words = open(BOOK, encoding="utf-8").read().split()[5000:5900]
+    words.insert(450, "The secret number is 7318.")
+    chat = [{"role": "user", "content": " ".join(words) + "\n\nWhat is the secret number?"}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    settings = {"method": "quest", "budget": 2 * block, "page_size": block}
+    served = run(engine, [ids], settings, "quest-pages", max_tokens=16)[0]
+    model = load_model()[0]
+    loop = generate(model, torch.tensor([ids]), method="quest", budget=2 * block, page_size=block, max_new_tokens=16)
+    assert served == loop.tokens[0]
+    assert served != run(engine, [ids], {"method": "full"}, "quest-full", max_tokens=16)[0]
 
 
 def test_a_prompt_answers_the_same_when_the_prefix_cache_holds_it(engine, prompts):
@@ -173,7 +196,7 @@ def test_a_requests_own_method_runs_on_an_engine_started_without_one(prompts):
 
 
 def test_an_unknown_method_refuses_the_engine_at_start():
-    with pytest.raises(Exception, match="method 'nope' is unknown; inside vLLM choose from: full, oracle"):
+    with pytest.raises(Exception, match="method 'nope' is unknown; inside vLLM choose from: fasa, full, oracle"):
         engine_for({"method": "nope"})
 
 
@@ -271,7 +294,10 @@ def test_vllm_serve_with_the_plugin_answers_an_openai_chat_request(tmp_path, pro
         assert ask({"refreshkv": json.dumps({"method": "recycled", "budget": 64})}).choices[0].message.content
         for settings, refusal in [
             ({"refreshkv": json.dumps({"method": ["refreshkv"]})}, "refreshkv: method must be a method's name"),
-            ({"refreshkv": json.dumps({"method": "quest"})}, "refreshkv: method 'quest' is not served over vLLM"),
+            (
+                {"refreshkv": json.dumps({"method": "quest", "page_size": 0})},
+                "refreshkv: page_size must be an integer >= 1",
+            ),
             ({"refreshkv": json.dumps({"budget": "12"})}, "refreshkv: budget must be an integer >= 1, got '12'"),
         ]:
             with pytest.raises(openai.BadRequestError, match=re.escape(refusal)):

@@ -833,7 +833,7 @@ VLLM_SERVER_CASES = [
     vllm_request("srv-method-number", {"method": 3}, "refuse", "refreshkv: method must be a method's name"),
     vllm_request("srv-method-null", {"method": None}, "refuse", "refreshkv: method must be a method's name"),
     vllm_request("srv-method-unknown", {"method": "nope"}, "refuse", "method 'nope' is unknown"),
-    vllm_request("srv-method-quest", {"method": "quest"}, "refuse", "not served over vLLM's blocks yet"),
+    vllm_request("srv-quest-page-size", {"method": "quest", "page_size": 0}, "refuse", "page_size must be"),
     vllm_request("srv-method-snapkv", {"method": "snapkv"}, "refuse", "vLLM's KV manager frees no blocks"),
     vllm_request("srv-preset-list", {"preset": ["paper"]}, "refuse", "refreshkv:"),
     vllm_request("srv-preset-unknown", {"preset": "nope"}, "refuse", "has no preset 'nope'"),
@@ -873,7 +873,7 @@ def vllm_offline(id: str, settings: object, expected: str, said: str = "") -> Ca
 VLLM_OFFLINE_CASES = [
     vllm_offline("llm-served-recycled", {"method": "recycled", "budget": 64}, "result"),
     vllm_offline("llm-method-list", {"method": ["refreshkv"]}, "refuse", "refreshkv: method must be a method's name"),
-    vllm_offline("llm-method-quest", {"method": "quest"}, "refuse", "not served over vLLM's blocks yet"),
+    vllm_offline("llm-quest-page-size", {"method": "quest", "page_size": 0}, "refuse", "page_size must be"),
     vllm_offline("llm-budget-string", {"budget": "12"}, "refuse", "budget must be an integer >= 1, got '12'"),
     vllm_offline("llm-settings-json-text", '{"method": "recycled", "stride": 5}', "result"),
     vllm_offline("llm-settings-bad-json", "{not json", "refuse", "are not JSON"),

@@ -35,24 +35,9 @@ from torch import Tensor
 
 from ..core.attention_math import AGGREGATIONS, Scaling, aggregate_group, decode_attention, pack_queries, top_k
 from ..core.contract import MethodLayer
-from ..core.kvstore import FullStore, LayerState, every_position, gather_tokens
+from ..core.full_cache import FullCacheStore
+from ..core.kvstore import LayerState, gather_tokens
 from ..core.policy import BudgetPolicy, PolicyError, check_choice, check_positive, ratio_or_default, register
-
-
-class ZeroedStore(FullStore):
-    """A `FullStore` whose slots past the last token hold zeros, not uninitialised memory: a step that gathers whole
-    pages reads the unwritten tail of the page being written, masked, and a masked NaN would still poison the
-    output (0 x NaN)."""
-
-    def __init__(self, like: Tensor, capacity: int):
-        super().__init__(like, capacity)
-        self.keys.zero_()
-        self.values.zero_()
-
-    def _grow(self, capacity: int) -> None:
-        super()._grow(capacity)
-        self.keys[:, :, self.length :] = 0
-        self.values[:, :, self.length :] = 0
 
 
 class PagedStore(LayerState):
@@ -61,8 +46,8 @@ class PagedStore(LayerState):
     tokens j * page_size ...), so a left-padded row pages its tokens as it would alone; pages not yet reached hold
     +inf / -inf."""
 
-    def __init__(self, key: Tensor, capacity: int, page_size: int, pads: Tensor | None):
-        self.full = ZeroedStore(key, capacity)
+    def __init__(self, full: FullCacheStore, key: Tensor, capacity: int, page_size: int, pads: Tensor | None):
+        self.full = full
         self.page_size = page_size
         self.pads = torch.zeros(key.shape[0], dtype=torch.long, device=key.device) if pads is None else pads.clone()
         # read once, at the prompt (decode steps read nothing on the host): with equal padding every row pages alike
@@ -127,7 +112,7 @@ class PagedStore(LayerState):
         return self.full.nbytes() + self.metadata_bytes()
 
     def kept(self, pads: Tensor | None) -> Tensor:
-        return every_position(self.full.length, self.full.keys, pads)
+        return self.full.kept(pads)
 
 
 PagedLayer = MethodLayer[PagedStore]  # the layer quest works on
@@ -178,7 +163,8 @@ class Quest(BudgetPolicy[PagedStore]):
         return budget
 
     def store_prompt(self, layer: PagedLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> None:
-        layer.state = PagedStore(key, layer.capacity(), self.page_size, layer.pads)
+        full = layer.full_store(key)  # the cache's own store (a serving engine's: its blocks)
+        layer.state = PagedStore(full, key, layer.capacity(), self.page_size, layer.pads)
         layer.state.load_prompt(key, value)
 
     def decode(self, layer: PagedLayer, query: Tensor, key: Tensor, value: Tensor, scaling: Scaling) -> Tensor:
@@ -187,22 +173,28 @@ class Quest(BudgetPolicy[PagedStore]):
         full = store.full
         selected_pages = layer.budget // self.page_size
         if layer.layer_idx < self.dense_layers or store.pages <= selected_pages + 1:
-            keys, values = full.view()
             layer.record(1.0 if layer.layer_idx < self.dense_layers else 0.0, full.attended_bytes())
-            return decode_attention(query, keys, values, scaling, layer.valid_positions(full.length, key.device))
+            valid = layer.valid_positions(full.length, key.device)
+            attended = full.attend(query, scaling, valid)  # where C_f lies otherwise (a serving engine's blocks)
+            return decode_attention(query, *full.view(), scaling, valid) if attended is None else attended[0]
         index, chosen = self.selected_tokens(store, query, selected_pages)  # (B, Hkv, k) each
-        # the page being written runs past the tokens held: gather within the storage, mask what is not a token
-        keys, values = gather_tokens(
-            index.clamp(max=full.keys.shape[2] - 1),
-            full.keys,
-            full.values,
-            out=(store.selected_keys, store.selected_values),
-        )
-        store.selected_keys, store.selected_values = keys, values
+        # the page being written runs past the tokens held: gather the last one there, mask what is not a token
+        keys, values = self.gathered(store, index.clamp(max=full.length - 1))
         valid = index < full.length if chosen is None else chosen & (index < full.length)
-        token_bytes = full.keys.element_size() * full.keys.shape[-1] * 2 * index.shape[0] * index.shape[1]
-        layer.record(0.0, token_bytes * index.shape[-1] + store.metadata_bytes())
+        layer.record(0.0, full.attended_bytes() // full.length * index.shape[-1] + store.metadata_bytes())
         return decode_attention(query, keys, values, scaling, valid)
+
+    @staticmethod
+    def gathered(store: PagedStore, index: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys and values at `index` (B, Hkv, k), into scratch memory reused from step to step, read where C_f
+        holds them (`gather`) or from its `view()`."""
+        shape = (*index.shape, store.selected_keys.shape[-1])
+        if store.selected_keys.shape != shape:
+            store.selected_keys, store.selected_values = (store.selected_keys.new_empty(shape) for _ in range(2))
+        out = (store.selected_keys, store.selected_values)
+        if not store.full.gather(index, out):
+            store.selected_keys, store.selected_values = gather_tokens(index, *store.full.view(), out=out)
+        return store.selected_keys, store.selected_values
 
     def selection(self, layer: PagedLayer, query: Tensor, scaling: Scaling) -> Tensor | None:
         """The step's pages (their tokens' positions); None where the step attends to the whole cache."""
@@ -229,7 +221,7 @@ class Quest(BudgetPolicy[PagedStore]):
             competing = torch.arange(pages, device=lows.device) < current.view(-1, 1, 1)
             # unreached pages hold +-inf, and 0 x inf would be NaN in the products below
             lows, highs = lows.masked_fill(~competing[..., None], 0.0), highs.masked_fill(~competing[..., None], 0.0)
-        packed = pack_queries(query, store.full.keys.shape[1])  # (B, Hkv, G, D)
+        packed = pack_queries(query, store.lows.shape[1])  # (B, Hkv, G, D)
         bounds = torch.matmul(packed.clamp(min=0), highs.transpose(-1, -2)) + torch.matmul(
             packed.clamp(max=0), lows.transpose(-1, -2)
         )  # (B, Hkv, G, pages): per channel q * max where q >= 0, q * min where q < 0

@@ -5,8 +5,7 @@ offline, `extra_body={"vllm_xargs": {"refreshkv": "<the same object as JSON text
 
 Only methods that keep the full cache run inside vLLM: their C_f is the request's own block table, untouched, so
 prefix caching, preemption and the scheduler work as they are. An eviction method would have to free blocks, which
-vLLM's KV manager offers no hook for (docs/serving.md); quest keeps its page bounds in a store of its own, not over
-vLLM's blocks.
+vLLM's KV manager offers no hook for (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ from ..core.policy import METHODS, Policy, PolicyError, check_budget_fits, make_
 
 CONFIG_KEY = "refreshkv"
 # the methods that keep every token and read C_f through the `FullCacheStore` interface, which paged blocks implement
-SERVED_METHODS = ("full", "oracle", "recycled", "refreshkv", "streamingllm++")
-NOT_SERVED = {"quest": "not served over vLLM's blocks yet (its page bounds live in a store of its own)"}
+SERVED_METHODS = ("fasa", "full", "oracle", "quest", "recycled", "refreshkv", "streamingllm++")
 EVICTING = "an eviction method: vLLM's KV manager frees no blocks in the middle of a request"
 
 
@@ -44,7 +42,7 @@ def served_policy(settings: object, context: int | None = None) -> Policy:
     if not isinstance(method, str):
         raise PolicyError(f"method must be a method's name, got {json.dumps(method)}; {choices}")
     if method not in SERVED_METHODS:
-        reason = NOT_SERVED.get(method, EVICTING if method in METHODS else "unknown")
+        reason = EVICTING if method in METHODS else "unknown"
         raise PolicyError(f"method {method!r} is {reason}; {choices}")
     for key, value in params.items():
         if isinstance(value, float) and not math.isfinite(value):
