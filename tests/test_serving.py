@@ -162,7 +162,9 @@ def test_a_request_that_leaves_the_batch_is_parked_until_the_engine_drops_its_pa
 
     rows, params, answer = BatchRows(), Params(), [5, 6]
     back = []
-    request = SimpleNamespace(owner=weakref.ref(params), answer=answer, come_back=lambda: back.append(1))
+    request = SimpleNamespace(
+        owner=weakref.ref(params), answer=answer, come_back=lambda: back.append(1), finished=lambda: False
+    )
     rows.update([], [(3, request)], [])
     rows.update([3], [], [])  # preempted
     assert rows.rows == {} and rows.count() == 1
@@ -173,6 +175,22 @@ def test_a_request_that_leaves_the_batch_is_parked_until_the_engine_drops_its_pa
     del params
     gc.collect()
     assert rows.count() == 0
+
+
+def test_a_request_that_finished_is_not_parked():
+    """A request that leaves having decoded all it may, or with a stop token last, is done: its state goes at once,
+    whether or not the engine still holds its parameters."""
+    class Params:  # stands for vLLM's SamplingParams: held by the engine while the request lives
+        all_stop_token_ids = {2}
+
+    params, facts = Params(), ModelFacts("llama", [None])
+    for answer, parked in (([5, 6], 1), ([5, 6, 7], 0), ([5, 2], 0)):
+        request = Request(make_policy("refreshkv", budget=4), [1] * 10, 3, facts, StepCounts())
+        request.owner, request.answer, request.prompt_length = weakref.ref(params), answer, 10
+        rows = BatchRows()
+        rows.update([], [(0, request)], [])
+        rows.update([0], [], [])
+        assert len(rows.parked) == parked, answer
 
 
 @pytest.mark.parametrize(

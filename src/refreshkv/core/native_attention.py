@@ -222,6 +222,8 @@ def gather_paged(
     if not (lies and out[0].stride() == out[1].stride() and k <= out[0].shape[2] and paged_fits(keys, values)):
         return False
     index, table = index.to(torch.int64).contiguous(), block_ids.to(torch.int64).contiguous()
+    if k and not 0 <= int(index.min()) <= int(index.max()) < table.numel() * keys.shape[2]:
+        raise IndexError(f"gather: a position is outside the request's {table.numel()} blocks")
     kernels().paged_gather(
         keys.data_ptr(),
         values.data_ptr(),

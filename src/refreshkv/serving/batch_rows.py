@@ -7,7 +7,9 @@ A request leaves its row when it finishes or is aborted, and also when vLLM pree
 last two come back. So a request that leaves is parked (`parked`), its state whole, until the engine drops the
 sampling parameters it was added with (it keeps them while the request may come back): a request that comes back
 with the same parameters and the same running answer continues on its own C_p and schedule, whatever vLLM
-recomputed of its blocks. Nothing is keyed on a block, which prefix caching shares between requests.
+recomputed of its blocks. A request that leaves having decoded all it may, or with a stop token last, is done and is
+not parked (a server may hold a finished request's parameters a while). Nothing is keyed on a block, which prefix
+caching shares between requests.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ class BatchRows:
                 self.rows[first] = other
 
     def park(self, request: Request) -> None:
-        """Keep a request that left the batch while the engine holds its sampling parameters."""
-        if request.owner is None or request.owner() is None:
+        """Keep a request that left the batch while the engine holds its sampling parameters, unless it finished."""
+        if request.owner is None or request.owner() is None or request.finished():
             return
         key = id(request.answer)
         self.parked[key] = request

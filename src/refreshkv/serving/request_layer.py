@@ -94,6 +94,14 @@ class Request:
             return False
         return query_len == 1 or seq_len == self.prompt_length + len(self.answer)
 
+    def finished(self) -> bool:
+        """Whether the request has decoded all it may (its token budget, or a stop token last): a request that
+        leaves the batch then is done, not preempted, and its state goes at once."""
+        owner = None if self.owner is None else self.owner()
+        stops = getattr(owner, "all_stop_token_ids", None) or ()
+        decoded = self.prompt_length + len(self.answer) - self.prefilled
+        return decoded >= self.new_tokens or bool(self.answer) and self.answer[-1] in stops
+
     @property
     def window(self) -> int:
         """The question window's width: the last tokens of the prefill whose queries select C_p."""

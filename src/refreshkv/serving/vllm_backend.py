@@ -30,6 +30,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from ..core.native_library import on_cpu
 from ..core.policy import Policy, PolicyError
 from .batch_rows import ROWS
 from .paged_store import PagedBlocks, cpu_blocks
@@ -62,6 +63,8 @@ class RefreshKVMetadataBuilder(CPUAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         policy = engine_policy(vllm_config)
         self.active = self.window_size == -1  # a request may bring its own method without the engine's
+        if self.active and device.type == "cpu":
+            on_cpu()  # the C built now (about 2 s), not inside the first request's prefill step
         if self.active and policy is not None:  # built once vLLM holds its KV space: the plugin's must fit beside it
             slot_bytes = kv_cache_spec.page_size_bytes // kv_cache_spec.block_size + 12 * kv_cache_spec.num_kv_heads
             scheduler = vllm_config.scheduler_config
