@@ -563,6 +563,23 @@ WIDE static void wide_weighted(const float *weights, const float *values, int64_
 }
 #endif
 
+/* `wide` where the caller's word allows AVX-512 and the value loops can take it (dim a multiple of 64). */
+static int wide_values(int wide, int64_t dim) {
+#if defined(WIDE)
+    return wide && dim % 64 == 0 && __builtin_cpu_supports("avx512f");
+#else
+    (void)dim;
+    return 0 * wide;
+#endif
+}
+
+/* `target` (size floats): the sum of `parts` consecutive partial sums of that size, added in order. */
+INLINE void add_in_order(float *target, const float *partials, int64_t parts, int64_t size) {
+    memcpy(target, partials, (size_t)size * sizeof(float));
+    for (int64_t part = 1; part < parts; part++)
+        for (int64_t e = 0; e < size; e++) target[e] += partials[part * size + e];
+}
+
 /* The sums over positions first .. last - 1 of each query head's weights (`weights`: group x n) times the value rows
    (`values`, rows of dim floats) into `sums` (group x dim): with `wide` (dim a multiple of 64, AVX-512 checked) by
    `wide_weighted`, else two query heads at a time in registers. */
@@ -605,11 +622,7 @@ AVX2_CLONE int weigh_values_rows(const float *probs, const char *value_source, B
     int64_t spans = (n + VALUE_SPAN - 1) / VALUE_SPAN;
     float *partials = malloc((size_t)(blocks * spans * group * dim + 1) * sizeof(float));
     if (!partials) return 1;
-#if defined(WIDE)
-    wide = wide && dim % 64 == 0 && __builtin_cpu_supports("avx512f");
-#else
-    wide = 0;
-#endif
+    wide = wide_values(wide, dim);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t task = 0; task < blocks * spans; task++) {
         int64_t block = marked[task / spans], b = block / heads, h = block % heads;
@@ -619,14 +632,8 @@ AVX2_CLONE int weigh_values_rows(const float *probs, const char *value_source, B
         float *sums = partials + task * group * dim;
         weigh_span(weights, values, group, n, dim, first, last, sums, wide);
     }
-    for (int64_t k = 0; k < blocks; k++) {
-        float *target = out + marked[k] * group * dim;
-        memcpy(target, partials + k * spans * group * dim, (size_t)(group * dim) * sizeof(float));
-        for (int64_t span = 1; span < spans; span++) {
-            const float *sums = partials + (k * spans + span) * group * dim;
-            for (int64_t e = 0; e < group * dim; e++) target[e] += sums[e];
-        }
-    }
+    for (int64_t k = 0; k < blocks; k++)
+        add_in_order(out + marked[k] * group * dim, partials + k * spans * group * dim, spans, group * dim);
     free(partials);
     return 0;
 }
@@ -727,11 +734,7 @@ AVX2_CLONE int paged_weigh_values(const float *probs, const char *value_source, 
     int64_t blocks = (n + block_size - 1) / block_size;
     float *partials = malloc((size_t)(heads * blocks * group * dim + 1) * sizeof(float));
     if (!partials) return 1;
-#if defined(WIDE)
-    wide = wide && dim % 64 == 0 && __builtin_cpu_supports("avx512f");
-#else
-    wide = 0;
-#endif
+    wide = wide_values(wide, dim);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t task = 0; task < heads * blocks; task++) {
         int64_t h = task / blocks, j = task % blocks, lo = j * block_size;
@@ -739,14 +742,8 @@ AVX2_CLONE int paged_weigh_values(const float *probs, const char *value_source, 
         const float *values = (const float *)(value_source + block_ids[j] * strides.value_batch + h * strides.value_head);
         weigh_span(probs + h * group * n + lo, values, group, n, dim, 0, count, partials + task * group * dim, wide);
     }
-    for (int64_t h = 0; h < heads; h++) {
-        float *target = out + h * group * dim;
-        memcpy(target, partials + h * blocks * group * dim, (size_t)(group * dim) * sizeof(float));
-        for (int64_t j = 1; j < blocks; j++) {
-            const float *sums = partials + (h * blocks + j) * group * dim;
-            for (int64_t e = 0; e < group * dim; e++) target[e] += sums[e];
-        }
-    }
+    for (int64_t h = 0; h < heads; h++)
+        add_in_order(out + h * group * dim, partials + h * blocks * group * dim, blocks, group * dim);
     free(partials);
     return 0;
 }
