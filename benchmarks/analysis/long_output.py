@@ -175,11 +175,15 @@ def plot(path: Path, out: Path) -> None:
     rows = [row for row in read_rows(path) if row["method"] != "full"]
     budgets = sorted({row["params"]["budget"] for row in rows})
     plt = _pyplot()
+    names = sorted({row["method"] for row in rows})
+    colours = {name: plt.get_cmap("tab20")(i % 20) for i, name in enumerate(names)}  # the same in every panel
     fig, axes = plt.subplots(1, len(budgets), figsize=(6 * len(budgets), 4.5), sharey=True, squeeze=False)
     for axis, budget in zip(axes[0], budgets):
         for row in sorted((r for r in rows if r["params"]["budget"] == budget), key=lambda r: r["kl_mean"]):
             ends = [BUCKET * (i + 1) for i in range(len(row["kl_buckets"]))]
-            axis.plot(ends, row["kl_buckets"], marker="o", markersize=3, label=row["method"])
+            style = "--" if names.index(row["method"]) % 2 else "-"
+            colour = colours[row["method"]]
+            axis.plot(ends, row["kl_buckets"], style, marker="o", markersize=3, color=colour, label=row["method"])
         axis.set_title(f"K = {budget}, compress_every {rows[0]['params'].get('compress_every', '-')}")
         axis.set_xlabel("decoded tokens (end of each 256-token bucket)")
         axis.set_yscale("log")
