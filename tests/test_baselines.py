@@ -306,3 +306,29 @@ def test_window_larger_than_prompt(llama, method):
     with pytest.raises(PolicyError, match="window") as error:
         refreshkv.generate(llama, random_prompt(12), method=method, max_new_tokens=2, window=16)
     assert "\n" not in str(error.value)
+
+
+# Baselines at their best: pyramidkv and dynamickv select as snapkv does by default (docs/methods.md); `--preset
+# paper` gives each paper's own settings.
+@pytest.mark.parametrize(
+    "method, paper",
+    [
+        ("pyramidkv", {"window": 32, "kernel": 7, "pooling": "centered", "aggregation": "max", "beta": 20.0}),
+        ("dynamickv", {"window": 16, "kernel": 7, "pooling": "centered", "aggregation": "max", "r_max": 5.0}),
+    ],
+)
+def test_the_paper_preset_gives_the_papers_settings_and_the_defaults_are_snapkvs(method, paper):
+    preset = make_policy(method, preset="paper")
+    assert {name: getattr(preset, name) for name in paper} == paper
+    default, snapkv = make_policy(method), make_policy("snapkv")
+    selection = ("window", "kernel", "pooling", "aggregation")
+    assert [getattr(default, name) for name in selection] == [getattr(snapkv, name) for name in selection]
+    assert (default.window, default.kernel, default.pooling) == (32, 7, "span")
+    assert make_policy(method, preset="paper", window=8).window == 8  # a parameter beside the preset overrides it
+
+
+def test_h2o_has_no_preset_its_defaults_are_its_papers():
+    h2o = make_policy("h2o")
+    assert h2o.presets == {} and h2o.aggregation == "max"
+    with pytest.raises(PolicyError, match="has no preset 'paper'"):
+        make_policy("h2o", preset="paper")

@@ -797,8 +797,8 @@ def test_a_preset_gives_its_values_and_parameters_beside_it_override_them():
     for name, cls in METHODS.items():  # every preset builds; a preset of one method is not another's
         for preset in cls.presets:
             make_policy(name, preset=preset)
-    with pytest.raises(PolicyError, match="^method 'pyramidkv' has no preset 'paper'; its presets: none$"):
-        make_policy("pyramidkv", preset="paper")
+    with pytest.raises(PolicyError, match="^method 'h2o' has no preset 'paper'; its presets: none$"):
+        make_policy("h2o", preset="paper")  # its defaults are its paper's: no pooling, kernel or window to choose
 
 
 def test_a_full_step_of_the_papers_selection_selects_as_a_prompt_of_those_tokens_would(llama):

@@ -81,10 +81,10 @@ def test_span_pooling_keeps_words_whole_in_a_small_budget():
             assert len(cut) <= 1  # words are kept whole, but for the one the budget's last slots cut
 
 
-def test_span_pooling_is_the_default_of_refreshkv_recycled_and_snapkv_only():
-    assert [make_policy(name).pooling for name in ("refreshkv", "recycled", "snapkv")] == ["span"] * 3
-    assert [make_policy(name).pooling for name in ("pyramidkv", "dynamickv")] == ["centered"] * 2  # their papers'
-    assert {make_policy(name, preset="paper").pooling for name in ("refreshkv", "recycled", "snapkv")} == {"centered"}
+def test_span_pooling_is_the_default_and_the_paper_preset_keeps_the_centred_kernel():
+    names = ("refreshkv", "recycled", "snapkv", "pyramidkv", "dynamickv")
+    assert [make_policy(name).pooling for name in names] == ["span"] * len(names)
+    assert {make_policy(name, preset="paper").pooling for name in names} == {"centered"}
 
 
 def test_the_default_reads_words_from_the_tokenizer_beside_the_model():

@@ -323,6 +323,27 @@ def vllm_headline() -> str:
     return "\n".join(lines)
 
 
+BEST = ("baselines-best/smollm2-2k.jsonl",)
+
+
+def baselines_best() -> str:
+    """Each eviction baseline at its defaults (snapkv's selection) and at `preset: paper`, SmolLM2 at 2K, K = L/8."""
+    rows = [
+        Row("`full`", (pick("full", *BEST),)),
+        Row("`snapkv` (span pooling, window 32)", (pick("snapkv", *BEST, preset=None),)),
+        Row("`pyramidkv`, default (snapkv's selection)", (pick("pyramidkv", *BEST, preset=None),)),
+        Row("`pyramidkv`, `--preset paper` (centred kernel)", (pick("pyramidkv", *BEST, preset="paper"),)),
+        Row("`dynamickv`, default (snapkv's selection)", (pick("dynamickv", *BEST, preset=None),)),
+        Row("`dynamickv`, `--preset paper` (window 16, centred)", (pick("dynamickv", *BEST, preset="paper"),)),
+        Row("`h2o` (its paper's; no preset)", (pick("h2o", *BEST),)),
+    ]
+    columns = [
+        Column("niah_multikey_1 without prefix: score", "ruler/niah_multikey_1", "score", "SmolLM2", 2048, "bare"),
+        Column("KV MB held / read per step", "ruler/niah_multikey_1", "kv", "SmolLM2", 2048, "bare"),
+    ]
+    return table(rows, columns, "SmolLM2-135M, 2K, K = L/8")
+
+
 def script_summary(name: str, rows: str):
     """The table that the script benchmarks/analysis/NAME.py prints of its committed rows (its `summary`)."""
 
@@ -343,6 +364,8 @@ TABLES = {
     "vllm-headline": vllm_headline,
     "lm-eval-agreement": script_summary("lm_eval_agreement", "lm-eval-agreement/smollm2.jsonl"),
     "lm-eval-choice": script_summary("lm_eval_choice", "lm-eval-choice/smollm2.jsonl"),
+    "baselines-best": baselines_best,
+    "long-output": script_summary("long_output", "long-output/smollm2-forced.jsonl"),
 }
 DOCS = [ROOT / "README.md", ROOT / "docs" / "results.md", ROOT / "docs" / "serving.md", ROOT / "docs" / "evaluation.md"]
 MARKED = re.compile(r"(<!-- table: ([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.DOTALL)

@@ -17,10 +17,11 @@ Budget mapping: the CLI's `budget` K (BudgetPolicy; default L/8) is wt, the mean
 B = (K - ws) * L selected tokens are distributed over the layers; snapkv and dynamickv with the same K hold the
 same number of prompt tokens in total.
 
-Defaults (the paper's text gives no values; from the authors' released LongBench script, run/longbench/pred.py):
-window ws = 16, kernel 7, r_max ("radio_max") = 5.0. The interval m = 4 is this package's choice (not in that
-script). Deviation: that script pools with average pooling by default; here pooling is max-pooling, as SnapKV's
-and RefreshKV's selections in the seeds.
+Defaults: snapkv's selection (window ws = 32, kernel 7, span pooling; snapkv's defaults, chosen on the selection
+dev set) with r_max 5.0. `preset="paper"` (the paper's text gives no values; from the authors' released LongBench
+script, run/longbench/pred.py): window ws = 16, kernel 7, centred pooling, r_max ("radio_max") = 5.0. The interval
+m = 4 is this package's choice (not in that script). Deviation: that script pools with average pooling by default;
+here pooling is max-pooling, as SnapKV's and RefreshKV's selections in the seeds.
 
 Choices where the paper is ambiguous:
 - Final normalisation: Alg. 1 updates at l % m == 0 and ends with "update the K/V cache K^c from K^b" (line 33).
@@ -171,8 +172,9 @@ class DynamicKV(SnapKV):
     """DynamicKV: SnapKV's selection with layer budgets reallocated every `interval` layers from global top-k counts.
 
     Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
-    default), the mean per layer, window included; `window` (16) observation window; `kernel` (7)
-    max-pooling kernel, `pooling` (centered); `aggregation` (max) over a GQA group; `r_max` (5.0) a layer's cap as a
+    default), the mean per layer, window included; `window` (32) observation window; `kernel` (7)
+    max-pooling kernel, `pooling` (span); `aggregation` (max) over a GQA group (snapkv's selection;
+    `preset="paper"`: window 16, centred pooling, the authors' script); `r_max` (5.0) a layer's cap as a
     multiple of the mean
     selected budget; `interval` (4) layers between reallocations; `compress_every` (None) as in snapkv, each
     layer back to its prefill share of the budget.
@@ -180,10 +182,11 @@ class DynamicKV(SnapKV):
 
     name = "dynamickv"
     summary = "layer-adaptive budgets: every m layers, reallocate the total budget by global top-k counts"
-    presets = {}  # its defaults are its own paper's settings (not snapkv's RefreshKV-paper preset)
+    # The defaults are snapkv's selection (window 32, span pooling); "paper" is the authors' script's selection.
+    presets = {
+        "paper": {"window": 16, "kernel": 7, "pooling": "centered", "aggregation": "max", "r_max": 5.0, "interval": 4}
+    }
 
-    window: int = 16
-    pooling: str = "centered"  # its paper's (snapkv's default keeps whole words)
     r_max: float = 5.0
     interval: int = 4
 

@@ -6,6 +6,11 @@ layer is SnapKV's (observation window, max-pooled scores, GQA aggregation, windo
 the budget); only the per-layer budget of selected tokens differs, with the same total as SnapKV: num_layers x
 (K - window), as PyramidKV's released code builds its pyramid on the budget less the window.
 
+Defaults: snapkv's selection (window 32, kernel 7, span pooling, max over the group; chosen on the selection dev
+set), since PyramidKV changes only the budgets; `preset="paper"` pools with the papers' centred kernel instead
+(window 32, kernel 7, beta 20, as SnapKV's released setting). PyramidKV's released class defaults differ again
+(window 64, kernel 5, average pooling); this package max-pools, as SnapKV's and RefreshKV's selections do.
+
 Schedule (`pyramid_budgets`), PyramidKV's arithmetic sequence: with m layers and a mean budget K = total / m, the top
 layer gets K / `beta` and the bottom layer 2K - K / `beta`, layers in between on the straight line (the mean is K, so
 the sum is the total). `beta` = 20 by default (PyramidKV's setting); `beta` = 1 gives SnapKV's uniform budgets.
@@ -82,17 +87,18 @@ class PyramidKV(SnapKV):
     """PyramidKV: SnapKV with per-layer budgets decreasing linearly from the bottom layer, same total.
 
     Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
-    default), the mean per layer, window included; `window` (32), `kernel` (7), `pooling` (centered), `aggregation`
-    (max) as
-    in snapkv; `beta` (20) the top layer's budget is the mean / beta; `compress_every` (None) as in snapkv, each
-    layer back to its pyramid budget.
+    default), the mean per layer, window included; `window` (32), `kernel` (7), `pooling` (span), `aggregation`
+    (max) as in snapkv (its defaults); `beta` (20) the top layer's budget is the mean / beta; `compress_every`
+    (None) as in snapkv, each layer back to its pyramid budget. `preset="paper"`: PyramidKV's own selection
+    (centred max-pooling, kernel 7, window 32, beta 20).
     """
 
     name = "pyramidkv"
     summary = "SnapKV with per-layer budgets decreasing linearly from the bottom layer (same total budget)"
-    presets = {}  # its defaults are its own paper's settings (not snapkv's RefreshKV-paper preset)
+    # The defaults are snapkv's selection (span pooling: the centred kernel cuts a number the tokenizer spells digit
+    # by digit); "paper" keeps the pyramid on the papers' centred kernel, as this method ran before.
+    presets = {"paper": {"window": 32, "kernel": 7, "pooling": "centered", "aggregation": "max", "beta": DEFAULT_BETA}}
 
-    pooling: str = "centered"  # its paper's (snapkv's default keeps whole words)
     beta: float = DEFAULT_BETA
 
     def __post_init__(self) -> None:
