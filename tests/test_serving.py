@@ -180,6 +180,7 @@ def test_a_request_that_leaves_the_batch_is_parked_until_the_engine_drops_its_pa
 def test_a_request_that_finished_is_not_parked():
     """A request that leaves having decoded all it may, or with a stop token last, is done: its state goes at once,
     whether or not the engine still holds its parameters."""
+
     class Params:  # stands for vLLM's SamplingParams: held by the engine while the request lives
         all_stop_token_ids = {2}
 
