@@ -900,6 +900,19 @@ def plain(text: str) -> str:
     return text.replace(str(SCRATCH), "$SCRATCH").replace(str(ROOT), ".").replace(str(Path.home()), "~")
 
 
+def raised(error: Exception, started: float, traceback: bool) -> Observed:
+    """What an exception raised in this process showed: its class, its message's first line and line count,
+    whether it counts as a traceback, and the seconds since `started`."""
+    message = plain(str(error))
+    return Observed(
+        type(error).__name__,
+        message.splitlines()[0] if message else "",
+        len(message.splitlines()),
+        traceback,
+        seconds=round(time.perf_counter() - started, 1),
+    )
+
+
 def run_command(command: list[str]) -> Observed:
     started = time.perf_counter()
     try:
@@ -944,14 +957,8 @@ def run_python(case: Case, objects: dict) -> Observed:
         try:
             case.call(objects)
         except Exception as error:  # noqa: BLE001 (what it raised is the observation)
-            message = plain(str(error))
-            return Observed(
-                type(error).__name__,
-                message.splitlines()[0] if message else "",
-                len(message.splitlines()),
-                not isinstance(error, (ValueError, TypeError)),  # anything else reaches the user as a traceback
-                seconds=round(time.perf_counter() - started, 1),
-            )
+            # anything but a ValueError or TypeError reaches the user as a traceback
+            return raised(error, started, not isinstance(error, (ValueError, TypeError)))
     shown = [plain(str(w.message)) for w in said]
     return Observed(
         None, shown[-1] if shown else "", 0, False, shown[-1] if shown else "", round(time.perf_counter() - started, 1)
@@ -1045,15 +1052,9 @@ def run_vllm_offline(case: Case, objects: dict) -> Observed:
         params = SamplingParams(max_tokens=4, temperature=0, extra_args={"refreshkv": case.args[0]})
         objects["llm"].generate([WORDS], params, use_tqdm=False)
     except Exception as error:  # noqa: BLE001 (what it raised is the observation)
-        message = plain(str(error))
-        return Observed(
-            type(error).__name__,
-            message.splitlines()[0] if message else "",
-            len(message.splitlines()),
-            # vLLM's own error for a request it refuses is its message alone; anything else a traceback
-            not isinstance(error, ValueError) and type(error).__name__ != "VLLMValidationError",
-            seconds=round(time.perf_counter() - started, 1),
-        )
+        # vLLM's own error for a request it refuses is its message alone; anything else a traceback
+        refused = isinstance(error, ValueError) or type(error).__name__ == "VLLMValidationError"
+        return raised(error, started, not refused)
     return Observed(None, "", 0, False, seconds=round(time.perf_counter() - started, 1))
 
 
