@@ -350,6 +350,32 @@ def test_c_attends_to_the_marked_rows_where_they_lie_as_pytorch_does(threads, mo
 
 
 @needs_compiler
+@pytest.mark.parametrize("dim, group", [(16, 3), (40, 2), (64, 3), (128, 4)])
+@pytest.mark.parametrize("wide", [0, 1])
+def test_c_attends_each_request_to_its_own_store_in_one_call_as_pytorch_does(threads, monkeypatch, dim, group, wide):
+    """Partial steps of several requests at once: each store of its own length (one a partial tile, one of a single
+    token), the first slots of a store with room left, as a serving engine's C_p lies; each output is PyTorch's."""
+    from refreshkv.core.attention_math import torch_attend_with_probs
+
+    monkeypatch.setattr(native_attention, "_wide", lambda: wide)
+    generator = torch.Generator().manual_seed(11)
+    kv_heads, lengths = 2, (1100, 37, 1, 64)
+    stores = []
+    for length in lengths:
+        keys, values = torch.randn(2, 1, kv_heads, length + 30, dim, generator=generator)
+        stores.append((keys[:, :, :length], values[:, :, :length]))
+    queries = torch.randn(len(lengths), kv_heads * group, dim, generator=generator)
+    for count in (1, 2):
+        threads(count)
+        got = native_attention.attend_stores(queries, stores, 0.25)
+        assert got is not None  # the C path
+        for query, (keys, values), output in zip(queries, stores, got):
+            expected, _ = torch_attend_with_probs(query.view(1, -1, 1, dim), keys, values, 0.25, None)
+            torch.testing.assert_close(output, expected.view(-1, dim), rtol=0, atol=1e-5 * max(1, dim // 128))
+    assert native_attention.attend_stores(queries, [(k.bfloat16(), v.bfloat16()) for k, v in stores], 0.25) is None
+
+
+@needs_compiler
 def test_c_attention_takes_a_mask_per_kv_head_and_runs_as_one_operator_when_compiled():
     """An eviction store's empty slots differ between KV heads: the C masks each head's own, eagerly and as the
     operator a compiled step calls, as PyTorch does."""

@@ -116,6 +116,57 @@ def test_a_request_over_paged_blocks_decodes_as_the_transformers_cache(llama, mo
     assert request.counts.layer_steps == len(calls) * (new - 1)
 
 
+@pytest.mark.parametrize(
+    "method, params",
+    [
+        ("refreshkv", {"qc_stride": 2, "threshold": 0.99, "pooling": "centered"}),
+        ("recycled", {"stride": 3, "pooling": "centered"}),
+        ("quest", {"page_size": 8}),
+    ],
+)
+def test_the_partial_steps_of_a_batch_attend_in_one_call_as_each_alone(method, params):
+    """Requests of different lengths at one layer: their partial steps handed to one `HeldSteps` call give what each
+    request's step alone gives; refreshes and methods that do not attend over held tokens (quest) stay their own."""
+    from refreshkv.serving.held_steps import HeldSteps
+
+    torch.manual_seed(3)
+    heads, kv_heads, dim, new = 6, 2, 16, 7
+    facts = ModelFacts("llama", [1.0 / 10000 ** (torch.arange(0, dim, 2) / dim)])
+    prompts = [torch.randn(2, 1, kv_heads, length + new, dim) for length in (50, 83, 64)]
+
+    def requests():
+        made = []
+        for keys, values in prompts:
+            length = keys.shape[2] - new
+            request = Request(make_policy(method, budget=16, **params), [0] * length, new, facts, StepCounts())
+            request.prompt_length = length
+            request.keep_window(0, torch.randn(1, heads, 32, dim, generator=torch.Generator().manual_seed(length)), 0)
+            request.store_prompt(0, *paged(keys, values, 16, list(range(10)), "vllm_cpu"), 0.25)
+            made.append(request)
+        return made
+
+    alone, together = requests(), requests()
+    held_counts = []
+    for step in range(1, new):
+        held = HeldSteps(len(prompts), heads, dim)
+        rows, expected = [], []
+        for request, twin, (keys, values) in zip(alone, together, prompts):
+            seen = keys.shape[2] - new + step
+            blocks, table = paged(keys[:, :, :seen], values[:, :, :seen], 16, list(range(10)), "vllm_cpu")
+            query = torch.randn(1, heads, 1, dim, generator=torch.Generator().manual_seed(seen))
+            new_kv = (keys[:, :, seen - 1 : seen], values[:, :, seen - 1 : seen])
+            expected.append(request.decode(0, query, *new_kv, 0.25, blocks, table, seen))
+            rows.append(twin.decode(0, query, *new_kv, 0.25, blocks, table, seen, held))
+        held_counts.append(len(held))
+        held.attend(0.25)
+        for got, want in zip(rows, expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    if method == "quest":
+        assert set(held_counts) == {0}
+    else:  # the partial steps were held, the refreshes not
+        assert max(held_counts) == len(prompts) and min(held_counts) < len(prompts), held_counts
+
+
 def test_a_full_step_over_vllms_cpu_blocks_attends_and_gathers_where_they_lie():
     """The C reads vLLM's CPU layout in place: PyTorch's attention over the gathered tokens, and the selected tokens."""
     from refreshkv.core.attention_math import attend_with_probs

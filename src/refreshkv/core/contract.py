@@ -22,6 +22,7 @@ from .kvstore import FullStore, LayerState
 
 if TYPE_CHECKING:
     from .quantized_store import QuantizedFullStore
+    from .selection import SelectionState
 
 State = TypeVar("State", bound=LayerState)
 """What a method keeps for a layer: `Policy[State]` hooks receive `MethodLayer[State]` (e.g. a `SelectionState`)."""
@@ -113,6 +114,11 @@ class MethodLayer(Protocol[State]):
     ) -> Tensor:
         """`decode(layer, query, key, value, scaling)` for each of several new tokens in turn, as if they came one per
         step (`Policy.extend`'s default); the step's statistics are the mean over the tokens. Returns (B, q, Hq, D)."""
+
+    def attend_held(self, held: SelectionState, query: Tensor, scaling: Scaling) -> tuple[Tensor, int]:
+        """`held.attend(query, scaling, pads)`: the newest query token's attention over the tokens a method holds, and
+        the bytes read. A serving engine runs those of every request in its batch as one call after their steps
+        (serving/held_steps.py): the output it returns is filled then, so a method returns it as it is."""
 
     def record(self, full_fraction: float | Tensor, attended_bytes: int) -> None:
         """Once per decode step: the share of rows that attended to the whole cache (0.0-1.0, or a 0-d tensor

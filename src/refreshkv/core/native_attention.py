@@ -239,3 +239,51 @@ def gather_paged(
         out[1].data_ptr(),
     )
     return True
+
+
+def attend_stores(
+    queries: torch.Tensor, stores: list[tuple[torch.Tensor, torch.Tensor]], scaling: float
+) -> torch.Tensor | None:
+    """`attention_math.decode_attention` of n requests' query tokens (n, Hq, D) each over its own held tokens,
+    `stores[r]`: keys and values (1, Hkv, m_r, D), the first m_r slots of a store whose heads' slots lie one after
+    another (as a `SlotStore` holds them), in one call: the outputs (n, Hq, D). None where the C cannot (a store that
+    lies otherwise, another dtype, a GPU): then attend to each alone."""
+    count, query_heads, dim = queries.shape
+    kv_heads = stores[0][0].shape[1]
+    fits = (
+        queries.dtype == torch.float32
+        and query_heads % kv_heads == 0
+        and isinstance(scaling, float)
+        and all(
+            keys.dtype == values.dtype == torch.float32
+            and keys.shape == values.shape
+            and keys.shape[:2] == (1, kv_heads)
+            and keys.shape[3] == dim
+            and keys.stride() == values.stride()
+            and rows_whole(keys)
+            for keys, values in stores
+        )
+        and on_cpu(queries, *(part for store in stores for part in store))
+    )
+    if not fits or torch.compiler.is_compiling():
+        return None
+    described = torch.tensor(
+        [[keys.data_ptr(), values.data_ptr(), keys.stride(1), keys.shape[2]] for keys, values in stores],
+        dtype=torch.int64,
+    ).T.contiguous()
+    key_sources, value_sources, head_strides, lengths = (row.data_ptr() for row in described)
+    group, width = query_heads // kv_heads, int(described[3].max())
+    shape = (count, kv_heads, group, dim, width)
+    threads, wide = torch.get_num_threads(), _wide()
+    # the positions past a request's tokens weigh 0: PyTorch's softmax over the padded rows, as attention_probs
+    logits = queries.new_full((count, kv_heads, group, width), float("-inf"))
+    packed = queries.contiguous()
+    kernels().logits_stores(
+        packed.data_ptr(), key_sources, head_strides, lengths, *shape, scaling, logits.data_ptr(), wide, threads
+    )
+    probs = logits.softmax(dim=-1)
+    output = torch.empty_like(packed)
+    kernels().weigh_stores(
+        probs.data_ptr(), value_sources, head_strides, lengths, *shape, output.data_ptr(), wide, threads
+    )
+    return output

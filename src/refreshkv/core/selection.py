@@ -222,14 +222,22 @@ class SelectionState(LayerState):
         self.scores = torch.full(self.store.positions.shape, float("-inf"), device=self.scores.device)
         self.load(old.keys, old.values, slot_index, scores, ragged=True, positions=positions)
 
+    def front(self, pads: Tensor | None) -> tuple[Tensor, Tensor, int] | None:
+        """The held tokens' keys and values where they fill the first `used` slots of every row and head and no row
+        is padded, and their bytes; None otherwise (and in a compiled step, whose lengths do not grow)."""
+        if pads is not None or not self.contiguous or torch.compiler.is_compiling():
+            return None
+        store, used = self.store, self.used
+        return store.keys[:, :, :used], store.values[:, :, :used], store.nbytes() * used // store.slots
+
     def attend(self, query: Tensor, scaling: Scaling, pads: Tensor | None) -> tuple[Tensor, int]:
         """Attention of `query` over the held tokens, and the bytes read: the slots written alone where they lie in
-        front (a length that grows: not in a compiled step), else every slot, the empty ones masked."""
+        front (`front`), else every slot, the empty ones masked."""
+        front = self.front(pads)
+        if front is not None:
+            keys, values, read = front
+            return decode_attention(query, keys, values, scaling), read
         store = self.store
-        if pads is None and self.contiguous and not torch.compiler.is_compiling():
-            used = self.used
-            output = decode_attention(query, store.keys[:, :, :used], store.values[:, :, :used], scaling)
-            return output, store.nbytes() * used // store.slots
         return decode_attention(query, store.keys, store.values, scaling, self.valid(pads)), store.nbytes()
 
     def valid(self, pads: Tensor | None) -> Tensor | None:

@@ -942,3 +942,46 @@ AVX2_CLONE void dequantize_rows(QuantizedCache cache, const float *residual_keys
             }
     }
 }
+
+/* Partial steps of n requests in one call (a serving engine's batch, serving/held_steps.py): request r's query token
+   (`query`: n x heads x group x dim, contiguous) against the first lengths[r] tokens of its own store, whose keys and
+   values lie at key_sources[r] and value_sources[r] (heads blocks of head_strides[r] floats, token rows of dim).
+   `logits_stores`: the products times `scale` into `logits` (n x heads x group x width, width >= every length; the
+   positions past a request's length not written), as logits_rows computes them. `weigh_stores`: the probabilities
+   (as `logits`) times the values into `out` (n x heads x group x dim), each (request, head) as one span of
+   `weigh_span`. One task per (request, head), shared between `threads` threads. */
+AVX2_CLONE void logits_stores(const float *query, const int64_t *key_sources, const int64_t *head_strides,
+                              const int64_t *lengths, int64_t n, int64_t heads, int64_t group, int64_t dim,
+                              int64_t width, float scale, float *logits, int wide, int threads) {
+#if defined(WIDE)
+    wide = wide && dim % 16 == 0 && __builtin_cpu_supports("avx512f");
+#else
+    wide = 0;
+#endif
+#pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && n * heads > 1)
+    for (int64_t task = 0; task < n * heads; task++) {
+        int64_t r = task / heads, h = task % heads;
+        const float *keys = (const float *)key_sources[r] + h * head_strides[r];
+        const float *q = query + task * group * dim;
+#if defined(WIDE)
+        if (wide) {
+            wide_logits(q, keys, group, width, dim, 0, lengths[r], scale, NULL, logits + task * group * width);
+            continue;
+        }
+#endif
+        logits_piece(q, keys, group, width, dim, 0, lengths[r], scale, NULL, logits + task * group * width);
+    }
+}
+
+AVX2_CLONE void weigh_stores(const float *probs, const int64_t *value_sources, const int64_t *head_strides,
+                             const int64_t *lengths, int64_t n, int64_t heads, int64_t group, int64_t dim,
+                             int64_t width, float *out, int wide, int threads) {
+    wide = wide_values(wide, dim);
+#pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && n * heads > 1)
+    for (int64_t task = 0; task < n * heads; task++) {
+        int64_t r = task / heads, h = task % heads;
+        const float *values = (const float *)value_sources[r] + h * head_strides[r];
+        weigh_span(probs + task * group * width, values, group, width, dim, 0, lengths[r], out + task * group * dim,
+                   wide);
+    }
+}

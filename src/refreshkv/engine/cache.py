@@ -34,6 +34,7 @@ from ..core.full_cache import DEFAULT_GROUP_SIZE, FullCacheStore, make_full_stor
 from ..core.kvstore import LayerState
 from ..core.policy import Policy, PolicyError, check_budget_fits, check_positive, croppable_methods, shorten
 from ..core.rope import inverse_frequencies
+from ..core.selection import SelectionState
 from .continuation import ContinuationCheck
 from .decode_stats import DecodeStats
 from .handoff import ATTENTION_NAME, hand_over
@@ -229,6 +230,9 @@ class PolicyLayer(CacheLayerMixin):
 
     def method_layers(self) -> list[MethodLayer[Any]]:
         return list(self.cache.method_layers())
+
+    def attend_held(self, held: SelectionState, query: Tensor, scaling: Scaling) -> tuple[Tensor, int]:
+        return held.attend(query, scaling, self.pads)
 
     def record(self, full_fraction: float | torch.Tensor, attended_bytes: int) -> None:
         """Statistics of one decode step of this layer: share of rows that attended fully (a 0-d tensor when rows

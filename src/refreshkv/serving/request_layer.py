@@ -18,8 +18,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..core.attention_math import Scaling
 from ..core.kvstore import LayerState
 from ..core.policy import Policy, PolicyError
+from ..core.selection import SelectionState
+from .held_steps import HeldSteps
 from .paged_store import PagedBlocks, PagedFullStore
 from .window_store import WINDOWS, prefix_digests
 
@@ -173,14 +176,16 @@ class Request:
         blocks: PagedBlocks,
         block_ids: Tensor,
         seq_len: int,
+        held_steps: HeldSteps | None = None,
     ) -> Tensor:
         """The method's decode step for this request at one layer (query (1, Hq, 1, D), key/value (1, Hkv, 1, D)):
-        the attention output (1, 1, Hq, D)."""
+        the attention output (1, 1, Hq, D). With `held_steps`, an attention over the tokens the method holds is
+        added there instead, and the output returned is its row, filled by `held_steps.attend`."""
         layer = self.layers.get(layer_idx)
         if layer is None:
             raise PolicyError("the plugin saw none of this request's prefill (it was switched on mid-request)")
         layer.at(blocks, block_ids, seq_len)
-        layer.recorded = False
+        layer.recorded, layer.held_steps = False, held_steps
         self.answer_kv.setdefault(layer_idx, []).append((key.clone(), value.clone()))
         output = self.policy.decode(layer, query, key, value, scaling)
         if not layer.recorded:
@@ -200,6 +205,7 @@ class RequestLayer:
         self.state: LayerState | None = None
         self.full: PagedFullStore | None = None  # C_f, once a method asked for it
         self.recorded = False
+        self.held_steps: HeldSteps | None = None  # where this step's attention over held tokens goes, if anywhere
         self.at(blocks, block_ids, 0)
 
     @property
@@ -257,6 +263,13 @@ class RequestLayer:
 
     def decode_each(self, decode, query, key, value, scaling):  # type: ignore[no-untyped-def]
         raise PolicyError("inside vLLM every decode step is one token")
+
+    def attend_held(self, held: SelectionState, query: Tensor, scaling: Scaling) -> tuple[Tensor, int]:
+        front = held.front(None)
+        if self.held_steps is None or front is None:
+            return held.attend(query, scaling, None)
+        keys, values, read = front
+        return self.held_steps.add(query, keys, values), read
 
     def record(self, full_fraction: float | Tensor, attended_bytes: int) -> None:
         counts = self.request.counts

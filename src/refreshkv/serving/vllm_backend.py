@@ -33,6 +33,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from ..core.native_library import on_cpu
 from ..core.policy import Policy, PolicyError
 from .batch_rows import ROWS
+from .held_steps import HeldSteps
 from .paged_store import PagedBlocks, cpu_blocks
 from .plugin_config import worst_case_bytes
 from .request_layer import Request
@@ -168,13 +169,26 @@ class RefreshKVImpl(CPUAttentionBackendImpl):
         for request, block_ids in ended:  # the prompt's keys are all in the blocks now
             request.store_prompt(layer_idx, blocks, block_ids, self.scale)
         if plan.decodes:
-            for token, request, seq_len, block_ids in plan.decodes:
-                request.restore_answer(layer_idx, blocks, block_ids)  # after a preemption's recomputation
-                one = slice(token, token + 1)
-                q, k, v = (x[one].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-                attended = request.decode(layer_idx, q, k, v, self.scale, blocks, block_ids, seq_len)
-                output[token] = attended.reshape(output.shape[1:])
+            self._decode(layer_idx, plan.decodes, query, key, value, blocks, output)
         return output
+
+    def _decode(self, layer_idx, decodes, query, key, value, blocks, output) -> None:  # type: ignore[no-untyped-def]
+        """Each served request's decode step in turn; their partial steps' attention at the end, in one call."""
+        held = HeldSteps(len(decodes), *query.shape[1:])
+        deferred = []
+        for token, request, seq_len, block_ids in decodes:
+            request.restore_answer(layer_idx, blocks, block_ids)  # after a preemption's recomputation
+            one = slice(token, token + 1)
+            q, k, v = (x[one].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+            before = len(held)
+            attended = request.decode(layer_idx, q, k, v, self.scale, blocks, block_ids, seq_len, held)
+            if len(held) > before:
+                deferred.append(token)
+            else:
+                output[token] = attended.reshape(output.shape[1:])
+        if deferred:
+            attended = held.attend(self.scale).reshape(len(deferred), *output.shape[1:])
+            output.index_copy_(0, torch.tensor(deferred), attended.to(output.dtype))
 
 
 def check_memory(policy: Policy, max_model_len: int, max_num_seqs: int, layers: int, slot_bytes: int) -> None:

@@ -343,7 +343,7 @@ class RefreshKV(BudgetPolicy[RefreshState]):
         self.make_room(layer)
         # The new token takes an empty slot first, then the lowest-scored recycled token's.
         partial.put(partial.scores, key, value, layer.state.full.length - 1, APPENDED + layer.step)
-        return partial.attend(query, scaling, layer.pads)
+        return layer.attend_held(partial, query, scaling)
 
     def make_room(self, layer: RefreshLayer) -> None:
         """With `keep_decoded`, C_p holds K and the whole answer so far: where more tokens were decoded than were
