@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -146,9 +147,9 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     library.paged_gather.argtypes = [pointer, pointer, BlockStrides, pointer, size, pointer, size, size, size, size]
     library.paged_gather.argtypes += [pointer, pointer]
     library.paged_gather.restype = None
-    stores = [pointer, pointer, pointer, pointer, size, size, size, size, size]
-    library.logits_stores.argtypes = [*stores, ctypes.c_float, pointer, status, status]
-    library.weigh_stores.argtypes = [*stores, pointer, status, status]
+    stores: list[Any] = [pointer, pointer, pointer, pointer, size, size, size, size, size]  # n requests' stores
+    library.logits_stores.argtypes = stores + [ctypes.c_float, pointer, status, status]
+    library.weigh_stores.argtypes = stores + [pointer, status, status]
     library.logits_stores.restype = library.weigh_stores.restype = None
     quantized = [pointer, QuantizedCache, size, size, size, size, size]
     library.quantized_logits_rows.argtypes = [*quantized, ctypes.c_float, pointer, pointer, pointer, status]
