@@ -23,8 +23,8 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 
