@@ -1,7 +1,10 @@
 """The serving plugin's parts that need no engine: C_f read from paged blocks, the batch's rows followed through the
 engine's changes, a request's method run over paged storage as over the transformers cache, and its settings."""
 
+import ctypes
+import ctypes.util
 import gc
+import os
 import weakref
 from types import SimpleNamespace
 
@@ -165,6 +168,51 @@ def test_the_partial_steps_of_a_batch_attend_in_one_call_as_each_alone(method, p
         assert set(held_counts) == {0}
     else:  # the partial steps were held, the refreshes not
         assert max(held_counts) == len(prompts) and min(held_counts) < len(prompts), held_counts
+
+
+def test_the_memory_of_released_requests_goes_back_to_the_system():
+    """Blocks as large as a C_p layer store, freed between small survivors, stay in glibc's heap (the server's RSS
+    stayed at its peak); the trim when the last request's state went gives them back. Trims come every 16 releases
+    while requests still run, and once when the last goes."""
+    from refreshkv.serving import heap
+
+    if heap._malloc_trim() is None or not os.path.exists("/proc/self/statm"):
+        pytest.skip("glibc's malloc_trim and /proc are Linux's")
+
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = (
+        ctypes.c_void_p,
+        [ctypes.c_size_t],
+        [ctypes.c_void_p],
+    )
+    libc.mallopt(-3, 8 * 2**20)  # M_MMAP_THRESHOLD: as glibc raises it once a block that large was freed
+    before = rss_mb()
+    held, survivors = [], []  # 300 blocks of 1 MB, touched, between blocks that stay (as the window store's)
+    for _ in range(300):
+        held.append(libc.malloc(2**20))
+        ctypes.memset(held[-1], 1, 2**20)
+        survivors.append(libc.malloc(2**12))
+    for block in held:
+        libc.free(block)
+    freed = rss_mb()
+    assert freed > before + 250  # kept in the heap
+    trimmed = heap.FreedHeap()
+    trimmed.after_update(released=3, holding=0)
+    assert trimmed.trims == 1 and rss_mb() < before + 50, (before, freed, rss_mb())
+    for block in survivors:
+        libc.free(block)
+    counted = heap.FreedHeap()
+    for holding in range(40, 0, -1):
+        counted.after_update(released=1, holding=holding)
+    assert counted.trims == 2  # at the 16th and 32nd release
+    counted.after_update(released=1, holding=0)
+    assert counted.trims == 3
+    counted.after_update(released=0, holding=0)
+    assert counted.trims == 3  # nothing went since
 
 
 def test_a_full_step_over_vllms_cpu_blocks_attends_and_gathers_where_they_lie():

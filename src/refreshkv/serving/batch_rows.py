@@ -67,7 +67,11 @@ class BatchRows:
 
     def count(self) -> int:
         """Requests with plugin state, in the batch or parked (the leak check reads it)."""
-        return len(self.rows) + len(self.parked)
+        return len(self.holders())
+
+    def holders(self) -> set[int]:
+        """The ids of the requests with plugin state, in the batch or parked."""
+        return {id(request) for request in (*self.rows.values(), *self.parked.values())}
 
 
 ROWS = BatchRows()  # one engine core per process: its worker's batch

@@ -23,6 +23,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 from ..core.policy import Policy, PolicyError
 from ..core.rope import inverse_frequencies
 from .batch_rows import ROWS
+from .heap import HEAP
 from .plugin_config import CONFIG_KEY, served_policy
 from .request_layer import ModelFacts, Request, StepCounts
 
@@ -110,10 +111,12 @@ class RequestRows(LogitsProcessor):
             (index, self._request(params, prompt or [], output)) for index, params, prompt, output in batch_update.added
         ]
         moved = [(a, b, way == MoveDirectionality.SWAP) for a, b, way in batch_update.moved]
-        held = ROWS.count()
+        held = ROWS.holders()
         ROWS.update(list(batch_update.removed), added, moved)
-        if ROWS.count() != held:  # what a leak check reads (benchmarks/perf/vllm_load.py)
-            LOG.debug("refreshkv: %d requests hold plugin state (%d parked)", ROWS.count(), len(ROWS.parked))
+        holding = ROWS.holders()
+        if len(holding) != len(held):  # what a leak check reads (benchmarks/perf/vllm_load.py)
+            LOG.debug("refreshkv: %d requests hold plugin state (%d parked)", len(holding), len(ROWS.parked))
+        HEAP.after_update(len(held - holding), len(holding))
 
     def _request(self, params: SamplingParams, prompt: list[int], output: list[int]) -> Request | None:
         resumed = ROWS.resume(params, output)
