@@ -239,6 +239,29 @@ def test_a_full_step_over_vllms_cpu_blocks_attends_and_gathers_where_they_lie():
     assert not out[0][0, :, 4:].any()  # the slots after k untouched
 
 
+@pytest.mark.parametrize("wide", [0, 1])
+def test_quests_pages_are_attended_where_they_lie_in_vllms_cpu_blocks(monkeypatch, wide):
+    """Pages of 16 tokens chosen per head (runs that cross no block, one cut short at the last token) attended over
+    vLLM's CPU layout in place: PyTorch's attention over the same tokens gathered."""
+    from refreshkv.core import native_attention
+    from refreshkv.core.attention_math import decode_attention
+
+    monkeypatch.setattr(native_attention, "_wide", lambda: wide)
+    torch.manual_seed(2)
+    keys, values = torch.randn(1, 3, 1000, 64), torch.randn(1, 3, 1000, 64)
+    blocks, table = paged(keys, values, 128, [7, 2, 0, 5, 1, 3, 6, 4], "vllm_cpu")
+    pages = torch.stack([torch.randperm(62)[:20].sort().values for _ in range(3)])
+    index = torch.cat(
+        [(pages.unsqueeze(-1) * 16 + torch.arange(16)).flatten(-2), 992 + torch.arange(16).expand(3, -1)], -1
+    )
+    valid, index = index < 1000, index.clamp(max=999)
+    query = torch.randn(1, 9, 1, 64)
+    got = native_attention.attend_paged_at(query, blocks.keys, blocks.values, table, index, valid, 0.125)
+    heads = torch.arange(3).unsqueeze(1)
+    chosen = keys[0, heads, index].unsqueeze(0), values[0, heads, index].unsqueeze(0)
+    torch.testing.assert_close(got, decode_attention(query, *chosen, 0.125, valid.unsqueeze(0)), rtol=0, atol=1e-6)
+
+
 def test_the_batch_rows_follow_removals_additions_and_moves():
     rows = BatchRows()
     a, b, c = (SimpleNamespace(owner=None, answer=[]) for _ in range(3))  # no engine parameters: never parked

@@ -155,6 +155,14 @@ class FullStore(LayerState):
         where that store cannot, with nothing written: gather from `view()`."""
         return False
 
+    def attend_at(
+        self, query: torch.Tensor, scaling: object, index: torch.Tensor, valid: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """`attention_math.decode_attention` of one query token over the tokens at `index` (B, H, k; ascending per
+        head) where `valid` (B, H, k bool, or None) holds, computed where a store that holds them otherwise holds
+        them (a serving engine's blocks). None here, and where that store cannot: gather them first."""
+        return None
+
     def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [start, end), ready to attend to."""
         return self.keys[:, :, start:end], self.values[:, :, start:end]

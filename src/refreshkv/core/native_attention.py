@@ -185,6 +185,39 @@ def attend_paged(
     return output.reshape(1, 1, kv_heads * group, dim), probs
 
 
+def attend_paged_at(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    block_ids: torch.Tensor,
+    index: torch.Tensor,
+    valid: torch.Tensor | None,
+    scaling: object,
+) -> torch.Tensor | None:
+    """`attention_math.decode_attention` of one request's query token (1, Hq, 1, D) over its tokens at `index` (Hkv,
+    k; ascending per head, as quest's pages), those where `valid` (Hkv, k bool, or None) holds, in paged blocks read
+    where they lie (as `attend_paged`'s): the output (1, 1, Hq, D). None where the C cannot: then gather them first."""
+    kv_heads, k = index.shape
+    dim = keys.shape[3]
+    if not (paged_fits(keys, values) and query_fits(query, scaling, (1, kv_heads, k, dim), None, per_head=False)):
+        return None
+    group = query.shape[1] // kv_heads
+    packed = query.reshape(kv_heads, group, dim).contiguous()
+    index, table = index.to(torch.int64).contiguous(), block_ids.to(torch.int64).contiguous()
+    if k and not 0 <= int(index.min()) <= int(index.max()) < table.numel() * keys.shape[2]:
+        raise IndexError(f"attention: a position is outside the request's {table.numel()} blocks")
+    at = (BlockStrides.of(keys, values), table.data_ptr(), keys.shape[2], index.data_ptr(), k, kv_heads, group, dim)
+    threads = torch.get_num_threads()
+    logits = torch.empty(kv_heads, group, k)
+    kernels().paged_logits_at(packed.data_ptr(), keys.data_ptr(), *at, scaling, logits.data_ptr(), _wide(), threads)
+    if valid is not None:
+        logits.masked_fill_(~valid.view(kv_heads, 1, k), float("-inf"))
+    probs = logits.softmax(dim=-1)
+    output = torch.empty_like(packed)
+    kernels().paged_weigh_at(probs.data_ptr(), values.data_ptr(), *at, output.data_ptr(), threads)
+    return output.reshape(1, 1, kv_heads * group, dim)
+
+
 def paged_fits(keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Paged blocks (blocks, Hkv, block_size, D) the C reads: float32 on the CPU, each block's keys channel-major and
     its values token-major (vLLM's CPU layout), eager."""

@@ -191,6 +191,11 @@ class QuantizedFullStore(LayerState):
         residual = (self.residual_keys, self.residual_values)
         return dequantize_rows(index, self._codes(), residual, out, rows)
 
+    def attend_at(
+        self, query: torch.Tensor, scaling: object, index: torch.Tensor, valid: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        return None  # no C over the codes at chosen tokens: gather them (`gather`), then attend
+
     def _codes(self) -> CodedCache:
         """The codes, scales and minimums held, as the C reads them."""
         keys = (self.key_codes, self.key_scale, self.key_min)

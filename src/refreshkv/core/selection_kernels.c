@@ -666,9 +666,11 @@ WIDE static void wide_paged_logits(const float *q, const float *keys, int64_t bl
                                    int64_t n, int64_t dim, float scale, float *out) {
     for (int64_t first = 0; first < count; first += WIDE_KEYS) {
         __mmask16 mask[4];
+        int live = 0; /* the registers that hold keys: a short run (quest's page) loads and sums only those */
         for (int c = 0; c < 4; c++) {
             int64_t left = count - first - 16 * c;
             mask[c] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+            live += left > 0;
         }
         for (int64_t g = 0; g < group; g += WIDE_HEADS) {
             int64_t heads_here = group - g < WIDE_HEADS ? group - g : WIDE_HEADS;
@@ -677,14 +679,15 @@ WIDE static void wide_paged_logits(const float *q, const float *keys, int64_t bl
                 for (int c = 0; c < 4; c++) sum[k][c] = _mm512_setzero_ps();
             for (int64_t d = 0; d < dim; d++) {
                 __m512 row[4];
-                for (int c = 0; c < 4; c++) row[c] = _mm512_maskz_loadu_ps(mask[c], keys + d * block_size + first + 16 * c);
+                for (int c = 0; c < live; c++)
+                    row[c] = _mm512_maskz_loadu_ps(mask[c], keys + d * block_size + first + 16 * c);
                 for (int k = 0; k < heads_here; k++) {
                     __m512 weight = _mm512_set1_ps(q[(g + k) * dim + d]);
-                    for (int c = 0; c < 4; c++) sum[k][c] = _mm512_fmadd_ps(weight, row[c], sum[k][c]);
+                    for (int c = 0; c < live; c++) sum[k][c] = _mm512_fmadd_ps(weight, row[c], sum[k][c]);
                 }
             }
             for (int k = 0; k < heads_here; k++)
-                for (int c = 0; c < 4; c++)
+                for (int c = 0; c < live; c++)
                     _mm512_mask_storeu_ps(out + (g + k) * n + first + 16 * c, mask[c],
                                           _mm512_mul_ps(sum[k][c], _mm512_set1_ps(scale)));
         }
@@ -983,5 +986,76 @@ AVX2_CLONE void weigh_stores(const float *probs, const int64_t *value_sources, c
         const float *values = (const float *)value_sources[r] + h * head_strides[r];
         weigh_span(probs + task * group * width, values, group, width, dim, 0, lengths[r], out + task * group * dim,
                    wide);
+    }
+}
+
+/* One request's attention over its k tokens at `index` (heads x k positions, ascending per head, as quest's pages)
+   of a paged cache where it lies (as paged_logits's): each run of consecutive positions in one block is read as
+   paged_logits reads a block, its keys' channel rows at once. `paged_logits_at`: the products times `scale` into
+   `logits` (heads x group x k). `paged_weigh_at`: the probabilities (as `logits`) times the values into `out` (heads
+   x group x dim), the runs added in order. One task per head. */
+static int64_t run_length(const int64_t *positions, int64_t i, int64_t k, int64_t block_size) {
+    int64_t count = 1, block = positions[i] / block_size;
+    while (i + count < k && positions[i + count] == positions[i] + count && positions[i + count] / block_size == block)
+        count++;
+    return count;
+}
+
+AVX2_CLONE void paged_logits_at(const float *query, const char *key_source, BlockStrides strides,
+                                const int64_t *block_ids, int64_t block_size, const int64_t *index, int64_t k,
+                                int64_t heads, int64_t group, int64_t dim, float scale, float *logits, int wide,
+                                int threads) {
+#if defined(WIDE)
+    wide = wide && __builtin_cpu_supports("avx512f");
+#else
+    wide = 0;
+#endif
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t h = 0; h < heads; h++) {
+        const int64_t *positions = index + h * k;
+        for (int64_t i = 0, count; i < k; i += count) {
+            count = run_length(positions, i, k, block_size);
+            int64_t block = block_ids[positions[i] / block_size], offset = positions[i] % block_size;
+            const float *keys =
+                (const float *)(key_source + block * strides.key_batch + h * strides.key_head) + offset;
+#if defined(WIDE)
+            if (wide) {
+                wide_paged_logits(query + h * group * dim, keys, block_size, count, group, k, dim, scale,
+                                  logits + h * group * k + i);
+                continue;
+            }
+#endif
+            for (int64_t g = 0; g < group; g++) {
+                float *out = logits + (h * group + g) * k + i;
+                for (int64_t first = 0; first < count; first += KEYS_AT_ONCE) {
+                    int64_t width = count - first < KEYS_AT_ONCE ? count - first : KEYS_AT_ONCE;
+                    float sums[KEYS_AT_ONCE] = {0.0f};
+                    add_channels(sums, query + (h * group + g) * dim, keys + first, block_size, dim, width);
+                    for (int64_t t = 0; t < width; t++) out[first + t] = sums[t] * scale;
+                }
+            }
+        }
+    }
+}
+
+AVX2_CLONE void paged_weigh_at(const float *probs, const char *value_source, BlockStrides strides,
+                               const int64_t *block_ids, int64_t block_size, const int64_t *index, int64_t k,
+                               int64_t heads, int64_t group, int64_t dim, float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t h = 0; h < heads; h++) {
+        const int64_t *positions = index + h * k;
+        float *sums = out + h * group * dim;
+        memset(sums, 0, (size_t)(group * dim) * sizeof(float));
+        for (int64_t i = 0, count; i < k; i += count) {
+            count = run_length(positions, i, k, block_size);
+            int64_t block = block_ids[positions[i] / block_size], offset = positions[i] % block_size;
+            const float *values = (const float *)(value_source + block * strides.value_batch +
+                                                  h * strides.value_head) + offset * dim;
+            for (int64_t g = 0; g < group; g++) {
+                const float *weights = probs + (h * group + g) * k + i;
+                for (int64_t t = 0; t < count; t++)
+                    for (int64_t d = 0; d < dim; d++) sums[g * dim + d] += weights[t] * values[t * dim + d];
+            }
+        }
     }
 }

@@ -178,11 +178,14 @@ class Quest(BudgetPolicy[PagedStore]):
             attended = full.attend(query, scaling, valid)  # where C_f lies otherwise (a serving engine's blocks)
             return decode_attention(query, *full.view(), scaling, valid) if attended is None else attended[0]
         index, chosen = self.selected_tokens(store, query, selected_pages)  # (B, Hkv, k) each
-        # the page being written runs past the tokens held: gather the last one there, mask what is not a token
-        keys, values = self.gathered(store, index.clamp(max=full.length - 1))
+        # the page being written runs past the tokens held: read the last one there, mask what is not a token
         valid = index < full.length if chosen is None else chosen & (index < full.length)
+        index = index.clamp(max=full.length - 1)
         layer.record(0.0, full.attended_bytes() // full.length * index.shape[-1] + store.metadata_bytes())
-        return decode_attention(query, keys, values, scaling, valid)
+        chosen_attended = full.attend_at(query, scaling, index, valid)  # where C_f lies otherwise (an engine's blocks)
+        if chosen_attended is None:
+            return decode_attention(query, *self.gathered(store, index), scaling, valid)
+        return chosen_attended
 
     @staticmethod
     def gathered(store: PagedStore, index: Tensor) -> tuple[Tensor, Tensor]:

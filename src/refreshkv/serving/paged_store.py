@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..core.kvstore import FullStore
-from ..core.native_attention import attend_paged, gather_paged
+from ..core.native_attention import attend_paged, attend_paged_at, gather_paged
 from ..core.policy import PolicyError
 
 
@@ -87,6 +87,13 @@ class PagedFullStore(FullStore):
             return None
         blocks = self.blocks
         return attend_paged(query, blocks.keys, blocks.values, self.block_ids, self.length, scaling)
+
+    def attend_at(self, query: Tensor, scaling: object, index: Tensor, valid: Tensor | None) -> Tensor | None:
+        """The chosen tokens alone, attended where they lie (native_attention.attend_paged_at): one request."""
+        blocks = self.blocks
+        return attend_paged_at(
+            query, blocks.keys, blocks.values, self.block_ids, index[0], None if valid is None else valid[0], scaling
+        )
 
     def gather(self, index: Tensor, out: tuple[Tensor, Tensor], rows: Tensor | None = None) -> bool:
         """The selected tokens alone, read from the blocks into the first k slots of `out`."""
