@@ -283,29 +283,33 @@ def attend_stores(
     lies otherwise, another dtype, a GPU): then attend to each alone."""
     count, query_heads, dim = queries.shape
     kv_heads = stores[0][0].shape[1]
-    fits = (
+    if not (
         queries.dtype == torch.float32
         and query_heads % kv_heads == 0
         and isinstance(scaling, float)
-        and all(
-            keys.dtype == values.dtype == torch.float32
-            and keys.shape == values.shape
-            and keys.shape[:2] == (1, kv_heads)
-            and keys.shape[3] == dim
-            and keys.stride() == values.stride()
-            and rows_whole(keys)
-            for keys, values in stores
-        )
-        and on_cpu(queries, *(part for store in stores for part in store))
-    )
-    if not fits or torch.compiler.is_compiling():
+        and on_cpu(queries)
+        and not torch.compiler.is_compiling()
+    ):
         return None
-    described = torch.tensor(
-        [[keys.data_ptr(), values.data_ptr(), keys.stride(1), keys.shape[2]] for keys, values in stores],
-        dtype=torch.int64,
-    ).T.contiguous()
-    key_sources, value_sources, head_strides, lengths = (row.data_ptr() for row in described)
-    group, width = query_heads // kv_heads, int(described[3].max())
+    described: list[list[int]] = [[], [], [], []]  # per store: its keys, its values, its heads' stride, its length
+    for keys, values in stores:
+        shape, stride = keys.shape, keys.stride()
+        if not (
+            keys.dtype == values.dtype == torch.float32
+            and shape == values.shape
+            and stride == values.stride()
+            and shape[1] == kv_heads
+            and shape[3] == dim
+            and stride[3] == 1
+            and stride[2] == dim
+            and keys.device.type == values.device.type == "cpu"
+        ):
+            return None
+        for column, value in zip(described, (keys.data_ptr(), values.data_ptr(), stride[1], shape[2])):
+            column.append(value)
+    table = torch.tensor(described, dtype=torch.int64)
+    key_sources, value_sources, head_strides, lengths = (row.data_ptr() for row in table)
+    group, width = query_heads // kv_heads, max(described[3])
     shape = (count, kv_heads, group, dim, width)
     threads, wide = torch.get_num_threads(), _wide()
     # the positions past a request's tokens weigh 0: PyTorch's softmax over the padded rows, as attention_probs

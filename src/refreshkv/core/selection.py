@@ -195,7 +195,7 @@ class SelectionState(LayerState):
         if plain and not isinstance(position, Tensor) and not isinstance(score, Tensor):
             free = self.used
             self.store.put_at(free, key, value, position)
-            self.scores[:, :, free : free + 1] = torch.full_like(self.scores[:, :, :1], score)
+            self.scores[:, :, free].fill_(score)
             self.filled, self.empty = self.filled + 1, self.empty - 1
             return
         slot = eviction_scores.argmin(dim=-1)
@@ -227,8 +227,8 @@ class SelectionState(LayerState):
         is padded, and their bytes; None otherwise (and in a compiled step, whose lengths do not grow)."""
         if pads is not None or not self.contiguous or torch.compiler.is_compiling():
             return None
-        store, used = self.store, self.used
-        return store.keys[:, :, :used], store.values[:, :, :used], store.nbytes() * used // store.slots
+        keys, values, used = self.store.keys[:, :, : self.used], self.store.values[:, :, : self.used], self.used
+        return keys, values, 2 * keys.numel() * keys.element_size()
 
     def attend(self, query: Tensor, scaling: Scaling, pads: Tensor | None) -> tuple[Tensor, int]:
         """Attention of `query` over the held tokens, and the bytes read: the slots written alone where they lie in
