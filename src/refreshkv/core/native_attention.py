@@ -310,17 +310,17 @@ def attend_stores(
     table = torch.tensor(described, dtype=torch.int64)
     key_sources, value_sources, head_strides, lengths = (row.data_ptr() for row in table)
     group, width = query_heads // kv_heads, max(described[3])
-    shape = (count, kv_heads, group, dim, width)
+    sizes = (count, kv_heads, group, dim, width)
     threads, wide = torch.get_num_threads(), _wide()
     # the positions past a request's tokens weigh 0: PyTorch's softmax over the padded rows, as attention_probs
     logits = queries.new_full((count, kv_heads, group, width), float("-inf"))
     packed = queries.contiguous()
     kernels().logits_stores(
-        packed.data_ptr(), key_sources, head_strides, lengths, *shape, scaling, logits.data_ptr(), wide, threads
+        packed.data_ptr(), key_sources, head_strides, lengths, *sizes, scaling, logits.data_ptr(), wide, threads
     )
     probs = logits.softmax(dim=-1)
     output = torch.empty_like(packed)
     kernels().weigh_stores(
-        probs.data_ptr(), value_sources, head_strides, lengths, *shape, output.data_ptr(), wide, threads
+        probs.data_ptr(), value_sources, head_strides, lengths, *sizes, output.data_ptr(), wide, threads
     )
     return output

@@ -227,7 +227,8 @@ class SelectionState(LayerState):
         is padded, and their bytes; None otherwise (and in a compiled step, whose lengths do not grow)."""
         if pads is not None or not self.contiguous or torch.compiler.is_compiling():
             return None
-        keys, values, used = self.store.keys[:, :, : self.used], self.store.values[:, :, : self.used], self.used
+        used = self.used
+        keys, values = self.store.keys[:, :, :used], self.store.values[:, :, :used]
         return keys, values, 2 * keys.numel() * keys.element_size()
 
     def attend(self, query: Tensor, scaling: Scaling, pads: Tensor | None) -> tuple[Tensor, int]:
