@@ -695,39 +695,52 @@ WIDE static void wide_paged_logits(const float *q, const float *keys, int64_t bl
 }
 #endif
 
+/* `wide` where the caller's word allows AVX-512 and the CPU has it: the key loops over channel-major blocks. */
+static int wide_paged(int wide) {
+#if defined(WIDE)
+    return wide && __builtin_cpu_supports("avx512f");
+#else
+    return 0 * wide;
+#endif
+}
+
+/* The logits of `count` consecutive keys of one (block, head), `keys` at the first one's place in its channel rows
+   (block_size apart), against `group` query heads (`q`: group x dim), times `scale`, into `out` (rows n apart): with
+   `wide` by `wide_paged_logits`, else KEYS_AT_ONCE keys at a time in registers. */
+INLINE void paged_run_logits(const float *q, const float *keys, int64_t block_size, int64_t count, int64_t group,
+                             int64_t n, int64_t dim, float scale, float *out, int wide) {
+#if defined(WIDE)
+    if (wide) {
+        wide_paged_logits(q, keys, block_size, count, group, n, dim, scale, out);
+        return;
+    }
+#else
+    (void)wide;
+#endif
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t first = 0; first < count; first += KEYS_AT_ONCE) {
+            int64_t width = count - first < KEYS_AT_ONCE ? count - first : KEYS_AT_ONCE;
+            float sums[KEYS_AT_ONCE] = {0.0f};
+            if (width == KEYS_AT_ONCE)
+                add_channels(sums, q + g * dim, keys + first, block_size, dim, KEYS_AT_ONCE);
+            else
+                add_channels(sums, q + g * dim, keys + first, block_size, dim, width);
+            for (int64_t t = 0; t < width; t++) out[g * n + first + t] = sums[t] * scale;
+        }
+}
+
 AVX2_CLONE void paged_logits(const float *query, const char *key_source, BlockStrides strides, const int64_t *block_ids,
                              int64_t block_size, int64_t n, int64_t heads, int64_t group, int64_t dim, float scale,
                              float *logits, int wide, int threads) {
     int64_t blocks = (n + block_size - 1) / block_size;
-#if defined(WIDE)
-    wide = wide && __builtin_cpu_supports("avx512f");
-#else
-    wide = 0;
-#endif
+    wide = wide_paged(wide);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t task = 0; task < heads * blocks; task++) {
         int64_t h = task / blocks, j = task % blocks, lo = j * block_size;
         int64_t count = lo + block_size < n ? block_size : n - lo;
         const float *keys = (const float *)(key_source + block_ids[j] * strides.key_batch + h * strides.key_head);
-#if defined(WIDE)
-        if (wide) {
-            wide_paged_logits(query + h * group * dim, keys, block_size, count, group, n, dim, scale, logits + h * group * n + lo);
-            continue;
-        }
-#endif
-        for (int64_t g = 0; g < group; g++) {
-            const float *q = query + (h * group + g) * dim;
-            float *out = logits + (h * group + g) * n + lo;
-            for (int64_t first = 0; first < count; first += KEYS_AT_ONCE) {
-                int64_t width = count - first < KEYS_AT_ONCE ? count - first : KEYS_AT_ONCE;
-                float sums[KEYS_AT_ONCE] = {0.0f};
-                if (width == KEYS_AT_ONCE)
-                    add_channels(sums, q, keys + first, block_size, dim, KEYS_AT_ONCE);
-                else
-                    add_channels(sums, q, keys + first, block_size, dim, width);
-                for (int64_t t = 0; t < width; t++) out[first + t] = sums[t] * scale;
-            }
-        }
+        paged_run_logits(query + h * group * dim, keys, block_size, count, group, n, dim, scale,
+                         logits + h * group * n + lo, wide);
     }
 }
 
@@ -1005,11 +1018,7 @@ AVX2_CLONE void paged_logits_at(const float *query, const char *key_source, Bloc
                                 const int64_t *block_ids, int64_t block_size, const int64_t *index, int64_t k,
                                 int64_t heads, int64_t group, int64_t dim, float scale, float *logits, int wide,
                                 int threads) {
-#if defined(WIDE)
-    wide = wide && __builtin_cpu_supports("avx512f");
-#else
-    wide = 0;
-#endif
+    wide = wide_paged(wide);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t h = 0; h < heads; h++) {
         const int64_t *positions = index + h * k;
@@ -1018,22 +1027,8 @@ AVX2_CLONE void paged_logits_at(const float *query, const char *key_source, Bloc
             int64_t block = block_ids[positions[i] / block_size], offset = positions[i] % block_size;
             const float *keys =
                 (const float *)(key_source + block * strides.key_batch + h * strides.key_head) + offset;
-#if defined(WIDE)
-            if (wide) {
-                wide_paged_logits(query + h * group * dim, keys, block_size, count, group, k, dim, scale,
-                                  logits + h * group * k + i);
-                continue;
-            }
-#endif
-            for (int64_t g = 0; g < group; g++) {
-                float *out = logits + (h * group + g) * k + i;
-                for (int64_t first = 0; first < count; first += KEYS_AT_ONCE) {
-                    int64_t width = count - first < KEYS_AT_ONCE ? count - first : KEYS_AT_ONCE;
-                    float sums[KEYS_AT_ONCE] = {0.0f};
-                    add_channels(sums, query + (h * group + g) * dim, keys + first, block_size, dim, width);
-                    for (int64_t t = 0; t < width; t++) out[first + t] = sums[t] * scale;
-                }
-            }
+            paged_run_logits(query + h * group * dim, keys, block_size, count, group, k, dim, scale,
+                             logits + h * group * k + i, wide);
         }
     }
 }
