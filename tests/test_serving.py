@@ -189,7 +189,11 @@ def test_the_memory_of_released_requests_goes_back_to_the_system():
         [ctypes.c_size_t],
         [ctypes.c_void_p],
     )
-    libc.mallopt(-3, 8 * 2**20)  # M_MMAP_THRESHOLD: as glibc raises it once a block that large was freed
+    # M_MMAP_THRESHOLD as glibc raises it once a block that large was freed; M_TRIM_THRESHOLD so high that no free
+    # trims the heap's top itself: only a trim gives pages back (both to glibc's defaults after)
+    libc.mallopt(-3, 8 * 2**20)
+    libc.mallopt(-1, 2**30)
+    heap._malloc_trim()(0)  # what earlier tests left free in the heap goes first
     before = rss_mb()
     held, survivors = [], []  # 300 blocks of 1 MB, touched, between blocks that stay (as the window store's)
     for _ in range(300):
@@ -205,6 +209,8 @@ def test_the_memory_of_released_requests_goes_back_to_the_system():
     assert trimmed.trims == 1 and rss_mb() < before + 50, (before, freed, rss_mb())
     for block in survivors:
         libc.free(block)
+    libc.mallopt(-1, 128 * 2**10)
+    libc.mallopt(-3, 128 * 2**10)
     counted = heap.FreedHeap()
     for holding in range(40, 0, -1):
         counted.after_update(released=1, holding=holding)
