@@ -276,6 +276,36 @@ def defaults() -> str:
     return table(rows, columns, "K = L/8 (examples)", full=full, transpose=True)
 
 
+NEW_METHODS = ("adakv", "cake", "d2o", "dapq", "defensivekv", "fasa", "keydiff", "kvmerger", "lazyeviction")
+NEW_METHODS += ("mikv", "think", "tova")
+NEW = ("new-methods/gemma-16k.jsonl", "new-methods/smollm2-dev.jsonl")
+DEV_WIDER = (f"{DEV}smollm2-wider-multikey.jsonl", f"{DEV}smollm2-wider-multivalue.jsonl")
+
+
+def new_methods() -> str:
+    """The newer methods at their defaults, K = L/8, beside `full`, today's refreshkv and snapkv on the same
+    examples: Gemma's 16K book windows and SmolLM2's dev set without an answer prefix."""
+    today = (
+        pick("refreshkv", f"{DEV}smollm2-keep-decoded.jsonl", keep_decoded=True, question_floor=4.0),
+        pick("refreshkv", f"{DEV}smollm2-multivalue-keep-decoded.jsonl", keep_decoded=True, question_floor=4.0),
+        GEMMA_16K_DEFAULT,
+    )
+    rows = [
+        Row("`full`", (pick("full", *DEV_WIDER, *GEMMA_16K),)),
+        Row("`refreshkv`, today's default", today),
+        Row("`snapkv` (at 16K: window 1)", (pick("snapkv", *DEV_WIDER), pick("snapkv", *GEMMA_16K_SPAN))),
+        *(Row(f"`{method}`", (pick(method, *NEW),)) for method in NEW_METHODS),
+    ]
+    smollm2 = dict(model="SmolLM2", length=4096, question="bare")
+    columns = [
+        Column("Gemma perplexity / `full`'s at 16K", "ppl", "ppl", "gemma", 16384),
+        Column("Gemma KV MB held / read at 16K", "ppl", "kv", "gemma", 16384),
+        Column("SmolLM2 niah_multikey_1, no prefix", "ruler/niah_multikey_1", "score", **smollm2),
+        Column("SmolLM2 niah_multivalue, no prefix", "ruler/niah_multivalue", "score", **smollm2),
+    ]
+    return table(rows, columns, "K = L/8 (examples)", full=pick("full", *GEMMA_16K))
+
+
 def vllm_rows() -> list[dict]:
     return json.loads((RESULTS / "vllm-serving" / "cpu.json").read_text(encoding="utf-8"))["rows"]
 
@@ -365,6 +395,7 @@ TABLES = {
     "lm-eval-agreement": script_summary("lm_eval_agreement", "lm-eval-agreement/smollm2.jsonl"),
     "lm-eval-choice": script_summary("lm_eval_choice", "lm-eval-choice/smollm2.jsonl"),
     "baselines-best": baselines_best,
+    "new-methods": new_methods,
     "long-output": script_summary("long_output", "long-output/smollm2-forced.jsonl"),
 }
 DOCS = [ROOT / "README.md", ROOT / "docs" / "results.md", ROOT / "docs" / "serving.md", ROOT / "docs" / "evaluation.md"]
