@@ -203,9 +203,7 @@ def attend_paged_at(
         return None
     group = query.shape[1] // kv_heads
     packed = query.reshape(kv_heads, group, dim).contiguous()
-    index, table = index.to(torch.int64).contiguous(), block_ids.to(torch.int64).contiguous()
-    if k and not 0 <= int(index.min()) <= int(index.max()) < table.numel() * keys.shape[2]:
-        raise IndexError(f"attention: a position is outside the request's {table.numel()} blocks")
+    index, table = paged_positions(index, block_ids, keys.shape[2], "attention")
     at = (BlockStrides.of(keys, values), table.data_ptr(), keys.shape[2], index.data_ptr(), k, kv_heads, group, dim)
     threads = torch.get_num_threads()
     logits = torch.empty(kv_heads, group, k)
@@ -235,6 +233,17 @@ def paged_fits(keys: torch.Tensor, values: torch.Tensor) -> bool:
     )
 
 
+def paged_positions(
+    index: torch.Tensor, block_ids: torch.Tensor, block_size: int, reader: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (Hkv, k) and a block table as the C reads them (int64, contiguous), every position checked to lie in
+    the request's blocks: the C reads no memory outside them (IndexError naming the `reader`)."""
+    index, table = index.to(torch.int64).contiguous(), block_ids.to(torch.int64).contiguous()
+    if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < table.numel() * block_size:
+        raise IndexError(f"{reader}: a position is outside the request's {table.numel()} blocks")
+    return index, table
+
+
 def gather_paged(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -254,9 +263,7 @@ def gather_paged(
     )
     if not (lies and out[0].stride() == out[1].stride() and k <= out[0].shape[2] and paged_fits(keys, values)):
         return False
-    index, table = index.to(torch.int64).contiguous(), block_ids.to(torch.int64).contiguous()
-    if k and not 0 <= int(index.min()) <= int(index.max()) < table.numel() * keys.shape[2]:
-        raise IndexError(f"gather: a position is outside the request's {table.numel()} blocks")
+    index, table = paged_positions(index, block_ids, keys.shape[2], "gather")
     kernels().paged_gather(
         keys.data_ptr(),
         values.data_ptr(),
