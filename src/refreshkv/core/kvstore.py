@@ -148,11 +148,17 @@ class FullStore(LayerState):
         return None
 
     def gather(
-        self, index: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor | None = None
+        self,
+        index: torch.Tensor,
+        out: tuple[torch.Tensor, torch.Tensor],
+        rows: torch.Tensor | None = None,
+        held: torch.Tensor | None = None,
     ) -> bool:
         """The keys and values of the tokens at `index` (B, H, k) into the first k slots of `out` (B, H, slots, D),
-        read where a store that holds them otherwise holds them (only the elements marked in `rows`). False here, and
-        where that store cannot, with nothing written: gather from `view()`."""
+        read where a store that holds them otherwise holds them (only the elements marked in `rows`). `held` (B, H,
+        m), where given: the positions of the tokens that `out`'s first m slots hold now, which a store may copy from
+        there instead of reading them again. False here, and where that store cannot, with nothing written: gather
+        from `view()`."""
         return False
 
     def attend_at(

@@ -250,10 +250,13 @@ def gather_paged(
     block_ids: torch.Tensor,
     index: torch.Tensor,
     out: tuple[torch.Tensor, ...],
+    held: torch.Tensor | None = None,
 ) -> bool:
     """Each KV head's tokens at `index` (Hkv, k) of one request's paged blocks (as `attend_paged`'s) into the first k
     slots of `out` (keys, values: (1, Hkv, n >= k, D) float32, each head's slots one after another, as a store's
-    slots from some slot on lie). False, with nothing written, where the C cannot."""
+    slots from some slot on lie). `held` (Hkv, m <= n), where given: the positions of the tokens in `out`'s first m
+    slots now (-1: none), which the C copies from their slots instead of reading them from the blocks again.
+    False, with nothing written, where the C cannot."""
     heads, k = index.shape
     dim = keys.shape[3]
     slots = out[0].stride(1) // dim
@@ -264,7 +267,11 @@ def gather_paged(
     if not (lies and out[0].stride() == out[1].stride() and k <= out[0].shape[2] and paged_fits(keys, values)):
         return False
     index, table = paged_positions(index, block_ids, keys.shape[2], "gather")
-    kernels().paged_gather(
+    if held is not None:
+        held = held.to(torch.int64).contiguous()
+        if held.shape[0] != heads or held.shape[1] > out[0].shape[2]:
+            raise ValueError(f"gather: held positions {tuple(held.shape)} for {heads} heads of {out[0].shape[2]} slots")
+    failed = kernels().paged_gather(
         keys.data_ptr(),
         values.data_ptr(),
         BlockStrides.of(keys, values),
@@ -275,9 +282,13 @@ def gather_paged(
         k,
         dim,
         slots,
+        None if held is None else held.data_ptr(),
+        0 if held is None else held.shape[1],
         out[0].data_ptr(),
         out[1].data_ptr(),
     )
+    if failed:
+        raise MemoryError(f"gather: no scratch space for {k} positions")
     return True
 
 

@@ -145,8 +145,8 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     library.paged_weigh_values.argtypes = [*paged, pointer, status, status]
     library.paged_logits.restype, library.paged_weigh_values.restype = None, status
     library.paged_gather.argtypes = [pointer, pointer, BlockStrides, pointer, size, pointer, size, size, size, size]
-    library.paged_gather.argtypes += [pointer, pointer]
-    library.paged_gather.restype = None
+    library.paged_gather.argtypes += [pointer, size, pointer, pointer]
+    library.paged_gather.restype = status
     at = [pointer, pointer, BlockStrides, pointer, size, pointer, size, size, size, size]  # positions of one request
     library.paged_logits_at.argtypes = at + [ctypes.c_float, pointer, status, status]
     library.paged_weigh_at.argtypes = at + [pointer, status]

@@ -183,11 +183,16 @@ class QuantizedFullStore(LayerState):
         return attend_quantized_rows(query, self._codes(), scaling, valid, marked.to(query.device), tail)
 
     def gather(
-        self, index: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor | None = None
+        self,
+        index: torch.Tensor,
+        out: tuple[torch.Tensor, torch.Tensor],
+        rows: torch.Tensor | None = None,
+        held: torch.Tensor | None = None,
     ) -> bool:
         """The keys and values of the tokens at `index` (B, H, k) into the first k slots of `out` (B, H, slots, D),
         read back exactly as `view()` reads them, in one pass of C; only the batch elements marked in `rows` ((B,)
-        bool) if given. False, with nothing written, where the C cannot (then gather from `view()`)."""
+        bool) if given (`held` unused: the codes are read whole rows at a time). False, with nothing written, where
+        the C cannot (then gather from `view()`)."""
         residual = (self.residual_keys, self.residual_values)
         return dequantize_rows(index, self._codes(), residual, out, rows)
 

@@ -764,21 +764,87 @@ AVX2_CLONE int paged_weigh_values(const float *probs, const char *value_source, 
     return 0;
 }
 
+/* Copies row `from` to row `to` of a head's keys and values (rows of dim floats). */
+INLINE void move_row(float *keys, float *values, int64_t to, int64_t from, int64_t dim) {
+    memcpy(keys + to * dim, keys + from * dim, (size_t)dim * sizeof(float));
+    memcpy(values + to * dim, values + from * dim, (size_t)dim * sizeof(float));
+}
+
 /* The keys and values of each KV head's `k` positions (`index`: heads x k) of one request's paged cache (as
-   paged_logits's) into the first k of `slots` rows per head of `key_out` / `value_out` (heads x slots x dim). */
-void paged_gather(const char *key_source, const char *value_source, BlockStrides strides, const int64_t *block_ids,
-                  int64_t block_size, const int64_t *index, int64_t heads, int64_t k, int64_t dim, int64_t slots,
-                  float *key_out, float *value_out) {
-    for (int64_t h = 0; h < heads; h++)
+   paged_logits's) into the first k of `slots` rows per head of `key_out` / `value_out` (heads x slots x dim). With
+   `held` (heads x held_slots, or NULL): the positions of the tokens those rows hold now (-1: none). A refresh keeps
+   most of the tokens it held (about 97% at K = L/8), and a block's keys lie channel-major, a float per line for one
+   token: a position held in a row is copied from that row instead of read again from the blocks. Each row is the
+   source of one copy at most, so the copies form chains and cycles: a chain is copied from its end (a row no copy
+   reads), so that every row is read before it is written, a cycle through one spare row. The positions not held
+   are read from the blocks last. 0, or 1 without scratch space. */
+int paged_gather(const char *key_source, const char *value_source, BlockStrides strides, const int64_t *block_ids,
+                 int64_t block_size, const int64_t *index, int64_t heads, int64_t k, int64_t dim, int64_t slots,
+                 const int64_t *held, int64_t held_slots, float *key_out, float *value_out) {
+    int64_t span = 0; /* the positions a held row may hold: up to the largest one asked for */
+    for (int64_t e = 0; e < heads * k; e++) span = index[e] + 1 > span ? index[e] + 1 : span;
+    size_t ints = (size_t)(held ? span + k : k) + 1, flags = (size_t)slots + 1;
+    int64_t *source = scratch(ints * sizeof(int64_t) + flags + (size_t)dim * 2 * sizeof(float));
+    if (!source) return 1;
+    int64_t *row_of = source + k;                 /* per position: the held row that holds it, or -1 */
+    uint8_t *read_by_copy = (uint8_t *)(source + ints); /* per row: a copy still has to read it */
+    float *spare = (float *)(read_by_copy + flags); /* a row's keys and values, to close a cycle */
+    for (int64_t h = 0; h < heads; h++) {
+        const int64_t *positions = index + h * k;
+        float *keys_here = key_out + h * slots * dim, *values_here = value_out + h * slots * dim;
+        memset(read_by_copy, 0, flags);
+        for (int64_t slot = 0; slot < k; slot++) source[slot] = -1;
+        if (held) {
+            const int64_t *old = held + h * held_slots;
+            for (int64_t p = 0; p < span; p++) row_of[p] = -1;
+            for (int64_t row = 0; row < held_slots; row++)
+                if (old[row] >= 0 && old[row] < span) row_of[old[row]] = row;
+            for (int64_t slot = 0; slot < k; slot++) {
+                int64_t from = row_of[positions[slot]];
+                if (from == slot) { /* already in its row */
+                    source[slot] = slot;
+                } else if (from >= 0 && !read_by_copy[from]) { /* (a position asked for twice: read again) */
+                    source[slot] = from;
+                    read_by_copy[from] = 1;
+                }
+            }
+            for (int64_t end = 0; end < k; end++) { /* each chain from its end: rows no copy reads any more */
+                for (int64_t to = end; to < k && !read_by_copy[to] && source[to] >= 0 && source[to] != to;) {
+                    int64_t from = source[to];
+                    move_row(keys_here, values_here, to, from, dim);
+                    source[to] = to; /* done */
+                    read_by_copy[from] = 0;
+                    to = from;
+                }
+            }
+            for (int64_t first = 0; first < k; first++) { /* what is left are cycles */
+                if (source[first] < 0 || source[first] == first) continue;
+                memcpy(spare, keys_here + first * dim, (size_t)dim * sizeof(float));
+                memcpy(spare + dim, values_here + first * dim, (size_t)dim * sizeof(float));
+                int64_t to = first;
+                while (source[to] != first) {
+                    int64_t from = source[to];
+                    move_row(keys_here, values_here, to, from, dim);
+                    source[to] = to;
+                    to = from;
+                }
+                memcpy(keys_here + to * dim, spare, (size_t)dim * sizeof(float));
+                memcpy(values_here + to * dim, spare + dim, (size_t)dim * sizeof(float));
+                source[to] = to;
+            }
+        }
         for (int64_t slot = 0; slot < k; slot++) {
-            int64_t position = index[h * k + slot], block = block_ids[position / block_size];
+            if (source[slot] >= 0) continue;
+            int64_t position = positions[slot], block = block_ids[position / block_size];
             int64_t offset = position % block_size;
             const float *keys = (const float *)(key_source + block * strides.key_batch + h * strides.key_head);
             const float *values = (const float *)(value_source + block * strides.value_batch + h * strides.value_head);
-            float *key_row = key_out + (h * slots + slot) * dim;
+            float *key_row = keys_here + slot * dim;
             for (int64_t d = 0; d < dim; d++) key_row[d] = keys[d * block_size + offset];
-            memcpy(value_out + (h * slots + slot) * dim, values + offset * dim, (size_t)dim * sizeof(float));
+            memcpy(values_here + slot * dim, values + offset * dim, (size_t)dim * sizeof(float));
         }
+    }
+    return 0;
 }
 
 /* A C_f held in `bits` bits (core/quantized_store.py) as this file sees it: per (batch, KV head) block, `stored`

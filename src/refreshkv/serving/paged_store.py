@@ -95,12 +95,15 @@ class PagedFullStore(FullStore):
             query, blocks.keys, blocks.values, self.block_ids, index[0], None if valid is None else valid[0], scaling
         )
 
-    def gather(self, index: Tensor, out: tuple[Tensor, Tensor], rows: Tensor | None = None) -> bool:
-        """The selected tokens alone, read from the blocks into the first k slots of `out`."""
+    def gather(
+        self, index: Tensor, out: tuple[Tensor, Tensor], rows: Tensor | None = None, held: Tensor | None = None
+    ) -> bool:
+        """The selected tokens alone into the first k slots of `out`: those `held` there copied (in C), the others
+        read from the blocks."""
         if rows is not None and not bool(rows.all()):
             return False
         blocks = self.blocks
-        if gather_paged(blocks.keys, blocks.values, self.block_ids, index[0], out):
+        if gather_paged(blocks.keys, blocks.values, self.block_ids, index[0], out, None if held is None else held[0]):
             return True
         for target, read in zip(out, blocks.tokens(self.block_ids, index[0])):
             target[0, :, : index.shape[-1]] = read

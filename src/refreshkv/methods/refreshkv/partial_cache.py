@@ -118,6 +118,9 @@ class SelectionRule:
         PyTorch operators, with the same result."""
         partial = layer.state.partial
         assert partial is not None  # a refresh rebuilds C_p
+        # the tokens C_p's slots hold before the refresh rewrites its positions: a C_f that gathers the selected
+        # tokens itself copies those it finds there instead of reading them again
+        slot_positions = None if isinstance(full_kv, tuple) else partial.store.positions.clone()
         n = probs.shape[-1]
         k = min(layer.budget, n if before is None else before)
         words = layer.prompt_spans if self.pooling == "span" else None
@@ -154,7 +157,7 @@ class SelectionRule:
                 floor,
             ):
                 if not isinstance(full_kv, tuple):
-                    gather_selected(full_kv, partial, k, rows)
+                    gather_selected(full_kv, partial, k, rows, slot_positions)
                 if rows is None:
                     partial.loaded(k)
                 else:  # the other rows keep their slots; the refreshed ones' from k on are empty
@@ -204,12 +207,15 @@ class SelectionRule:
         return state.question_positions, state.question_scores, self.question_floor
 
 
-def gather_selected(full: FullCacheStore, partial: SelectionState, k: int, rows: Tensor | None) -> None:
+def gather_selected(
+    full: FullCacheStore, partial: SelectionState, k: int, rows: Tensor | None, held: Tensor | None = None
+) -> None:
     """The keys and values of the k tokens C_p's first slots hold (just selected) into those slots, read from a C_f
-    that holds them otherwise (`gather`), or where it cannot, from its `view()` (only `rows` if given)."""
+    that holds them otherwise (`gather`; `held`: the positions of the tokens the slots' keys and values are still of,
+    which it may copy instead), or where it cannot, from its `view()` (only `rows` if given)."""
     store = partial.store
     index, out = store.positions[..., :k], (store.keys, store.values)
-    if full.gather(index, out, rows):
+    if full.gather(index, out, rows, held):
         return
     for target, source in zip(out, gather_tokens(index, *full.view())):
         copy_rows(target[:, :, :k], source, rows)
