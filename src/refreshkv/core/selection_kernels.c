@@ -773,8 +773,8 @@ INLINE void move_row(float *keys, float *values, int64_t to, int64_t from, int64
 /* The keys and values of each KV head's `k` positions (`index`: heads x k) of one request's paged cache (as
    paged_logits's) into the first k of `slots` rows per head of `key_out` / `value_out` (heads x slots x dim). With
    `held` (heads x held_slots, or NULL): the positions of the tokens those rows hold now (-1: none). A refresh keeps
-   most of the tokens it held (about 97% at K = L/8), and a block's keys lie channel-major, a float per line for one
-   token: a position held in a row is copied from that row instead of read again from the blocks. Each row is the
+   most of the tokens it held, and a block's keys lie channel-major, a float per line for one token: a position held
+   in a row is copied from that row instead of read again from the blocks. Each row is the
    source of one copy at most, so the copies form chains and cycles: a chain is copied from its end (a row no copy
    reads), so that every row is read before it is written, a cycle through one spare row. The positions not held
    are read from the blocks last. 0, or 1 without scratch space. */
