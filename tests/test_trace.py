@@ -64,6 +64,14 @@ def test_the_needle_share_is_the_share_of_its_tokens_in_the_selection(model):
     assert result["steps"][0]["needle"][0] >= 0.5  # the window's own tokens (57, 58) are always kept
 
 
+def test_the_first_token_counts_as_held_while_the_store_has_empty_slots(model):
+    # a budget above the prompt's 60 tokens keeps every one of them, and the store has room (empty slots, -1 in the
+    # selection) for the tokens still to be decoded at every step
+    result = trace(model, "snapkv", needle=[0], budget=64)
+    assert (measure(result, "needle") == 1).all()
+    assert torch.allclose(measure(result, "mass"), torch.ones(STEPS - 1, 2))  # every token held: all the attention
+
+
 def test_what_the_trace_shows_is_said_per_kind_of_method():
     assert "C_p" in what_it_shows(make_policy("refreshkv"))
     assert "no partial cache" in what_it_shows(make_policy("snapkv"))

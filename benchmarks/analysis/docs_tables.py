@@ -397,6 +397,7 @@ TABLES = {
     "baselines-best": baselines_best,
     "new-methods": new_methods,
     "long-output": script_summary("long_output", "long-output/smollm2-forced.jsonl"),
+    "long-output-free": script_summary("long_output", "long-output/smollm2-free.jsonl"),
 }
 DOCS = [ROOT / "README.md", ROOT / "docs" / "results.md", ROOT / "docs" / "serving.md", ROOT / "docs" / "evaluation.md"]
 MARKED = re.compile(r"(<!-- table: ([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.DOTALL)

@@ -87,8 +87,9 @@ class Trace:
         selection = cache.policy.selection(layer, query, scaling)
         held = torch.ones(probs.shape[0], n, dtype=torch.bool)
         if selection is not None:
-            chosen = selection[0].cpu()
-            held = torch.zeros_like(held).scatter_(1, chosen.clamp(min=0), chosen >= 0)
+            chosen = selection[0].cpu()  # -1: an empty entry, sent to a spare column that is dropped
+            spare = torch.zeros(held.shape[0], n + 1, dtype=torch.bool)
+            held = spare.scatter_(1, torch.where(chosen >= 0, chosen, n), True)[:, :n]
         needle = self.needle
         record.needle.append(float(held[:, needle].float().mean()) if len(needle) else 0.0)
         record.needle_attention.append(float(probs[:, :, needle].sum(-1).max()) if len(needle) else 0.0)

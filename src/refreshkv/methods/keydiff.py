@@ -5,6 +5,12 @@ the cosine of its key with the anchor, so the top K are the most distinctive key
 Choices: the whole prompt is scored at once (the paper scores it block by block as it streams in); decoded tokens
 are appended without eviction, as `snapkv` does; under `compress_every` the same score over the held keys (their
 own mean as the anchor) brings the cache back to K, which is the paper's streaming eviction applied every N tokens.
+As in the paper's rule, keys are scored as the cache holds them (after RoPE) and nothing is protected: no sink, no
+recent window. The rule keeps a token only for a key far from the anchor, which is not what the model attends to in two
+cases (docs/results.md, "The newer methods" and "Long outputs"; benchmarks/analysis/keydiff_positions.py): a first
+token whose key lies near the anchor is dropped though it is the attention sink (Gemma 3's <bos> in two of its three
+global layers, in the paper's block-by-block order too), and under `compress_every` the newest decoded tokens, whose
+keys resemble each other, are the first evicted, so decoding goes on with little recent context.
 The file is the scorer-layer example of docs/adding-a-method.md.
 """
 
