@@ -774,10 +774,10 @@ INLINE void move_row(float *keys, float *values, int64_t to, int64_t from, int64
    paged_logits's) into the first k of `slots` rows per head of `key_out` / `value_out` (heads x slots x dim). With
    `held` (heads x held_slots, or NULL): the positions of the tokens those rows hold now (-1: none). A refresh keeps
    most of the tokens it held, and a block's keys lie channel-major, a float per line for one token: a position held
-   in a row is copied from that row instead of read again from the blocks. Each row is the
-   source of one copy at most, so the copies form chains and cycles: a chain is copied from its end (a row no copy
-   reads), so that every row is read before it is written, a cycle through one spare row. The positions not held
-   are read from the blocks last. 0, or 1 without scratch space. */
+   in a row is copied from that row instead of read again from the blocks. Each row is the source of one copy at
+   most, so the copies form chains and cycles: a chain is copied from its end (a row no copy reads), so that every
+   row is read before it is written, a cycle through one spare row. The positions not held are read from the blocks
+   last. 0, or 1 without scratch space. */
 int paged_gather(const char *key_source, const char *value_source, BlockStrides strides, const int64_t *block_ids,
                  int64_t block_size, const int64_t *index, int64_t heads, int64_t k, int64_t dim, int64_t slots,
                  const int64_t *held, int64_t held_slots, float *key_out, float *value_out) {
@@ -786,7 +786,7 @@ int paged_gather(const char *key_source, const char *value_source, BlockStrides 
     size_t ints = (size_t)(held ? span + k : k) + 1, flags = (size_t)slots + 1;
     int64_t *source = scratch(ints * sizeof(int64_t) + flags + (size_t)dim * 2 * sizeof(float));
     if (!source) return 1;
-    int64_t *row_of = source + k;                 /* per position: the held row that holds it, or -1 */
+    int64_t *row_of = source + k; /* per position: the held row that holds it, or -1 */
     uint8_t *read_by_copy = (uint8_t *)(source + ints); /* per row: a copy still has to read it */
     float *spare = (float *)(read_by_copy + flags); /* a row's keys and values, to close a cycle */
     for (int64_t h = 0; h < heads; h++) {
