@@ -29,11 +29,11 @@ sys.path.insert(0, str(ROOT / "src"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import refreshkv  # noqa: E402
 from refreshkv import make_policy  # noqa: E402
 from refreshkv.measure.trace import Trace, TracedCache  # noqa: E402
+from refreshkv.methods.keydiff import distinctness  # noqa: E402
 from refreshkv.runtime.generate import decode, prefill  # noqa: E402
 from refreshkv.runtime.generation_settings import DecodeSettings  # noqa: E402
 
@@ -50,12 +50,6 @@ def book_prompt(tokenizer, length: int) -> torch.Tensor:
     if ids.shape[1] < length:
         raise SystemExit(f"{BOOK.name} gave {ids.shape[1]} tokens from its offset; need {length}")
     return ids
-
-
-def distinctness(keys: torch.Tensor) -> torch.Tensor:
-    """keydiff's score of each of `keys` (n, D): minus the cosine with the mean of their unit vectors."""
-    unit = F.normalize(keys.float(), dim=-1)
-    return -(unit * F.normalize(unit.sum(0, keepdim=True), dim=-1)).sum(-1)
 
 
 def held_block_by_block(keys: torch.Tensor, budget: int, block: int) -> set[int]:

@@ -42,14 +42,19 @@ class KeyDiff(SelectionPolicy):
     def score(
         self, layer: SelectionLayer, query: Tensor, key: Tensor, scaling: Scaling, valid: Tensor | None
     ) -> Tensor:
-        unit = F.normalize(key.float(), dim=-1)  # (B, Hkv, L, D)
-        if valid is not None:
-            unit = unit * valid.view(valid.shape[0], 1, -1, 1)  # pads add nothing to the anchor
-        anchor = F.normalize(unit.sum(dim=2, keepdim=True), dim=-1)
-        return -(unit * anchor).sum(-1)
+        real = None if valid is None else valid.view(valid.shape[0], 1, -1)  # pads add nothing to the anchor
+        return distinctness(key, real)
 
     def compression_scores(self, layer: SelectionLayer, order: Tensor, scaling: Scaling) -> Tensor:
         keys, real = self.held_tokens(layer, order)
-        unit = F.normalize(keys.float(), dim=-1) * real.unsqueeze(-1)  # empty slots add nothing to the anchor
-        anchor = F.normalize(unit.sum(dim=2, keepdim=True), dim=-1)
-        return -(unit * anchor).sum(-1)
+        return distinctness(keys, real)  # empty slots add nothing to the anchor
+
+
+def distinctness(keys: Tensor, real: Tensor | None = None) -> Tensor:
+    """KeyDiff's score of each of `keys` (..., n, D): minus the cosine of its key with the anchor, the mean of the
+    unit keys of the tokens where `real` (..., n bool, broadcastable; None: all) holds."""
+    unit = F.normalize(keys.float(), dim=-1)
+    if real is not None:
+        unit = unit * real.unsqueeze(-1)
+    anchor = F.normalize(unit.sum(dim=-2, keepdim=True), dim=-1)
+    return -(unit * anchor).sum(-1)
