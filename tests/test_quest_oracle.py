@@ -8,6 +8,7 @@ import torch
 from conftest import random_prompt, tiny_model
 
 from refreshkv import PolicyError, generate, make_policy
+from refreshkv.core import native_library, native_selection
 from refreshkv.core.kvstore import FullStore
 from refreshkv.methods.quest import PagedStore
 
@@ -19,16 +20,20 @@ def keys_of(*rows) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float).view(1, 1, len(rows), -1)
 
 
+def page_ranges(store: PagedStore, pages: int) -> tuple[list, list]:
+    """The first row and head's first `pages` pages, each as its channels' lowest and highest keys."""
+    return store.lows[0, 0, :, :pages].T.tolist(), store.highs[0, 0, :, :pages].T.tolist()
+
+
 def test_pages_keep_each_channel_range_and_the_page_being_written_grows():
     keys = keys_of([1, -2], [3, 0], [-1, 5], [2, 2], [0, -4])  # pages of 2: [0,1] [2,3] [4]
     store = PagedStore(FullStore(keys, 8), keys, capacity=8, page_size=2, pads=None)
     store.load_prompt(keys, keys)
     assert store.pages == 3
-    assert store.lows[0, 0, :3].tolist() == [[1, -2], [-1, 2], [0, -4]]
-    assert store.highs[0, 0, :3].tolist() == [[3, 0], [2, 5], [0, -4]]
+    assert page_ranges(store, 3) == ([[1, -2], [-1, 2], [0, -4]], [[3, 0], [2, 5], [0, -4]])
     new = keys_of([7, -9])
     store.append(new, new)  # position 5 joins page 2
-    assert store.lows[0, 0, 2].tolist() == [0, -9] and store.highs[0, 0, 2].tolist() == [7, -4]
+    assert page_ranges(store, 3)[0][2] == [0, -9] and page_ranges(store, 3)[1][2] == [7, -4]
     assert store.pages == 3
 
 
@@ -37,10 +42,10 @@ def test_pages_start_at_a_rows_first_real_token_and_pads_never_widen_one():
     store = PagedStore(FullStore(keys, 6), keys, capacity=6, page_size=2, pads=torch.tensor([1]))
     store.load_prompt(keys, keys)
     assert store.pages == 2
-    assert store.lows[0, 0, :2].tolist() == [[1, 2], [5, 6]] and store.highs[0, 0, :2].tolist() == [[3, 4], [5, 6]]
+    assert page_ranges(store, 2) == ([[1, 2], [5, 6]], [[3, 4], [5, 6]])
     new = keys_of([0, 9])
     store.append(new, new)  # real token 3 completes page 1
-    assert store.lows[0, 0, 1].tolist() == [0, 6] and store.highs[0, 0, 1].tolist() == [5, 9]
+    assert page_ranges(store, 2)[0][1] == [0, 6] and page_ranges(store, 2)[1][1] == [5, 9]
 
 
 def test_the_page_bound_is_an_upper_bound_of_every_query_key_product():
@@ -53,7 +58,7 @@ def test_the_page_bound_is_an_upper_bound_of_every_query_key_product():
     for head in range(2):
         for page in range(8):
             page_keys = keys[0, head, page * 8 : (page + 1) * 8]  # (8, D)
-            lows, highs = store.lows[0, head, page], store.highs[0, head, page]
+            lows, highs = store.lows[0, head, :, page], store.highs[0, head, :, page]
             for q in packed[0, head]:
                 bound = torch.maximum(q * lows, q * highs).sum()
                 assert bound >= (page_keys @ q).max() - 1e-5
@@ -70,6 +75,32 @@ def test_quest_picks_the_pages_with_the_highest_bound_and_the_page_being_written
     assert index.tolist() == [[[2, 3, 6, 7, 8, 9]]] and chosen is None  # pages 1 and 3, then page 4 (written)
     negative = torch.tensor([-1.0, 0.0]).view(1, 1, 1, 2)  # bound = minus each page's minimum of channel 0
     assert quest.selected_tokens(store, negative, 2)[0].tolist() == [[[0, 1, 6, 7, 8, 9]]]
+
+
+@pytest.mark.skipif(native_library._compiler() is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("aggregation", ["max", "mean"])
+@pytest.mark.parametrize("pads", [None, 3])
+def test_quests_pages_in_c_are_pytorchs_with_ties_to_the_earlier_page(monkeypatch, aggregation, pads):
+    """Small integers make every bound exact, so the tied pages (a page copied twice) must rank alike in both."""
+    generator = torch.Generator().manual_seed(0)
+    quest = make_policy("quest", budget=32, page_size=4, aggregation=aggregation)
+    for keys in (torch.randint(-3, 4, (2, 2, 61, 8), generator=generator).float(), torch.randn(2, 2, 61, 8)):
+        keys[:, :, 8:12] = keys[:, :, 20:24]  # pages 2 and 5 alike
+        row_pads = None if pads is None else torch.full((2,), pads)
+        store = PagedStore(FullStore(keys, 64), keys, capacity=64, page_size=4, pads=row_pads)
+        store.load_prompt(keys, keys)
+        query = torch.randint(-2, 3, (2, 6, 1, 8), generator=generator).float()  # 3 query heads per KV head
+        native, chosen = quest.selected_tokens(store, query, 8)
+        assert chosen is None
+        with monkeypatch.context() as scoped:
+            scoped.setenv("REFRESHKV_NATIVE", "0")
+            assert torch.equal(native, quest.selected_tokens(store, query, 8)[0])
+    pages = store.pages - 1
+    bounds, _ = native_selection.quest_pages(query.view(2, 2, 3, 8), store.lows, store.highs, pages, 8, False, 4, 0)
+    packed = query.view(2, 2, 3, 1, 8)
+    lows, highs = (ranges[..., :pages].transpose(2, 3)[:, :, None] for ranges in (store.lows, store.highs))
+    expected = torch.maximum(packed * lows, packed * highs).sum(-1).amax(2)
+    torch.testing.assert_close(bounds, expected)
 
 
 def test_quest_attends_fully_in_its_dense_layers_and_when_everything_fits():

@@ -23,6 +23,62 @@ def top_k_in_order(scores: torch.Tensor, k: int, valid: torch.Tensor | None = No
     return _top_k_operator(scores, k, valid) if torch.compiler.is_compiling() else _top_k(scores, k, valid)
 
 
+def quest_pages(
+    query: torch.Tensor,
+    lows: torch.Tensor,
+    highs: torch.Tensor,
+    pages: int,
+    k: int,
+    mean: bool,
+    page_size: int,
+    first: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Quest's choice of pages for rows that page alike, in one C pass per row: `query` (B, Hkv, G, D) float32 against
+    the first `pages` pages of `lows` and `highs` (B, Hkv, D, pages or more: per channel, the pages side by side),
+    each page's bound (per channel the larger of q x lowest and q x highest, summed over channels) aggregated over the
+    group by its largest (or `mean`): the bounds (B, Hkv, pages), and the positions (B, Hkv, (k + 1) x page_size) of
+    the k pages with the highest bound in page order (ties to the earlier page), then of page `pages` (the one being
+    written), page j's being first + j x page_size + t. None where the C path is not available (another device or
+    type, under torch.compile)."""
+    batch, heads, group, dim = query.shape
+    fits = (
+        0 < k <= pages
+        and query.dtype == lows.dtype == highs.dtype == torch.float32
+        and lows.shape == highs.shape
+        and lows.shape[:2] == (batch, heads)
+        and lows.shape[2] == dim
+        and lows.shape[3] >= pages
+        and lows.is_contiguous()
+        and highs.is_contiguous()
+        and not torch.compiler.is_compiling()
+        and on_cpu(query, lows, highs)
+    )
+    if not fits:
+        return None
+    query = query.contiguous()
+    bounds = torch.empty(batch, heads, pages)
+    out = torch.empty(batch, heads, (k + 1) * page_size, dtype=torch.long)
+    if kernels().quest_pages(
+        query.data_ptr(),
+        lows.data_ptr(),
+        highs.data_ptr(),
+        lows.shape[3],
+        batch * heads,
+        group,
+        dim,
+        pages,
+        k,
+        int(mean),
+        page_size,
+        first,
+        bounds.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    ):
+        raise MemoryError(f"quest: no scratch space for {pages} pages")
+    return bounds, out
+
+
 def spread_over_words(scores: torch.Tensor, words: torch.Tensor) -> torch.Tensor | None:
     """`attention_math.spread_over_spans` for float32 scores (B, H, n) and words (B, L), L <= n; None where the C
     path is not available."""

@@ -157,6 +157,56 @@ AVX2_CLONE int top_k_in_order(const float *scores, const uint8_t *valid, int64_t
     return failed ? -1 : 0;
 }
 
+/* Quest's pages (methods/quest.py) of `rows` (batch x KV heads) rows that page alike: per row, each of the first
+   `pages` pages' bound of its tokens' products with the row's `group` query heads (`query`: rows x group x dim), per
+   channel the larger of q x the page's lowest key and q x its highest (`lows`, `highs`: per row dim channels of
+   `stride` floats, a channel's pages side by side), summed over the channels in order, then the largest over the
+   group (`mean`: their sum over the group / group) into `bounds` (rows x pages). Of those, the k pages with the
+   highest bound in page order (ties to the earlier page, as top_k_in_order), then page `pages` (the one being
+   written), each as its page_size positions (first + page x page_size + t) into `out` (rows x (k + 1) x page_size).
+   Each channel's pass runs along the pages (it vectorizes). Rows are shared out between `threads` threads. 0, or -1
+   without scratch space. */
+AVX2_CLONE int quest_pages(const float *query, const float *lows, const float *highs, int64_t stride, int64_t rows,
+                           int64_t group, int64_t dim, int64_t pages, int64_t k, int mean, int64_t page_size,
+                           int64_t first, float *bounds, int64_t *out, int threads) {
+    int failed = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 1)
+    for (int64_t row = 0; row < rows; row++) {
+        /* this thread's own: the order keys, top_k_of_keys's candidates, each query head's sums */
+        uint32_t *keys = scratch((size_t)(2 * pages) * sizeof(uint32_t) + (size_t)(group * pages) * sizeof(float));
+        if (!keys) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        float *sums = (float *)(keys + 2 * pages);
+        const float *q = query + row * group * dim;
+        memset(sums, 0, (size_t)(group * pages) * sizeof(float));
+        for (int64_t d = 0; d < dim; d++)
+            for (int64_t g = 0; g < group; g++) {
+                float weight = q[g * dim + d];
+                const float *side = (weight >= 0.0f ? highs : lows) + (row * dim + d) * stride;
+                float *sum = sums + g * pages;
+                for (int64_t p = 0; p < pages; p++) sum[p] += weight * side[p];
+            }
+        float *bound = bounds + row * pages;
+        memcpy(bound, sums, (size_t)pages * sizeof(float));
+        for (int64_t g = 1; g < group; g++)
+            for (int64_t p = 0; p < pages; p++)
+                bound[p] = mean ? bound[p] + sums[g * pages + p] : higher(bound[p], sums[g * pages + p]);
+        for (int64_t p = 0; p < pages; p++) {
+            if (mean) bound[p] /= (float)group;
+            keys[p] = order_key(bound[p]);
+        }
+        int64_t *taken = out + row * (k + 1) * page_size;
+        top_k_of_keys(keys, pages, k, taken, keys + pages);
+        taken[k] = pages;
+        for (int64_t i = k; i >= 0; i--) /* backwards: page i's positions overwrite entries from i on only */
+            for (int64_t t = page_size - 1; t >= 0; t--) taken[i * page_size + t] = first + taken[i] * page_size + t;
+    }
+    return failed ? -1 : 0;
+}
+
 /* In `count` rows of n values (one after another), each of the positions lo .. hi - 1 raised to the highest value of
    its word: `word` numbers the words, equal along a word, which is a run of consecutive positions that lies within
    lo .. hi - 1. Two passes, each a chain from position to position: the highest so far within the word, then the
@@ -1080,6 +1130,26 @@ static int64_t run_length(const int64_t *positions, int64_t i, int64_t k, int64_
     return count;
 }
 
+enum { RUNS_AHEAD = 4 }; /* runs whose lines are asked for before they are summed */
+
+/* Asks for the cache lines of the runs of `positions` (as run_length's) from `*cursor` on in head h's part of
+   `source` (its keys: `row` 1, `lines` dim rows block_size floats apart; or its values: `row` dim floats a token,
+   one line of rows) until `*ahead` runs are asked for, moving `*cursor`: a quest page's rows lie too far apart, and
+   its pages too, for the hardware's own prefetch to guess them. */
+INLINE void prefetch_runs(const char *source, int64_t batch_stride, int64_t head_stride, const int64_t *block_ids,
+                          int64_t block_size, const int64_t *positions, int64_t k, int64_t h, int64_t row,
+                          int64_t dim, int64_t *cursor, int64_t *ahead) {
+    for (; *ahead < RUNS_AHEAD && *cursor < k; (*ahead)++) {
+        int64_t count = run_length(positions, *cursor, k, block_size);
+        int64_t block = block_ids[positions[*cursor] / block_size], offset = positions[*cursor] % block_size;
+        const float *first = (const float *)(source + block * batch_stride + h * head_stride) + offset * row;
+        int64_t lines = row == 1 ? dim : 1, stride = row == 1 ? block_size : 0, width = row == 1 ? count : count * dim;
+        for (int64_t r = 0; r < lines; r++)
+            for (int64_t f = 0; f < width; f += 16) __builtin_prefetch(first + r * stride + f);
+        *cursor += count;
+    }
+}
+
 AVX2_CLONE void paged_logits_at(const float *query, const char *key_source, BlockStrides strides,
                                 const int64_t *block_ids, int64_t block_size, const int64_t *index, int64_t k,
                                 int64_t heads, int64_t group, int64_t dim, float scale, float *logits, int wide,
@@ -1088,7 +1158,10 @@ AVX2_CLONE void paged_logits_at(const float *query, const char *key_source, Bloc
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t h = 0; h < heads; h++) {
         const int64_t *positions = index + h * k;
-        for (int64_t i = 0, count; i < k; i += count) {
+        int64_t cursor = 0, ahead = 0;
+        for (int64_t i = 0, count; i < k; i += count, ahead--) {
+            prefetch_runs(key_source, strides.key_batch, strides.key_head, block_ids, block_size, positions, k, h, 1,
+                          dim, &cursor, &ahead);
             count = run_length(positions, i, k, block_size);
             int64_t block = block_ids[positions[i] / block_size], offset = positions[i] % block_size;
             const float *keys =
@@ -1107,7 +1180,10 @@ AVX2_CLONE void paged_weigh_at(const float *probs, const char *value_source, Blo
         const int64_t *positions = index + h * k;
         float *sums = out + h * group * dim;
         memset(sums, 0, (size_t)(group * dim) * sizeof(float));
-        for (int64_t i = 0, count; i < k; i += count) {
+        int64_t cursor = 0, ahead = 0;
+        for (int64_t i = 0, count; i < k; i += count, ahead--) {
+            prefetch_runs(value_source, strides.value_batch, strides.value_head, block_ids, block_size, positions, k,
+                          h, dim, dim, &cursor, &ahead);
             count = run_length(positions, i, k, block_size);
             int64_t block = block_ids[positions[i] / block_size], offset = positions[i] % block_size;
             const float *values = (const float *)(value_source + block * strides.value_batch +

@@ -37,14 +37,15 @@ from ..core.attention_math import AGGREGATIONS, Scaling, aggregate_group, decode
 from ..core.contract import MethodLayer
 from ..core.full_cache import FullCacheStore
 from ..core.kvstore import LayerState, gather_tokens
+from ..core.native_selection import quest_pages
 from ..core.policy import BudgetPolicy, PolicyError, check_choice, check_positive, ratio_or_default, register
 
 
 class PagedStore(LayerState):
     """Every token (a `FullStore`) and, per page of `page_size` tokens and KV head, its keys' channel-wise minimum
-    and maximum (B, Hkv, pages, D). Pages are counted from each row's first real token (a row's page j holds its real
-    tokens j * page_size ...), so a left-padded row pages its tokens as it would alone; pages not yet reached hold
-    +inf / -inf."""
+    and maximum (B, Hkv, D, pages: per channel the pages side by side, so that a step's bounds run along them).
+    Pages are counted from each row's first real token (a row's page j holds its real tokens j * page_size ...), so a
+    left-padded row pages its tokens as it would alone; pages not yet reached hold +inf / -inf."""
 
     def __init__(self, full: FullCacheStore, key: Tensor, capacity: int, page_size: int, pads: Tensor | None):
         self.full = full
@@ -54,8 +55,8 @@ class PagedStore(LayerState):
         self.fewest_pads = int(self.pads.min())
         self.uniform = self.fewest_pads == int(self.pads.max())
         pages = -(-capacity // page_size)
-        self.lows = key.new_full((*key.shape[:2], pages, key.shape[3]), float("inf"))
-        self.highs = key.new_full((*key.shape[:2], pages, key.shape[3]), float("-inf"))
+        self.lows = key.new_full((*key.shape[:2], key.shape[3], pages), float("inf"))
+        self.highs = key.new_full((*key.shape[:2], key.shape[3], pages), float("-inf"))
         # scratch for the selected pages' keys and values, gathered into the same memory every step (`gather_tokens`'
         # `out`); not counted in `nbytes`, which is what the method holds between steps
         self.selected_keys = key.new_empty(*key.shape[:2], 0, key.shape[3])
@@ -88,17 +89,18 @@ class PagedStore(LayerState):
         mask = ~real.view(batch, 1, length, 1)
         low = F.pad(moved.masked_fill(mask, float("inf")), padding, value=float("inf")).view(shape).amin(3)
         high = F.pad(moved.masked_fill(mask, float("-inf")), padding, value=float("-inf")).view(shape).amax(3)
-        self.lows[:, :, :pages], self.highs[:, :, :pages] = low, high
+        self.lows[..., :pages], self.highs[..., :pages] = low.transpose(2, 3), high.transpose(2, 3)
 
     def append(self, key: Tensor, value: Tensor) -> None:
         """One decoded token (B, Hkv, 1, D): stored, and its page's range widened (each row's own page)."""
         self.full.append(key, value)
-        if self.pages > self.lows.shape[2]:  # more tokens than the capacity announced: double
-            self.lows = torch.cat([self.lows, torch.full_like(self.lows, float("inf"))], dim=2)
-            self.highs = torch.cat([self.highs, torch.full_like(self.highs, float("-inf"))], dim=2)
-        page = self.current_pages().view(-1, 1, 1, 1).expand_as(key)
-        self.lows.scatter_reduce_(2, page, key, "amin")
-        self.highs.scatter_reduce_(2, page, key, "amax")
+        if self.pages > self.lows.shape[3]:  # more tokens than the capacity announced: double
+            self.lows = torch.cat([self.lows, torch.full_like(self.lows, float("inf"))], dim=3)
+            self.highs = torch.cat([self.highs, torch.full_like(self.highs, float("-inf"))], dim=3)
+        channels = key.transpose(2, 3)  # (B, Hkv, D, 1)
+        page = self.current_pages().view(-1, 1, 1, 1).expand_as(channels)
+        self.lows.scatter_reduce_(3, page, channels, "amin")
+        self.highs.scatter_reduce_(3, page, channels, "amax")
 
     def current_pages(self) -> Tensor:
         """(B,) the page each row is writing (its last token's)."""
@@ -106,7 +108,7 @@ class PagedStore(LayerState):
 
     def metadata_bytes(self) -> int:
         """Bytes of the pages' minima and maxima (read in full at every step)."""
-        return 2 * self.lows[:, :, : self.pages].numel() * self.lows.element_size()
+        return 2 * self.lows[..., : self.pages].numel() * self.lows.element_size()
 
     def nbytes(self) -> int:
         return self.full.nbytes() + self.metadata_bytes()
@@ -215,18 +217,25 @@ class Quest(BudgetPolicy[PagedStore]):
         with fewer pages than selected_pages fills up with pages it does not have); positions past a row's last
         token: the caller."""
         pages = store.pages
+        packed = pack_queries(query, store.lows.shape[1])  # (B, Hkv, G, D)
         if store.uniform:  # every row writes page pages - 1: the pages before it compete, all of them written
+            top_pages = min(selected_pages, pages - 1)
+            mean = self.aggregation == "mean"
+            native = quest_pages(
+                packed, store.lows, store.highs, pages - 1, top_pages, mean, self.page_size, store.fewest_pads
+            )
+            if native is not None:  # on the CPU: the bounds, top pages and positions in one pass of C
+                return native[1], None
             current = torch.full((query.shape[0],), pages - 1, dtype=torch.long, device=query.device)
-            lows, highs, competing = store.lows[:, :, : pages - 1], store.highs[:, :, : pages - 1], None
+            lows, highs, competing = store.lows[..., : pages - 1], store.highs[..., : pages - 1], None
         else:  # per row: the pages before its current page (a row with more pads has fewer)
             current = store.current_pages()
-            lows, highs = store.lows[:, :, :pages], store.highs[:, :, :pages]
+            lows, highs = store.lows[..., :pages], store.highs[..., :pages]
             competing = torch.arange(pages, device=lows.device) < current.view(-1, 1, 1)
             # unreached pages hold +-inf, and 0 x inf would be NaN in the products below
-            lows, highs = lows.masked_fill(~competing[..., None], 0.0), highs.masked_fill(~competing[..., None], 0.0)
-        packed = pack_queries(query, store.lows.shape[1])  # (B, Hkv, G, D)
-        bounds = torch.matmul(packed.clamp(min=0), highs.transpose(-1, -2)) + torch.matmul(
-            packed.clamp(max=0), lows.transpose(-1, -2)
+            lows, highs = lows.masked_fill(~competing[:, :, None], 0.0), highs.masked_fill(~competing[:, :, None], 0.0)
+        bounds = torch.matmul(packed.clamp(min=0), highs) + torch.matmul(
+            packed.clamp(max=0), lows
         )  # (B, Hkv, G, pages): per channel q * max where q >= 0, q * min where q < 0
         bounds = aggregate_group(bounds.float(), self.aggregation)
         top = top_k(bounds, min(selected_pages, bounds.shape[-1]), competing)
