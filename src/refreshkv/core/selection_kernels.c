@@ -707,33 +707,64 @@ INLINE void add_channels(float *sums, const float *q, const float *channels, int
 }
 
 #if defined(WIDE)
-enum { WIDE_KEYS = 64, WIDE_HEADS = 4 }; /* keys (4 registers) and query heads whose products one pass keeps */
+enum { KEY_VECTORS = 8, WIDE_KEYS = 16 * KEY_VECTORS, WIDE_HEADS = 3 }; /* keys (8 registers) and query heads whose
+   products one pass keeps: 24 of the 32 registers, so that a block of 128 keys is read in one sweep */
 
 /* `paged_logits` of one (head, block) in AVX-512: WIDE_KEYS keys at a time against WIDE_HEADS query heads, each key
    channel row loaded once for them all (a last, partial set of keys masked); each product summed over dim in order
    with fused multiply-adds. */
+/* `wide_paged_logits` of WIDE_KEYS keys against WIDE_HEADS query heads, no mask: every bound a constant, so that the
+   sums stay in registers (in the general loop the compiler kept them in memory, a store per product). */
+WIDE static inline __attribute__((always_inline)) void wide_block_logits(const float *q, const float *keys,
+                                                                         int64_t block_size, int64_t n, int64_t dim,
+                                                                         float scale, float *out) {
+    __m512 sum[WIDE_HEADS][KEY_VECTORS];
+#pragma GCC unroll 8
+    for (int k = 0; k < WIDE_HEADS; k++)
+#pragma GCC unroll 8
+        for (int c = 0; c < KEY_VECTORS; c++) sum[k][c] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d++) {
+        const float *row = keys + d * block_size;
+#pragma GCC unroll 8
+        for (int c = 0; c < KEY_VECTORS; c++) {
+            __m512 channel = _mm512_loadu_ps(row + 16 * c);
+#pragma GCC unroll 8
+            for (int k = 0; k < WIDE_HEADS; k++)
+                sum[k][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[k * dim + d]), channel, sum[k][c]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int k = 0; k < WIDE_HEADS; k++)
+#pragma GCC unroll 8
+        for (int c = 0; c < KEY_VECTORS; c++)
+            _mm512_storeu_ps(out + k * n + 16 * c, _mm512_mul_ps(sum[k][c], _mm512_set1_ps(scale)));
+}
+
 WIDE static void wide_paged_logits(const float *q, const float *keys, int64_t block_size, int64_t count, int64_t group,
                                    int64_t n, int64_t dim, float scale, float *out) {
     for (int64_t first = 0; first < count; first += WIDE_KEYS) {
-        __mmask16 mask[4];
+        __mmask16 mask[KEY_VECTORS];
         int live = 0; /* the registers that hold keys: a short run (quest's page) loads and sums only those */
-        for (int c = 0; c < 4; c++) {
+        for (int c = 0; c < KEY_VECTORS; c++) {
             int64_t left = count - first - 16 * c;
             mask[c] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
             live += left > 0;
         }
         for (int64_t g = 0; g < group; g += WIDE_HEADS) {
             int64_t heads_here = group - g < WIDE_HEADS ? group - g : WIDE_HEADS;
-            __m512 sum[WIDE_HEADS][4];
+            if (heads_here == WIDE_HEADS && mask[KEY_VECTORS - 1] == 0xFFFF) { /* a whole block: the common case */
+                wide_block_logits(q + g * dim, keys + first, block_size, n, dim, scale, out + g * n + first);
+                continue;
+            }
+            __m512 sum[WIDE_HEADS][KEY_VECTORS];
             for (int k = 0; k < WIDE_HEADS; k++)
-                for (int c = 0; c < 4; c++) sum[k][c] = _mm512_setzero_ps();
+                for (int c = 0; c < KEY_VECTORS; c++) sum[k][c] = _mm512_setzero_ps();
             for (int64_t d = 0; d < dim; d++) {
-                __m512 row[4];
-                for (int c = 0; c < live; c++)
-                    row[c] = _mm512_maskz_loadu_ps(mask[c], keys + d * block_size + first + 16 * c);
-                for (int k = 0; k < heads_here; k++) {
-                    __m512 weight = _mm512_set1_ps(q[(g + k) * dim + d]);
-                    for (int c = 0; c < live; c++) sum[k][c] = _mm512_fmadd_ps(weight, row[c], sum[k][c]);
+                __m512 weight[WIDE_HEADS];
+                for (int k = 0; k < heads_here; k++) weight[k] = _mm512_set1_ps(q[(g + k) * dim + d]);
+                for (int c = 0; c < live; c++) {
+                    __m512 row = _mm512_maskz_loadu_ps(mask[c], keys + d * block_size + first + 16 * c);
+                    for (int k = 0; k < heads_here; k++) sum[k][c] = _mm512_fmadd_ps(weight[k], row, sum[k][c]);
                 }
             }
             for (int k = 0; k < heads_here; k++)
@@ -828,6 +859,8 @@ INLINE void move_row(float *keys, float *values, int64_t to, int64_t from, int64
    most, so the copies form chains and cycles: a chain is copied from its end (a row no copy reads), so that every
    row is read before it is written, a cycle through one spare row. The positions not held are read from the blocks
    last. 0, or 1 without scratch space. */
+enum { TOKENS_AHEAD = 4 }; /* tokens read from the blocks whose lines are asked for before they are copied */
+
 int paged_gather(const char *key_source, const char *value_source, BlockStrides strides, const int64_t *block_ids,
                  int64_t block_size, const int64_t *index, int64_t heads, int64_t k, int64_t dim, int64_t slots,
                  const int64_t *held, int64_t held_slots, float *key_out, float *value_out) {
@@ -883,8 +916,20 @@ int paged_gather(const char *key_source, const char *value_source, BlockStrides 
                 source[to] = to;
             }
         }
-        for (int64_t slot = 0; slot < k; slot++) {
+        for (int64_t slot = 0, cursor = 0, ahead = 0; slot < k; slot++) {
             if (source[slot] >= 0) continue;
+            /* the lines of the tokens read next, asked for ahead: a token's keys lie a line per channel */
+            for (; ahead < TOKENS_AHEAD && cursor < k; cursor++) {
+                if (source[cursor] >= 0 || cursor < slot) continue;
+                int64_t at = positions[cursor], from = block_ids[at / block_size];
+                const float *keys = (const float *)(key_source + from * strides.key_batch + h * strides.key_head);
+                const float *values =
+                    (const float *)(value_source + from * strides.value_batch + h * strides.value_head);
+                for (int64_t d = 0; d < dim; d++) __builtin_prefetch(keys + d * block_size + at % block_size);
+                for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(values + at % block_size * dim + d);
+                ahead++;
+            }
+            ahead--;
             int64_t position = positions[slot], block = block_ids[position / block_size];
             int64_t offset = position % block_size;
             const float *keys = (const float *)(key_source + block * strides.key_batch + h * strides.key_head);
