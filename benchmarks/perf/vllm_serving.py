@@ -14,8 +14,8 @@ for it: the same C_p as a fresh prefill); their time to the first token is not r
 Every step is timed (serving/wall_clock.py): decode tokens/s is the tokens decoded after every request's first over
 the wall time they took, every step counted; beside it the mean, median, p90 and largest step, the largest step of
 the prefill phase, the time to the first and to the second token, and the share of request-layer steps that read
-the whole cache. The JSON keeps every step's time. Before the first round, one untimed run of each kind (vLLM's own,
-the plugin's) over prompts no round uses.
+the whole cache. The JSON keeps every step's time. Before the first round, one untimed run of vLLM's own and of each
+method over prompts no round uses.
 """
 
 import argparse
@@ -71,7 +71,7 @@ def main() -> None:
     book = book_tokens(engine.get_tokenizer())
     # untimed: the engine's first prefill at each length (and the plugin's first selection) cost more than later ones
     unseen = [book[-length:] for length in lengths]
-    for settings in ({"method": "full"}, {"method": "refreshkv", "budget": args.budget}):
+    for settings in [{"method": "full"}] + [{"method": name, "budget": args.budget} for name in methods]:
         timed_run(engine, unseen, settings, 2, f"warm-up-{settings['method']}")
     engine.reset_prefix_cache()
     runs: dict[tuple, list] = {}

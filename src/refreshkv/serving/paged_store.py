@@ -27,7 +27,11 @@ class PagedBlocks:
 
     def gather(self, block_ids: Tensor, start: int, end: int) -> tuple[Tensor, Tensor]:
         """Keys and values (1, Hkv, end - start, D) of positions [start, end) of a request whose block table is
-        `block_ids` (its blocks in position order)."""
+        `block_ids` (its blocks in position order): in one pass of C where it can (`gather_paged`)."""
+        heads, dim = self.keys.shape[1], self.keys.shape[3]
+        out = (self.keys.new_empty(1, heads, end - start, dim), self.values.new_empty(1, heads, end - start, dim))
+        if gather_paged(self.keys, self.values, block_ids, torch.arange(start, end).expand(heads, -1), out):
+            return out
         size = self.block_size
         blocks = block_ids[start // size : (end - 1) // size + 1]
         offset = start % size
