@@ -21,7 +21,9 @@ Choices where the paper is silent:
 - Not the scorer layer's `keep_top` / `SelectionState.load` (selection.py): those keep tokens between steps, and
   Quest keeps every token and chooses pages afresh at each step. Pages are ranked by the shared `top_k` (ties to the
   earlier page, pages a row has not reached excluded); their tokens are gathered into scratch memory reused every
-  step (`gather_tokens`'s `out`).
+  step (`gather_tokens`'s `out`). On the CPU, where every row pages alike, the bounds, the top pages and their
+  positions are one pass of C (`native_selection.quest_pages`): the same ranking, each bound summed over the channels
+  in order (PyTorch's matrix product sums in its own order, so a near tie may rank the other way there).
 """
 
 from __future__ import annotations
