@@ -13,7 +13,8 @@ AVX2 runs as an AVX2 one). Besides them the one intrinsic is SSE2's streaming st
 lie in the cache (a batch whose rows disagree at a query check: only the rows that refresh read all of C_f).
 `quantized_logits_rows`, `quantized_weigh_rows` and `dequantize_rows` are the same full step over a C_f held in codes:
 attention read from the codes, and the selected tokens alone dequantized into C_p; `paged_logits` and
-`paged_weigh_values` over a serving engine's paged blocks.
+`paged_weigh_values` over a serving engine's paged blocks. `quest_pages` is quest's choice of pages at a step (its
+bounds, top pages and their positions) in one pass.
 Where the loader builds it with OpenMP (only into a process whose PyTorch runs on the same OpenMP runtime, so that the
 loops run on PyTorch's own threads), the work of a call is split between `threads` threads: pieces of positions,
 rows, pieces of slots; each piece is computed as one thread would, so the results do not depend on the split.
