@@ -278,28 +278,35 @@ def defaults() -> str:
 
 NEW_METHODS = ("adakv", "cake", "d2o", "dapq", "defensivekv", "fasa", "keydiff", "kvmerger", "lazyeviction")
 NEW_METHODS += ("mikv", "think", "tova")
-NEW = ("new-methods/gemma-16k.jsonl", "new-methods/smollm2-dev.jsonl")
+NEW = ("new-methods/gemma-16k.jsonl", "new-methods/smollm2-dev.jsonl", "new-methods/gemma-dev.jsonl")
 DEV_WIDER = (f"{DEV}smollm2-wider-multikey.jsonl", f"{DEV}smollm2-wider-multivalue.jsonl")
 
 
 def new_methods() -> str:
     """The newer methods at their defaults, K = L/8, beside `full`, today's refreshkv and snapkv on the same
-    examples: Gemma's 16K book windows and SmolLM2's dev set without an answer prefix."""
+    examples: Gemma's 16K book windows, its dev set's niah_multikey_1 asked in a sentence, and SmolLM2's dev set
+    without an answer prefix."""
     today = (
         pick("refreshkv", f"{DEV}smollm2-keep-decoded.jsonl", keep_decoded=True, question_floor=4.0),
         pick("refreshkv", f"{DEV}smollm2-multivalue-keep-decoded.jsonl", keep_decoded=True, question_floor=4.0),
         GEMMA_16K_DEFAULT,
+        pick("refreshkv", f"{DEV}gemma-keep-decoded-qf1.jsonl", keep_decoded=True, question_floor=1.0),
     )
+    gemma_dev = f"{DEV}gemma-new.jsonl"
     rows = [
-        Row("`full`", (pick("full", *DEV_WIDER, *GEMMA_16K),)),
+        Row("`full`", (pick("full", *DEV_WIDER, gemma_dev, *GEMMA_16K),)),
         Row("`refreshkv`, today's default", today),
-        Row("`snapkv` (at 16K: window 1)", (pick("snapkv", *DEV_WIDER), pick("snapkv", *GEMMA_16K_SPAN))),
+        Row(
+            "`snapkv` (at 16K: window 1)",
+            (pick("snapkv", *DEV_WIDER, gemma_dev), pick("snapkv", *GEMMA_16K_SPAN)),
+        ),
         *(Row(f"`{method}`", (pick(method, *NEW),)) for method in NEW_METHODS),
     ]
     smollm2 = dict(model="SmolLM2", length=4096, question="bare")
     columns = [
         Column("Gemma perplexity / `full`'s at 16K", "ppl", "ppl", "gemma", 16384),
         Column("Gemma KV MB held / read at 16K", "ppl", "kv", "gemma", 16384),
+        Column("Gemma niah_multikey_1, a sentence", "ruler/niah_multikey_1", "score", "gemma", 8192, "sentence"),
         Column("SmolLM2 niah_multikey_1, no prefix", "ruler/niah_multikey_1", "score", **smollm2),
         Column("SmolLM2 niah_multivalue, no prefix", "ruler/niah_multivalue", "score", **smollm2),
     ]
