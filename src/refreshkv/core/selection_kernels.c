@@ -711,9 +711,6 @@ INLINE void add_channels(float *sums, const float *q, const float *channels, int
 enum { KEY_VECTORS = 8, WIDE_KEYS = 16 * KEY_VECTORS, WIDE_HEADS = 3 }; /* keys (8 registers) and query heads whose
    products one pass keeps: 24 of the 32 registers, so that a block of 128 keys is read in one sweep */
 
-/* `paged_logits` of one (head, block) in AVX-512: WIDE_KEYS keys at a time against WIDE_HEADS query heads, each key
-   channel row loaded once for them all (a last, partial set of keys masked); each product summed over dim in order
-   with fused multiply-adds. */
 /* `wide_paged_logits` of WIDE_KEYS keys against WIDE_HEADS query heads, no mask: every bound a constant, so that the
    sums stay in registers (in the general loop the compiler kept them in memory, a store per product). */
 WIDE static inline __attribute__((always_inline)) void wide_block_logits(const float *q, const float *keys,
@@ -741,6 +738,9 @@ WIDE static inline __attribute__((always_inline)) void wide_block_logits(const f
             _mm512_storeu_ps(out + k * n + 16 * c, _mm512_mul_ps(sum[k][c], _mm512_set1_ps(scale)));
 }
 
+/* `paged_logits` of one (head, block) in AVX-512: WIDE_KEYS keys at a time against WIDE_HEADS query heads, each key
+   channel row loaded once for them all (a last, partial set of keys masked); each product summed over dim in order
+   with fused multiply-adds. */
 WIDE static void wide_paged_logits(const float *q, const float *keys, int64_t block_size, int64_t count, int64_t group,
                                    int64_t n, int64_t dim, float scale, float *out) {
     for (int64_t first = 0; first < count; first += WIDE_KEYS) {
@@ -846,6 +846,14 @@ AVX2_CLONE int paged_weigh_values(const float *probs, const char *value_source, 
     return 0;
 }
 
+/* Where the token at `position` of a request (its blocks `block_ids`, block_size tokens each) lies for KV head h in
+   `source` (its keys: `row` 1, the first of its channel floats, block_size apart; its values: `row` dim, its row). */
+INLINE const float *token_at(const char *source, int64_t batch_stride, int64_t head_stride, const int64_t *block_ids,
+                             int64_t block_size, int64_t h, int64_t position, int64_t row) {
+    const char *block = source + block_ids[position / block_size] * batch_stride + h * head_stride;
+    return (const float *)block + position % block_size * row;
+}
+
 /* Copies row `from` to row `to` of a head's keys and values (rows of dim floats). */
 INLINE void move_row(float *keys, float *values, int64_t to, int64_t from, int64_t dim) {
     memcpy(keys + to * dim, keys + from * dim, (size_t)dim * sizeof(float));
@@ -922,22 +930,22 @@ int paged_gather(const char *key_source, const char *value_source, BlockStrides 
             /* the lines of the tokens read next, asked for ahead: a token's keys lie a line per channel */
             for (; ahead < TOKENS_AHEAD && cursor < k; cursor++) {
                 if (source[cursor] >= 0 || cursor < slot) continue;
-                int64_t at = positions[cursor], from = block_ids[at / block_size];
-                const float *keys = (const float *)(key_source + from * strides.key_batch + h * strides.key_head);
-                const float *values =
-                    (const float *)(value_source + from * strides.value_batch + h * strides.value_head);
-                for (int64_t d = 0; d < dim; d++) __builtin_prefetch(keys + d * block_size + at % block_size);
-                for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(values + at % block_size * dim + d);
+                const float *keys = token_at(key_source, strides.key_batch, strides.key_head, block_ids, block_size,
+                                             h, positions[cursor], 1);
+                const float *values = token_at(value_source, strides.value_batch, strides.value_head, block_ids,
+                                               block_size, h, positions[cursor], dim);
+                for (int64_t d = 0; d < dim; d++) __builtin_prefetch(keys + d * block_size);
+                for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(values + d);
                 ahead++;
             }
             ahead--;
-            int64_t position = positions[slot], block = block_ids[position / block_size];
-            int64_t offset = position % block_size;
-            const float *keys = (const float *)(key_source + block * strides.key_batch + h * strides.key_head);
-            const float *values = (const float *)(value_source + block * strides.value_batch + h * strides.value_head);
+            const float *keys = token_at(key_source, strides.key_batch, strides.key_head, block_ids, block_size, h,
+                                         positions[slot], 1);
+            const float *values = token_at(value_source, strides.value_batch, strides.value_head, block_ids,
+                                           block_size, h, positions[slot], dim);
             float *key_row = keys_here + slot * dim;
-            for (int64_t d = 0; d < dim; d++) key_row[d] = keys[d * block_size + offset];
-            memcpy(values_here + slot * dim, values + offset * dim, (size_t)dim * sizeof(float));
+            for (int64_t d = 0; d < dim; d++) key_row[d] = keys[d * block_size];
+            memcpy(values_here + slot * dim, values, (size_t)dim * sizeof(float));
         }
     }
     return 0;
@@ -1187,8 +1195,8 @@ INLINE void prefetch_runs(const char *source, int64_t batch_stride, int64_t head
                           int64_t dim, int64_t *cursor, int64_t *ahead) {
     for (; *ahead < RUNS_AHEAD && *cursor < k; (*ahead)++) {
         int64_t count = run_length(positions, *cursor, k, block_size);
-        int64_t block = block_ids[positions[*cursor] / block_size], offset = positions[*cursor] % block_size;
-        const float *first = (const float *)(source + block * batch_stride + h * head_stride) + offset * row;
+        const float *first =
+            token_at(source, batch_stride, head_stride, block_ids, block_size, h, positions[*cursor], row);
         int64_t lines = row == 1 ? dim : 1, stride = row == 1 ? block_size : 0, width = row == 1 ? count : count * dim;
         for (int64_t r = 0; r < lines; r++)
             for (int64_t f = 0; f < width; f += 16) __builtin_prefetch(first + r * stride + f);
@@ -1209,9 +1217,8 @@ AVX2_CLONE void paged_logits_at(const float *query, const char *key_source, Bloc
             prefetch_runs(key_source, strides.key_batch, strides.key_head, block_ids, block_size, positions, k, h, 1,
                           dim, &cursor, &ahead);
             count = run_length(positions, i, k, block_size);
-            int64_t block = block_ids[positions[i] / block_size], offset = positions[i] % block_size;
             const float *keys =
-                (const float *)(key_source + block * strides.key_batch + h * strides.key_head) + offset;
+                token_at(key_source, strides.key_batch, strides.key_head, block_ids, block_size, h, positions[i], 1);
             paged_run_logits(query + h * group * dim, keys, block_size, count, group, k, dim, scale,
                              logits + h * group * k + i, wide);
         }
@@ -1231,9 +1238,8 @@ AVX2_CLONE void paged_weigh_at(const float *probs, const char *value_source, Blo
             prefetch_runs(value_source, strides.value_batch, strides.value_head, block_ids, block_size, positions, k,
                           h, dim, dim, &cursor, &ahead);
             count = run_length(positions, i, k, block_size);
-            int64_t block = block_ids[positions[i] / block_size], offset = positions[i] % block_size;
-            const float *values = (const float *)(value_source + block * strides.value_batch +
-                                                  h * strides.value_head) + offset * dim;
+            const float *values = token_at(value_source, strides.value_batch, strides.value_head, block_ids,
+                                           block_size, h, positions[i], dim);
             for (int64_t g = 0; g < group; g++) {
                 const float *weights = probs + (h * group + g) * k + i;
                 for (int64_t t = 0; t < count; t++)
