@@ -7,6 +7,7 @@ for native_quantized.py too.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -293,12 +294,15 @@ def gather_paged(
 
 
 def attend_stores(
-    queries: torch.Tensor, stores: list[tuple[torch.Tensor, torch.Tensor]], scaling: float
+    queries: torch.Tensor,
+    stores: list[tuple[torch.Tensor, torch.Tensor]],
+    scaling: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """`attention_math.decode_attention` of n requests' query tokens (n, Hq, D) each over its own held tokens,
     `stores[r]`: keys and values (1, Hkv, m_r, D), the first m_r slots of a store whose heads' slots lie one after
-    another (as a `SlotStore` holds them), in one call: the outputs (n, Hq, D). None where the C cannot (a store that
-    lies otherwise, another dtype, a GPU): then attend to each alone."""
+    another (as a `SlotStore` holds them), in one call: the outputs (n, Hq, D), into `out` where given (contiguous).
+    None where the C cannot (a store that lies otherwise, another dtype, a GPU): then attend to each alone."""
     count, query_heads, dim = queries.shape
     kv_heads = stores[0][0].shape[1]
     if not (
@@ -325,19 +329,21 @@ def attend_stores(
             return None
         for column, value in zip(described, (keys.data_ptr(), values.data_ptr(), stride[1], shape[2])):
             column.append(value)
-    table = torch.tensor(described, dtype=torch.int64)
-    key_sources, value_sources, head_strides, lengths = (row.data_ptr() for row in table)
+    # a C array, not a tensor: a served step calls this at every layer, where making a tensor costs more than this
+    table = (ctypes.c_int64 * (4 * len(stores)))(*(value for column in described for value in column))
+    column_bytes = 8 * len(stores)
+    key_sources, value_sources, head_strides, lengths = (ctypes.addressof(table) + column_bytes * i for i in range(4))
     group, width = query_heads // kv_heads, max(described[3])
     sizes = (count, kv_heads, group, dim, width)
     threads, wide = torch.get_num_threads(), _wide()
-    # the positions past a request's tokens weigh 0: PyTorch's softmax over the padded rows, as attention_probs
-    logits = queries.new_full((count, kv_heads, group, width), float("-inf"))
+    # the positions past a request's tokens are -inf (the C writes them): they weigh 0, as in attention_probs
+    logits = queries.new_empty((count, kv_heads, group, width))
     packed = queries.contiguous()
     kernels().logits_stores(
         packed.data_ptr(), key_sources, head_strides, lengths, *sizes, scaling, logits.data_ptr(), wide, threads
     )
     probs = logits.softmax(dim=-1)
-    output = torch.empty_like(packed)
+    output = torch.empty_like(packed) if out is None else out
     kernels().weigh_stores(
         probs.data_ptr(), value_sources, head_strides, lengths, *sizes, output.data_ptr(), wide, threads
     )

@@ -1133,7 +1133,7 @@ AVX2_CLONE void dequantize_rows(QuantizedCache cache, const float *residual_keys
    (`query`: n x heads x group x dim, contiguous) against the first lengths[r] tokens of its own store, whose keys and
    values lie at key_sources[r] and value_sources[r] (heads blocks of head_strides[r] floats, token rows of dim).
    `logits_stores`: the products times `scale` into `logits` (n x heads x group x width, width >= every length; the
-   positions past a request's length not written), as logits_rows computes them. `weigh_stores`: the probabilities
+   positions past a request's length -inf: they weigh 0 in the softmax), as logits_rows computes them. `weigh_stores`: the probabilities
    (as `logits`) times the values into `out` (n x heads x group x dim), each (request, head) as one span of
    `weigh_span`. One task per (request, head), shared between `threads` threads. */
 AVX2_CLONE void logits_stores(const float *query, const int64_t *key_sources, const int64_t *head_strides,
@@ -1149,13 +1149,16 @@ AVX2_CLONE void logits_stores(const float *query, const int64_t *key_sources, co
         int64_t r = task / heads, h = task % heads;
         const float *keys = (const float *)key_sources[r] + h * head_strides[r];
         const float *q = query + task * group * dim;
+        float *out = logits + task * group * width;
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t i = lengths[r]; i < width; i++) out[g * width + i] = -INFINITY;
 #if defined(WIDE)
         if (wide) {
-            wide_logits(q, keys, group, width, dim, 0, lengths[r], scale, NULL, logits + task * group * width);
+            wide_logits(q, keys, group, width, dim, 0, lengths[r], scale, NULL, out);
             continue;
         }
 #endif
-        logits_piece(q, keys, group, width, dim, 0, lengths[r], scale, NULL, logits + task * group * width);
+        logits_piece(q, keys, group, width, dim, 0, lengths[r], scale, NULL, out);
     }
 }
 

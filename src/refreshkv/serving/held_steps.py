@@ -39,10 +39,8 @@ class HeldSteps:
         if not count:
             return self.outputs[:0]
         queries = torch.cat(self.queries).squeeze(2)
-        attended = attend_stores(queries, self.stores, scaling)
-        if attended is None:  # the stores lie where the C does not read them: each alone
+        if attend_stores(queries, self.stores, scaling, out=self.outputs[:count]) is None:
+            # the stores lie where the C does not read them: each alone
             for row, (query, (keys, values)) in enumerate(zip(self.queries, self.stores)):
                 self.outputs[row] = decode_attention(query, keys, values, scaling).reshape(self.outputs.shape[1:])
-        else:
-            self.outputs[:count] = attended
         return self.outputs[:count]

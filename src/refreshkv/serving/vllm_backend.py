@@ -136,6 +136,9 @@ class RefreshKVMetadataBuilder(CPUAttentionMetadataBuilder):
 class RefreshKVImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # found at this layer's first step and kept: each costs more than a served request's attention at a step
+        self.layer_idx: int | None = None
+        self.blocks: tuple[Tensor, PagedBlocks] | None = None  # the engine's cache tensor and its blocks
         if self.attn_type == AttentionType.DECODER and self.sliding_window == -1:
             unhandled = {
                 "a logit soft cap": bool(self.logits_soft_cap),
@@ -153,7 +156,9 @@ class RefreshKVImpl(CPUAttentionBackendImpl):
         plan = getattr(attn_metadata, "plan", None)
         if plan is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        layer_idx = extract_layer_index(layer.layer_name)
+        if self.layer_idx is None:
+            self.layer_idx = extract_layer_index(layer.layer_name)
+        layer_idx = self.layer_idx
         for request, start, end, seq_len, _ in plan.prefills:  # the question's window
             request.keep_window(layer_idx, query[start:end].transpose(0, 1).unsqueeze(0), seq_len - (end - start))
         if plan.engine is not None and plan.engine_tokens is None:
@@ -165,7 +170,9 @@ class RefreshKVImpl(CPUAttentionBackendImpl):
             output.index_copy_(0, tokens, theirs)
         ended = [(request, ids) for request, _, _, seq_len, ids in plan.prefills if seq_len == request.prefilled]
         if ended or plan.decodes:
-            blocks = paged_blocks(kv_cache, layer.isa)
+            if self.blocks is None or self.blocks[0] is not kv_cache:  # the engine hands the same tensor each step
+                self.blocks = (kv_cache, paged_blocks(kv_cache, layer.isa))
+            blocks = self.blocks[1]
         for request, block_ids in ended:  # the prompt's keys are all in the blocks now
             request.store_prompt(layer_idx, blocks, block_ids, self.scale)
         if plan.decodes:
@@ -178,8 +185,7 @@ class RefreshKVImpl(CPUAttentionBackendImpl):
         deferred = []
         for token, request, seq_len, block_ids in decodes:
             request.restore_answer(layer_idx, blocks, block_ids)  # after a preemption's recomputation
-            one = slice(token, token + 1)
-            q, k, v = (x[one].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+            q, k, v = (x[token].reshape(1, -1, 1, x.shape[-1]) for x in (query, key, value))  # (1, heads, 1, D)
             before = len(held)
             attended = request.decode(layer_idx, q, k, v, self.scale, blocks, block_ids, seq_len, held)
             if len(held) > before:
