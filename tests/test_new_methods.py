@@ -37,7 +37,7 @@ def test_head_adaptive_budgets_share_the_layers_total(model, name):
 def test_adakv_with_alpha_one_is_snapkv(model):
     ids = random_prompt(50, seed=2)
     snap = generate(model, ids, "snapkv", budget=12, window=4, pooling="centered")
-    ada = generate(model, ids, "adakv", budget=12, window=4, alpha=1.0)
+    ada = generate(model, ids, "adakv", budget=12, window=4, alpha=1.0, pooling="centered")
     assert ada.tokens == snap.tokens
     for a, s in zip(ada.cache.layers, snap.cache.layers):
         assert torch.equal(a.state.kept(None).sort(-1).values, s.state.kept(None).sort(-1).values)
@@ -48,7 +48,7 @@ def test_defensive_aggregation_is_the_worst_case_floored_at_the_mean():
 
     torch.manual_seed(0)
     query, key = torch.randn(1, 2, 20, 8), torch.randn(1, 1, 20, 8)
-    policy = make_policy("defensivekv", window=4, kernel=1)
+    policy = make_policy("defensivekv", window=4, kernel=1, pooling="centered")
     scores = policy.score(None, query, key, 8**-0.5, None)
     worst = attention_probs(query[:, :, -4:], key, 8**-0.5, causal_tail=True).amax(dim=(2, 3))
     floor = worst[..., :16].mean(-1, keepdim=True)
@@ -129,6 +129,21 @@ def test_cake_preference_is_dispersion_times_shift():
     dispersion = -(share * share.log()).sum()
     shift = torch.tensor(4 * 0.0625, dtype=torch.float64)  # each token's variance over the two queries: 0.25^2
     assert torch.allclose(policy.preference(probs), dispersion**2 * shift**0.5)
+
+
+def test_cake_span_pooling_raises_a_prompt_word_to_its_best_token():
+    """The indicator (mean + gamma x variance, kernel 1 here) spread over the prompt's words; held tokens, which are
+    not the prompt's words in order, keep their own."""
+    probs = torch.zeros(1, 1, 1, 2, 5)
+    probs[..., 0, :] = torch.tensor([0.1, 0.6, 0.0, 0.2, 0.1])
+    probs[..., 1, :] = torch.tensor([0.1, 0.2, 0.4, 0.2, 0.1])
+    mean, var = probs[0, 0, 0].mean(0), probs[0, 0, 0].var(0, unbiased=False)
+    own = mean + 3.0 * var
+    spans = torch.tensor([[0, 1, 1, 2, 2]])  # three words: token 0, tokens 1-2, tokens 3-4
+    words = make_policy("cake", kernel=1, gamma=3.0, pooling="span").indicator(probs, spans)
+    expected = torch.stack([own[0], own[1:3].max(), own[1:3].max(), own[3:].max(), own[3:].max()])
+    assert torch.allclose(words[0, 0], expected)
+    assert torch.allclose(make_policy("cake", kernel=1, gamma=3.0, pooling="span").indicator(probs)[0, 0], own)
 
 
 @pytest.mark.parametrize(

@@ -279,6 +279,9 @@ def defaults() -> str:
 NEW_METHODS = ("adakv", "cake", "d2o", "dapq", "defensivekv", "fasa", "keydiff", "kvmerger", "lazyeviction")
 NEW_METHODS += ("mikv", "think", "tova")
 NEW = ("new-methods/gemma-16k.jsonl", "new-methods/smollm2-dev.jsonl", "new-methods/gemma-dev.jsonl")
+NEW_SPAN = ("new-methods/smollm2-dev-span.jsonl", "new-methods/gemma-dev-span.jsonl")
+# pooling by span by default, chosen on the dev sets; their papers' centred kernel is `--preset paper`
+SPAN_DEFAULT = ("adakv", "cake", "dapq", "defensivekv", "lazyeviction")
 DEV_WIDER = (f"{DEV}smollm2-wider-multikey.jsonl", f"{DEV}smollm2-wider-multivalue.jsonl")
 
 
@@ -300,7 +303,7 @@ def new_methods() -> str:
             "`snapkv` (at 16K: window 1)",
             (pick("snapkv", *DEV_WIDER, gemma_dev), pick("snapkv", *GEMMA_16K_SPAN)),
         ),
-        *(Row(f"`{method}`", (pick(method, *NEW),)) for method in NEW_METHODS),
+        *(row for method in NEW_METHODS for row in new_method_rows(method)),
     ]
     smollm2 = dict(model="SmolLM2", length=4096, question="bare")
     columns = [
@@ -311,6 +314,16 @@ def new_methods() -> str:
         Column("SmolLM2 niah_multivalue, no prefix", "ruler/niah_multivalue", "score", **smollm2),
     ]
     return table(rows, columns, "K = L/8 (examples)", full=pick("full", *GEMMA_16K))
+
+
+def new_method_rows(method: str) -> list[Row]:
+    """A method's row at its defaults; where they pool by span (chosen on the dev sets), its papers' rows beside."""
+    if method not in SPAN_DEFAULT:
+        return [Row(f"`{method}`", (pick(method, *NEW),))]
+    return [
+        Row(f"`{method}` (span pooling)", (pick(method, *NEW_SPAN, pooling="span"),)),
+        Row(f"`{method}` --preset paper", (pick(method, *NEW, pooling=None),)),
+    ]
 
 
 def vllm_rows() -> list[dict]:

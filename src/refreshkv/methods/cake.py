@@ -22,7 +22,9 @@ Choices where the paper is silent or that differ from its released code:
   holds, so the final total can fall a few tokens short of B.
 - Per batch row: preferences, budgets and cascade are each row's own (a padded batch equals its rows); every KV head
   of a layer keeps the layer's budget (the paper allocates per layer).
-- Pooling is max-pooling (this package's selections; the released code pools by average).
+- Pooling is max-pooling (this package's selections; the released code pools by average). `pooling="span"` spreads
+  the prompt's pooled indicator over its words as snapkv's does; over held tokens (`compress_every`), which are not
+  the prompt's words in order, it pools with the centred kernel.
 - `compress_every`: each layer back to its final share (scaled up to B where caps left part unspent), by the
   indicator of the latest `window` queries over the held tokens.
 """
@@ -35,7 +37,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from ..core.attention_math import Scaling, aggregate_group, attention_probs, pool
+from ..core.attention_math import Scaling, aggregate_group, attention_probs, pool, spread_over_spans
 from ..core.policy import PolicyError, is_number, register
 from ..core.selection import SelectionLayer, SelectionState, keep_top
 from .dynamickv import apportion
@@ -71,17 +73,27 @@ class CAKE(SnapKV):
     mean + gamma x variance of the window's attention.
 
     Parameters: `budget`: K tokens per KV head per layer on average (or `budget_ratio`: K as a share of the longest
-    prompt, 1/8 by default), window included; `window` (32), `kernel` (5), `pooling` (centered), `aggregation`
-    (max) as in snapkv; `tau1` (1.0) and `tau2` (1.0) the exponents' temperatures of dispersion and shift; `gamma`
-    (200) the variance's weight in the indicator; `compress_every` (None) as in snapkv.
+    prompt, 1/8 by default), window included; `window` (32), `kernel` (5), `pooling` (span, chosen on the dev sets
+    as snapkv's was; `preset="paper"`: centered), `aggregation` (max) as in snapkv; `tau1` (1.0) and `tau2` (1.0)
+    the exponents' temperatures of dispersion and shift; `gamma` (200) the variance's weight in the indicator;
+    `compress_every` (None) as in snapkv.
     """
 
     name = "cake"
     summary = "layer budgets from attention dispersion x temporal shift, cascaded at prefill; mean + variance scores"
-    presets = {}
+    presets = {
+        "paper": {
+            "window": 32,
+            "kernel": 5,
+            "pooling": "centered",
+            "aggregation": "max",
+            "tau1": 1.0,
+            "tau2": 1.0,
+            "gamma": 200.0,
+        }
+    }
 
     kernel: int = 5
-    pooling: str = "centered"
     tau1: float = 1.0
     tau2: float = 1.0
     gamma: float = 200.0
@@ -93,17 +105,29 @@ class CAKE(SnapKV):
         if not is_number(self.gamma) or self.gamma < 0:
             raise PolicyError(f"gamma must be a number >= 0, got {self.gamma!r}")
 
-    def indicator(self, probs: Tensor) -> Tensor:
+    def indicator(self, probs: Tensor, spans: Tensor | None = None) -> Tensor:
         """(B, Hkv, G, w, n) window probabilities -> (B, Hkv, n): mean + gamma x variance over the queries, pooled,
-        aggregated over the group."""
+        aggregated over the group; with `pooling="span"` and the prompt's word `spans`, spread over its words."""
         per_head = probs.mean(dim=3) + self.gamma * probs.var(dim=3, unbiased=False)
         pooling = "centered" if self.pooling == "span" else self.pooling
-        return aggregate_group(pool(per_head, self.kernel, pooling), self.aggregation)
+        scores = aggregate_group(pool(per_head, self.kernel, pooling), self.aggregation)
+        if self.pooling != "span" or spans is None:  # held tokens (compress_every): not the prompt's words in order
+            return scores
+        return spread_over_spans(scores, spans)
 
     def score(
         self, layer: SelectionLayer, query: Tensor, key: Tensor, scaling: Scaling, valid: Tensor | None
     ) -> Tensor:
-        return self.indicator(attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True))
+        probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
+        return self.indicator(probs, self.prompt_spans(layer))
+
+    def prompt_spans(self, layer: SelectionLayer) -> Tensor | None:
+        """The prompt's word spans where the indicator pools by span (None otherwise)."""
+        if self.pooling != "span":
+            return None
+        if layer.prompt_spans is None:
+            raise PolicyError("cake with pooling='span' needs the prompt's word spans (the model's tokenizer)")
+        return layer.prompt_spans
 
     def preference(self, probs: Tensor) -> Tensor:
         """(B,) P_l = H^(1/tau1) x V^(1/tau2) from the window's probabilities over the tokens before the window."""
@@ -118,7 +142,7 @@ class CAKE(SnapKV):
         length = key.shape[2]
         valid = layer.valid_positions(length, key.device)
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
-        scores = self.indicator(probs)
+        scores = self.indicator(probs, self.prompt_spans(layer))
         scores[..., length - self.window :] = float("inf")  # the window is always kept
         preference = self.preference(probs)
         layers = layer.method_layers()

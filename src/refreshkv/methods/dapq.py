@@ -15,7 +15,8 @@ Choices where the paper is silent or that differ from it:
   position ids; at one attention layer, the window's queries moved in position are what a layer can build alone).
 - A layer whose RoPE the package cannot undo (`MethodLayer.rope_inv_freq` None: partial rotary) observes with the
   window unmoved, which is snapkv's selection.
-- Pooling `centered`, window 32 and kernel 7: snapkv's released settings; `pooling="span"` works as in snapkv.
+- Pooling `span`, window 32 and kernel 7: snapkv's defaults, chosen on the dev sets as snapkv's were;
+  `preset="paper"` pools with the centred kernel of SnapKV's released settings.
 """
 
 from __future__ import annotations
@@ -38,14 +39,12 @@ class DapQ(SnapKV):
 
     Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
     default), window included; `window` (32) queries moved `window` positions ahead; `kernel` (7), `pooling`
-    (centered), `aggregation` (max) as in snapkv; `compress_every` (None) as in snapkv.
+    (span; `preset="paper"`: centered), `aggregation` (max) as in snapkv; `compress_every` (None) as in snapkv.
     """
 
     name = "dapq"
     summary = "snapkv's selection scored by pseudo queries at the answer's positions (the window moved ahead by RoPE)"
-    presets = {}
-
-    pooling: str = "centered"
+    presets = {"paper": {"window": 32, "kernel": 7, "pooling": "centered", "aggregation": "max"}}
 
     def score(
         self, layer: SelectionLayer, query: Tensor, key: Tensor, scaling: Scaling, valid: Tensor | None

@@ -51,15 +51,14 @@ class LazyEviction(SnapKV):
 
     Parameters: `budget`: K tokens per KV head (or `budget_ratio`: K as a share of the longest prompt, 1/8 by
     default), window included; `compress_every` (32) W, decoding steps between lagged evictions; `window` (32),
-    `kernel` (7), `pooling` (centered), `aggregation` (max) as in snapkv.
+    `kernel` (7), `pooling` (span; `preset="paper"`: centered), `aggregation` (max) as in snapkv.
     """
 
     name = "lazyeviction"
     summary = "lagged eviction every W steps sparing tokens whose attention recurs (maximum recurrence interval)"
-    presets = {}
+    presets = {"paper": {"compress_every": 32, "window": 32, "kernel": 7, "pooling": "centered", "aggregation": "max"}}
 
     compress_every: int | None = 32
-    pooling: str = "centered"
 
     def store_selection(
         self, layer: SelectionLayer, key: Tensor, value: Tensor, index: Tensor, scores: Tensor
