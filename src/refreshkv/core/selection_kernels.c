@@ -1133,9 +1133,9 @@ AVX2_CLONE void dequantize_rows(QuantizedCache cache, const float *residual_keys
    (`query`: n x heads x group x dim, contiguous) against the first lengths[r] tokens of its own store, whose keys and
    values lie at key_sources[r] and value_sources[r] (heads blocks of head_strides[r] floats, token rows of dim).
    `logits_stores`: the products times `scale` into `logits` (n x heads x group x width, width >= every length; the
-   positions past a request's length -inf: they weigh 0 in the softmax), as logits_rows computes them. `weigh_stores`: the probabilities
-   (as `logits`) times the values into `out` (n x heads x group x dim), each (request, head) as one span of
-   `weigh_span`. One task per (request, head), shared between `threads` threads. */
+   positions past a request's length -inf: they weigh 0 in the softmax), as logits_rows computes them.
+   `weigh_stores`: the probabilities (as `logits`) times the values into `out` (n x heads x group x dim), each
+   (request, head) as one span of `weigh_span`. One task per (request, head), shared between `threads` threads. */
 AVX2_CLONE void logits_stores(const float *query, const int64_t *key_sources, const int64_t *head_strides,
                               const int64_t *lengths, int64_t n, int64_t heads, int64_t group, int64_t dim,
                               int64_t width, float scale, float *logits, int wide, int threads) {

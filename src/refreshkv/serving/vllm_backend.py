@@ -136,7 +136,7 @@ class RefreshKVMetadataBuilder(CPUAttentionMetadataBuilder):
 class RefreshKVImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # found at this layer's first step and kept: each costs more than a served request's attention at a step
+        # found at this layer's first step and kept (found anew, the two cost about 40 us per layer and step)
         self.layer_idx: int | None = None
         self.blocks: tuple[Tensor, PagedBlocks] | None = None  # the engine's cache tensor and its blocks
         if self.attn_type == AttentionType.DECODER and self.sliding_window == -1:
