@@ -279,7 +279,11 @@ def defaults() -> str:
 NEW_METHODS = ("adakv", "cake", "d2o", "dapq", "defensivekv", "fasa", "keydiff", "kvmerger", "lazyeviction")
 NEW_METHODS += ("mikv", "think", "tova")
 NEW = ("new-methods/gemma-16k.jsonl", "new-methods/smollm2-dev.jsonl", "new-methods/gemma-dev.jsonl")
-NEW_SPAN = ("new-methods/smollm2-dev-span.jsonl", "new-methods/gemma-dev-span.jsonl")
+NEW_SPAN = (
+    "new-methods/smollm2-dev-span.jsonl",
+    "new-methods/gemma-dev-span.jsonl",
+    "new-methods/gemma-16k-span.jsonl",
+)
 # pooling by span by default, chosen on the dev sets; their papers' centred kernel is `--preset paper`
 SPAN_DEFAULT = ("adakv", "cake", "dapq", "defensivekv", "lazyeviction")
 DEV_WIDER = (f"{DEV}smollm2-wider-multikey.jsonl", f"{DEV}smollm2-wider-multivalue.jsonl")
