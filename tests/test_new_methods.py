@@ -1,6 +1,8 @@
 """What each of the newer training-free methods promises beyond the method contract (test_method_contract.py covers
 every registered method: keeping everything equals `full`, padded batches, bytes, bfloat16, one policy object)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import random_prompt, tiny_model
@@ -49,7 +51,7 @@ def test_defensive_aggregation_is_the_worst_case_floored_at_the_mean():
     torch.manual_seed(0)
     query, key = torch.randn(1, 2, 20, 8), torch.randn(1, 1, 20, 8)
     policy = make_policy("defensivekv", window=4, kernel=1, pooling="centered")
-    scores = policy.score(None, query, key, 8**-0.5, None)
+    scores = policy.score(SimpleNamespace(prompt_spans=None), query, key, 8**-0.5, None)
     worst = attention_probs(query[:, :, -4:], key, 8**-0.5, causal_tail=True).amax(dim=(2, 3))
     floor = worst[..., :16].mean(-1, keepdim=True)
     assert torch.allclose(scores, worst.clamp(min=floor))
@@ -132,18 +134,20 @@ def test_cake_preference_is_dispersion_times_shift():
 
 
 def test_cake_span_pooling_raises_a_prompt_word_to_its_best_token():
-    """The indicator (mean + gamma x variance, kernel 1 here) spread over the prompt's words; held tokens, which are
-    not the prompt's words in order, keep their own."""
-    probs = torch.zeros(1, 1, 1, 2, 5)
-    probs[..., 0, :] = torch.tensor([0.1, 0.6, 0.0, 0.2, 0.1])
-    probs[..., 1, :] = torch.tensor([0.1, 0.2, 0.4, 0.2, 0.1])
-    mean, var = probs[0, 0, 0].mean(0), probs[0, 0, 0].var(0, unbiased=False)
-    own = mean + 3.0 * var
+    """The prompt's indicator (mean + gamma x variance over the window's queries, kernel 1 here) spread over its
+    words; over held tokens (`indicator` alone, as compression scores them), each keeps its own."""
+    from refreshkv.core.attention_math import attention_probs
+
+    torch.manual_seed(3)
+    query, key = torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
+    probs = attention_probs(query[:, :, -2:], key, 8**-0.5, causal_tail=True)  # the window: the last 2 queries
+    own = probs[0, 0, 0].mean(0) + 3.0 * probs[0, 0, 0].var(0, unbiased=False)
     spans = torch.tensor([[0, 1, 1, 2, 2]])  # three words: token 0, tokens 1-2, tokens 3-4
-    words = make_policy("cake", kernel=1, gamma=3.0, pooling="span").indicator(probs, spans)
+    policy = make_policy("cake", window=2, kernel=1, gamma=3.0, pooling="span")
+    words = policy.score(SimpleNamespace(prompt_spans=spans), query, key, 8**-0.5, None)
     expected = torch.stack([own[0], own[1:3].max(), own[1:3].max(), own[3:].max(), own[3:].max()])
     assert torch.allclose(words[0, 0], expected)
-    assert torch.allclose(make_policy("cake", kernel=1, gamma=3.0, pooling="span").indicator(probs)[0, 0], own)
+    assert torch.allclose(policy.indicator(probs)[0, 0], own)
 
 
 @pytest.mark.parametrize(

@@ -259,6 +259,12 @@ def selection_scores(
         scores = pool(aggregate_group(per_head, how), kernel, pooling)
     else:
         scores = aggregate_group(pool(per_head, kernel, pooling), how)
+    return spread_if_span(scores, pooling, spans)
+
+
+def spread_if_span(scores: torch.Tensor, pooling: str, spans: torch.Tensor | None) -> torch.Tensor:
+    """A prompt's pooled scores (B, H, n) as they are, or with `pooling="span"` spread over its words
+    (`spread_over_spans`; `spans`: the prompt's words, (B, L))."""
     if pooling != "span":
         return scores
     if spans is None:

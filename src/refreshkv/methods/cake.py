@@ -37,7 +37,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from ..core.attention_math import Scaling, aggregate_group, attention_probs, pool, spread_over_spans
+from ..core.attention_math import Scaling, aggregate_group, attention_probs, pool, spread_if_span
 from ..core.policy import PolicyError, is_number, register
 from ..core.selection import SelectionLayer, SelectionState, keep_top
 from .dynamickv import apportion
@@ -105,29 +105,18 @@ class CAKE(SnapKV):
         if not is_number(self.gamma) or self.gamma < 0:
             raise PolicyError(f"gamma must be a number >= 0, got {self.gamma!r}")
 
-    def indicator(self, probs: Tensor, spans: Tensor | None = None) -> Tensor:
+    def indicator(self, probs: Tensor) -> Tensor:
         """(B, Hkv, G, w, n) window probabilities -> (B, Hkv, n): mean + gamma x variance over the queries, pooled,
-        aggregated over the group; with `pooling="span"` and the prompt's word `spans`, spread over its words."""
+        aggregated over the group (`span` pools as `centered`: held tokens are not the prompt's words in order)."""
         per_head = probs.mean(dim=3) + self.gamma * probs.var(dim=3, unbiased=False)
-        pooling = "centered" if self.pooling == "span" else self.pooling
-        scores = aggregate_group(pool(per_head, self.kernel, pooling), self.aggregation)
-        if self.pooling != "span" or spans is None:  # held tokens (compress_every): not the prompt's words in order
-            return scores
-        return spread_over_spans(scores, spans)
+        return aggregate_group(pool(per_head, self.kernel, self.pooling), self.aggregation)
 
     def score(
         self, layer: SelectionLayer, query: Tensor, key: Tensor, scaling: Scaling, valid: Tensor | None
     ) -> Tensor:
+        """The prompt's indicator, spread over its words with `pooling="span"`."""
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
-        return self.indicator(probs, self.prompt_spans(layer))
-
-    def prompt_spans(self, layer: SelectionLayer) -> Tensor | None:
-        """The prompt's word spans where the indicator pools by span (None otherwise)."""
-        if self.pooling != "span":
-            return None
-        if layer.prompt_spans is None:
-            raise PolicyError("cake with pooling='span' needs the prompt's word spans (the model's tokenizer)")
-        return layer.prompt_spans
+        return spread_if_span(self.indicator(probs), self.pooling, layer.prompt_spans)
 
     def preference(self, probs: Tensor) -> Tensor:
         """(B,) P_l = H^(1/tau1) x V^(1/tau2) from the window's probabilities over the tokens before the window."""
@@ -142,7 +131,7 @@ class CAKE(SnapKV):
         length = key.shape[2]
         valid = layer.valid_positions(length, key.device)
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
-        scores = self.indicator(probs, self.prompt_spans(layer))
+        scores = spread_if_span(self.indicator(probs), self.pooling, layer.prompt_spans)
         scores[..., length - self.window :] = float("inf")  # the window is always kept
         preference = self.preference(probs)
         layers = layer.method_layers()

@@ -29,7 +29,7 @@ import dataclasses
 
 from torch import Tensor
 
-from ..core.attention_math import Scaling, attention_probs, pool, spread_over_spans
+from ..core.attention_math import Scaling, aggregate_group, attention_probs, pool, spread_if_span
 from ..core.policy import register
 from ..core.selection import SelectionLayer
 from .adakv import AdaKV
@@ -61,12 +61,7 @@ class DefensiveKV(AdaKV):
         head's mean over the real tokens before the window."""
         probs = attention_probs(query[:, :, -self.window :], key, scaling, valid, causal_tail=True)
         worst = pool(probs.amax(dim=3), self.kernel, self.pooling)  # (B, Hkv, G, L): the max commutes with pooling
-        if self.aggregation == "max":
-            worst = worst.amax(dim=2)
-        elif self.aggregation == "mean":
-            worst = worst.mean(dim=2)
-        else:
-            worst = worst[:, :, 0]
+        worst = aggregate_group(worst, self.aggregation)
         prefix = key.shape[2] - self.window
         if prefix > 0:
             before = worst[..., :prefix]
@@ -76,8 +71,4 @@ class DefensiveKV(AdaKV):
                 real = valid.view(valid.shape[0], 1, -1)[..., :prefix].to(before.dtype)
                 prior = (before * real).sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)
             worst = worst.clamp(min=prior)
-        if self.pooling == "span":
-            spans = layer.prompt_spans
-            assert spans is not None, "span pooling without the prompt's word spans"
-            worst = spread_over_spans(worst, spans)
-        return worst
+        return spread_if_span(worst, self.pooling, layer.prompt_spans)
