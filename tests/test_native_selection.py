@@ -448,3 +448,39 @@ def test_c_refreshes_only_the_marked_rows_as_the_pytorch_rows_path_does(monkeypa
         assert torch.equal(got, expected) if isinstance(got, torch.Tensor) else got == expected
         if isinstance(got, torch.Tensor):  # the refreshed rows: as if the step's token had never been in C_p
             assert torch.equal(got[1:], alone[1:])
+
+
+@needs_compiler
+def test_c_writes_a_decoded_token_into_the_slot_pytorch_picks_ties_nans_and_strided_tokens_included(monkeypatch):
+    """`SelectionState.put` in one call of C against PyTorch's argmin and scatter: each head's lowest slot (the
+    first of equal scores, a NaN before any number), or the first free slot while C_p has room; the token read from
+    a strided (B, H, 1, D) view, as a serving engine hands it."""
+    generator = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        batch, heads, slots, dim = 1 + trial % 2, 1 + trial % 3, 2 + trial % 7, 8
+        like = torch.randn(batch, heads, 1, dim, generator=generator)
+        step = torch.randn(batch, 2 * heads, 3, dim, generator=generator)
+        key, value = step[:, ::2, 1:2], step[:, 1::2, 2:3]  # strided, as vLLM's query-key-value split
+        scores = tied_scores(generator, (batch, heads, slots))
+        if trial % 4 == 0:
+            scores[0, -1, slots // 2] = float("nan")
+        results = []
+        for native in ("1", "0"):
+            partial = SelectionState.empty_like(like, slots)
+            partial.store.keys.normal_(generator=generator.manual_seed(trial))
+            partial.scores.copy_(scores)
+            partial.loaded(slots - 1 if trial % 3 == 0 else slots)  # a free slot: the plain write
+            with monkeypatch.context() as scoped:
+                scoped.setenv("REFRESHKV_NATIVE", native)
+                partial.put(partial.scores, key, value, 40 + trial, APPENDED + trial)
+            store = partial.store
+            results.append((store.keys, store.values, store.positions, partial.scores, partial.filled, partial.empty))
+        ours, theirs = results
+        for mine, reference_value in zip(ours, theirs):
+            if isinstance(mine, torch.Tensor):
+                assert torch.equal(mine.nan_to_num(), reference_value.nan_to_num()), trial
+                assert torch.equal(mine.isnan(), reference_value.isnan()), trial
+            else:
+                assert mine == reference_value, trial
+        written = (ours[2] == 40 + trial).sum(dim=-1)
+        assert bool((written == 1).all()), trial  # one slot per head took the token

@@ -151,9 +151,10 @@ def test_the_partial_steps_of_a_batch_attend_in_one_call_as_each_alone(method, p
     alone, together = requests(), requests()
     held_counts = []
     for step in range(1, new):
-        held = HeldSteps(len(prompts), heads, dim)
+        held = HeldSteps(torch.full((len(prompts), heads, dim), float("nan")))
         rows, expected = [], []
-        for request, twin, (keys, values) in zip(alone, together, prompts):
+        for row, (request, twin, (keys, values)) in enumerate(zip(alone, together, prompts)):
+            held.row = row
             seen = keys.shape[2] - new + step
             blocks, table = paged(keys[:, :, :seen], values[:, :, :seen], 16, list(range(10)), "vllm_cpu")
             query = torch.randn(1, heads, 1, dim, generator=torch.Generator().manual_seed(seen))

@@ -133,6 +133,9 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     library.refresh_partial.argtypes += [size, pointer, pointer, BlockStrides, size, size, pointer, pointer, pointer]
     library.refresh_partial.argtypes += [pointer, ctypes.c_float, ctypes.c_float, pointer, pointer, size]
     library.refresh_partial.argtypes += [ctypes.c_float, pointer, status]
+    library.put_token.argtypes = [pointer, pointer, pointer, pointer, pointer, size, size, size, size, pointer, pointer]
+    library.put_token.argtypes += [BlockStrides, size, size, ctypes.c_float]
+    library.put_token.restype = None
     library.quest_pages.argtypes = [pointer, pointer, pointer, size, size, size, size, size, size, status, size, size]
     library.quest_pages.argtypes += [pointer, pointer, status]
     for function in (library.top_k_in_order, library.gather_rows, library.refresh_partial, library.quest_pages):

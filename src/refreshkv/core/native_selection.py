@@ -124,6 +124,54 @@ def gather_rows_into(index: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return fits
 
 
+def put_token(
+    store,
+    scores: torch.Tensor,
+    eviction: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position: int,
+    score: float,
+    slot: int | None,
+) -> bool:
+    """`SelectionState.put`'s write in one call of C: one token (key, value (B, H, 1, D)) into slot `slot` of every
+    row and head of `store` (a SlotStore), or with `slot` None into each row's lowest slot by `eviction` (B, H, slots;
+    the first of equal ones, as `argmin`), with `position` and `score` (into `scores`, (B, H, slots)). False, with
+    nothing written, where the C path is not available or a tensor lies otherwise (a compiled step, another type)."""
+    keys, values, positions = store.keys, store.values, store.positions
+    batch, heads, slots, dim = keys.shape
+    fits = (
+        not torch.compiler.is_compiling()
+        and keys.dtype == values.dtype == key.dtype == value.dtype == scores.dtype == eviction.dtype == torch.float32
+        and key.shape == value.shape == (batch, heads, 1, dim)
+        and key.stride(3) == value.stride(3) == 1
+        and scores.shape == eviction.shape == positions.shape == (batch, heads, slots)
+        and positions.dtype == torch.long
+        and all(t.is_contiguous() for t in (keys, values, positions, scores, eviction))
+        and (slot is None or 0 <= slot < slots)
+        and on_cpu(keys, values, positions, scores, eviction, key, value)
+    )
+    if fits:
+        kernels().put_token(
+            keys.data_ptr(),
+            values.data_ptr(),
+            positions.data_ptr(),
+            scores.data_ptr(),
+            eviction.data_ptr(),
+            batch,
+            heads,
+            slots,
+            dim,
+            key.data_ptr(),
+            value.data_ptr(),
+            BlockStrides.of(key, value),
+            -1 if slot is None else slot,
+            position,
+            score,
+        )
+    return fits
+
+
 def refresh_partial(
     per_head: torch.Tensor,
     first_only: bool,

@@ -27,6 +27,7 @@ from typing import Self
 import torch
 from torch import Tensor
 
+from . import native_selection
 from .attention_math import Scaling, attend_with_probs, decode_attention, top_k
 from .contract import MethodLayer
 from .device_steps import DeviceLayer, attend
@@ -191,22 +192,33 @@ class SelectionState(LayerState):
         # While slots are free and none is a hole, the lowest is the first free slot everywhere: a plain write (not
         # under torch.compile, where a slot that moves every step would recompile the step, nor with the position on
         # the device, where the host's count of free slots does not follow replayed steps)
-        plain = self.empty and self.contiguous and not torch.compiler.is_compiling()
-        if plain and not isinstance(position, Tensor) and not isinstance(score, Tensor):
+        on_host = not isinstance(position, Tensor) and not isinstance(score, Tensor)
+        plain = on_host and self.empty and self.contiguous and not torch.compiler.is_compiling()
+        if on_host and native_selection.put_token(
+            self.store,
+            self.scores,
+            eviction_scores,
+            key,
+            value,
+            int(position),
+            float(score),
+            self.used if plain else None,
+        ):
+            pass  # on the CPU, one call of C (a served step writes a token so at every layer of every request)
+        elif plain:
             free = self.used
-            self.store.put_at(free, key, value, position)
+            self.store.put_at(free, key, value, int(position))
             self.scores[:, :, free].fill_(score)
-            self.filled, self.empty = self.filled + 1, self.empty - 1
-            return
-        slot = eviction_scores.argmin(dim=-1)
-        self.store.put(slot, key, value, position)
-        # The score as a tensor: under torch.compile a score computed from the step count is symbolic, which
-        # inductor cannot fill a scatter with.
-        if isinstance(score, Tensor):
-            scores = score.to(self.scores.dtype).expand_as(slot)
         else:
-            scores = torch.full_like(slot, score, dtype=self.scores.dtype)
-        self.scores.scatter_(-1, slot.unsqueeze(-1), scores.unsqueeze(-1))
+            slot = eviction_scores.argmin(dim=-1)
+            self.store.put(slot, key, value, position)
+            # The score as a tensor: under torch.compile a score computed from the step count is symbolic, which
+            # inductor cannot fill a scatter with.
+            if isinstance(score, Tensor):
+                scores = score.to(self.scores.dtype).expand_as(slot)
+            else:
+                scores = torch.full_like(slot, score, dtype=self.scores.dtype)
+            self.scores.scatter_(-1, slot.unsqueeze(-1), scores.unsqueeze(-1))
         self.filled = min(self.filled + 1, self.store.slots)
         self.empty = max(self.empty - 1, 0)
 

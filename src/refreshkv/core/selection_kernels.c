@@ -307,6 +307,32 @@ INLINE Piece piece_of(int64_t task, int64_t heads, int64_t n) {
     return (Piece){task % heads, lo, lo + PIECE < n ? lo + PIECE : n};
 }
 
+/* One decoded token into a slot store (core/kvstore.py's SlotStore: batch x heads rows of `slots` slots of `dim`
+   floats, one after another) and its scores (a float per slot): each row's token, `dim` floats of `key` / `value`
+   whose (batch, head) rows lie `strides` apart, into slot `slot` of every row, or where `slot` < 0 into each row's
+   lowest slot by `eviction` (a float per slot), the first of equal ones and a NaN before any number, as torch.argmin
+   picks it; that slot's position `position` and score `score`. A served partial step writes its token so at every
+   layer: the same as PyTorch's scatter, without a dozen operators around it. */
+void put_token(float *keys, float *values, int64_t *positions, float *scores, const float *eviction, int64_t batch,
+               int64_t heads, int64_t slots, int64_t dim, const char *key, const char *value, BlockStrides strides,
+               int64_t slot, int64_t position, float score) {
+    for (int64_t row = 0; row < batch * heads; row++) {
+        int64_t b = row / heads, h = row % heads, at = slot;
+        if (at < 0) {
+            const float *candidates = eviction + row * slots;
+            at = 0;
+            for (int64_t s = 0; s < slots && candidates[at] == candidates[at]; s++)
+                if (candidates[s] < candidates[at] || candidates[s] != candidates[s]) at = s;
+        }
+        memcpy(keys + (row * slots + at) * dim, key + b * strides.key_batch + h * strides.key_head,
+               (size_t)dim * sizeof(float));
+        memcpy(values + (row * slots + at) * dim, value + b * strides.value_batch + h * strides.value_head,
+               (size_t)dim * sizeof(float));
+        positions[row * slots + at] = position;
+        scores[row * slots + at] = score;
+    }
+}
+
 /* Piece `piece` of the slots of (batch element b, head h): copy_token_rows from the keys and values whose (batch,
    head) blocks lie `strides` apart into the `slots` consecutive rows of that row of `key_out` / `value_out`. */
 INLINE void gather_piece(const char *keys, const char *values, BlockStrides strides, int64_t b, int64_t h,

@@ -3,7 +3,8 @@
 Each request's method takes its decode step in turn (its schedule, its query check, the new token into C_p); where
 the step attends over the tokens the method holds (`MethodLayer.attend_held`), the request layer hands the query and
 the held tokens here and returns an output row that `attend` fills: one C call over every request's C_p where it
-lies (core/native_attention.py, `attend_stores`), in place of a small attention per request.
+lies (core/native_attention.py, `attend_stores`), in place of a small attention per request. The rows are the
+engine's own output rows where the step's decoded tokens lie one after another there, so nothing is copied after.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from ..core.native_attention import attend_stores
 
 
 class HeldSteps:
-    """Up to `capacity` requests' partial steps at one layer, each query (1, Hq, 1, D)."""
+    """The partial steps of a layer's decodes, whose outputs go to `outputs` (decodes, Hq, D), a row per decode."""
 
-    def __init__(self, capacity: int, query_heads: int, head_dim: int):
-        self.outputs = torch.empty(capacity, query_heads, head_dim)
+    def __init__(self, outputs: Tensor):
+        self.outputs = outputs
+        self.row = 0  # the row of the decode taking its step now (the caller sets it before each)
+        self.rows: list[int] = []
         self.queries: list[Tensor] = []
         self.stores: list[tuple[Tensor, Tensor]] = []
 
@@ -27,20 +30,26 @@ class HeldSteps:
         return len(self.queries)
 
     def add(self, query: Tensor, keys: Tensor, values: Tensor) -> Tensor:
-        """One request's query and held keys and values (1, Hkv, m, D): the (1, 1, Hq, D) row `attend` fills."""
-        row = self.outputs[len(self.queries)].view(1, 1, *self.outputs.shape[1:])
+        """The current decode's query (1, Hq, 1, D) and held keys and values (1, Hkv, m, D): its (1, 1, Hq, D) row,
+        which `attend` fills."""
+        self.rows.append(self.row)
         self.queries.append(query)
         self.stores.append((keys, values))
-        return row
+        return self.outputs[self.row].view(1, 1, *self.outputs.shape[1:])
 
-    def attend(self, scaling: float) -> Tensor:
-        """Every request's attention over its held tokens into its row: the (n, Hq, D) outputs, in the order added."""
+    def attend(self, scaling: float) -> None:
+        """Every added decode's attention over its held tokens into its row: in one C call, straight into the rows
+        where they follow one another (a step where no request refreshes), else through a scratch copy."""
         count = len(self.queries)
         if not count:
-            return self.outputs[:0]
+            return
         queries = torch.cat(self.queries).squeeze(2)
-        if attend_stores(queries, self.stores, scaling, out=self.outputs[:count]) is None:
+        first = self.rows[0]
+        in_order = self.rows[-1] - first + 1 == count and self.outputs.dtype == torch.float32
+        out = self.outputs[first : first + count] if in_order else queries.new_empty(count, *self.outputs.shape[1:])
+        if attend_stores(queries, self.stores, scaling, out=out) is None:
             # the stores lie where the C does not read them: each alone
             for row, (query, (keys, values)) in enumerate(zip(self.queries, self.stores)):
-                self.outputs[row] = decode_attention(query, keys, values, scaling).reshape(self.outputs.shape[1:])
-        return self.outputs[:count]
+                out[row] = decode_attention(query, keys, values, scaling).reshape(out.shape[1:])
+        if not in_order:
+            self.outputs.index_copy_(0, torch.tensor(self.rows), out.to(self.outputs.dtype))

@@ -69,9 +69,9 @@ class Request:
     owner: weakref.ref | None = None
     answer: list[int] = dataclasses.field(default_factory=list)
     prompt_length: int = 0  # the prompt's tokens, without the answer (the newest token is at prompt + answer - 1)
-    # per layer, the keys and values of each token decoded so far, as the method's steps made them, and the layers
-    # where vLLM's recomputation after a preemption is still to be overwritten with them
-    answer_kv: dict[int, list[tuple[Tensor, Tensor]]] = dataclasses.field(default_factory=dict)
+    # per layer, the key and value of each token decoded so far as the method's steps made them (one (2, Hkv, 1, D)
+    # copy each), and the layers where vLLM's recomputation after a preemption is still to be overwritten with them
+    answer_kv: dict[int, list[Tensor]] = dataclasses.field(default_factory=dict)
     to_restore: set[int] = dataclasses.field(default_factory=set)
 
     @property
@@ -150,8 +150,8 @@ class Request:
         """Put back, over what vLLM recomputed, the keys and values the method's steps made for the answer so far."""
         if layer_idx in self.to_restore:
             self.to_restore.discard(layer_idx)
-            keys, values = zip(*self.answer_kv[layer_idx])
-            blocks.write(block_ids, self.prefilled, torch.cat(keys, dim=2), torch.cat(values, dim=2))
+            keys, values = torch.cat(self.answer_kv[layer_idx], dim=2).split(1)
+            blocks.write(block_ids, self.prefilled, keys, values)
 
     def store_prompt(self, layer_idx: int, blocks: PagedBlocks, block_ids: Tensor, scaling: float) -> None:
         """The method's prompt hook for this request at one layer, at the prefill chunk that ends its prompt (the
@@ -186,7 +186,7 @@ class Request:
             raise PolicyError("the plugin saw none of this request's prefill (it was switched on mid-request)")
         layer.at(blocks, block_ids, seq_len)
         layer.recorded, layer.held_steps = False, held_steps
-        self.answer_kv.setdefault(layer_idx, []).append((key.clone(), value.clone()))
+        self.answer_kv.setdefault(layer_idx, []).append(torch.cat((key, value)))
         output = self.policy.decode(layer, query, key, value, scaling)
         if not layer.recorded:
             raise PolicyError(f"method '{self.policy.name}' decoded without calling layer.record(...)")

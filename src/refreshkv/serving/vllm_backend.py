@@ -180,21 +180,23 @@ class RefreshKVImpl(CPUAttentionBackendImpl):
         return output
 
     def _decode(self, layer_idx, decodes, query, key, value, blocks, output) -> None:  # type: ignore[no-untyped-def]
-        """Each served request's decode step in turn; their partial steps' attention at the end, in one call."""
-        held = HeldSteps(len(decodes), *query.shape[1:])
-        deferred = []
-        for token, request, seq_len, block_ids in decodes:
+        """Each served request's decode step in turn; their partial steps' attention at the end, in one call, into
+        the output rows themselves where the decoded tokens follow one another (the engine puts them last)."""
+        tokens = [token for token, _, _, _ in decodes]
+        first, rows_shape = tokens[0], (len(tokens), *query.shape[1:])
+        in_order = tokens[-1] - first + 1 == len(tokens)
+        outputs = output[first : first + len(tokens)].view(rows_shape) if in_order else query.new_empty(rows_shape)
+        held = HeldSteps(outputs)
+        for row, (token, request, seq_len, block_ids) in enumerate(decodes):
             request.restore_answer(layer_idx, blocks, block_ids)  # after a preemption's recomputation
             q, k, v = (x[token].reshape(1, -1, 1, x.shape[-1]) for x in (query, key, value))  # (1, heads, 1, D)
-            before = len(held)
+            held.row, before = row, len(held)
             attended = request.decode(layer_idx, q, k, v, self.scale, blocks, block_ids, seq_len, held)
-            if len(held) > before:
-                deferred.append(token)
-            else:
-                output[token] = attended.reshape(output.shape[1:])
-        if deferred:
-            attended = held.attend(self.scale).reshape(len(deferred), *output.shape[1:])
-            output.index_copy_(0, torch.tensor(deferred), attended.to(output.dtype))
+            if len(held) == before:  # not held: its own output
+                outputs[row] = attended.reshape(outputs.shape[1:])
+        held.attend(self.scale)
+        if not in_order:
+            output.index_copy_(0, torch.tensor(tokens), outputs.to(output.dtype))
 
 
 def check_memory(policy: Policy, max_model_len: int, max_num_seqs: int, layers: int, slot_bytes: int) -> None:
