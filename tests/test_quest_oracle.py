@@ -48,6 +48,24 @@ def test_pages_start_at_a_rows_first_real_token_and_pads_never_widen_one():
     assert page_ranges(store, 2)[0][1] == [0, 6] and page_ranges(store, 2)[1][1] == [5, 9]
 
 
+@pytest.mark.parametrize("pads", [[0, 0], [2, 2], [0, 3]])
+def test_decoded_tokens_widen_each_rows_page_as_a_prompt_of_them_all_would(pads):
+    """Rows that page alike (the same pads: the in-place widening) and rows that do not (a scatter per row): after
+    decoded tokens, every page's ranges are those of a store given prompt and tokens at once."""
+    torch.manual_seed(5)
+    keys = torch.randn(2, 3, 19, 4)
+    prompt, decoded = keys[:, :, :11], keys[:, :, 11:]
+    pads = torch.tensor(pads)
+    stepped = PagedStore(FullStore(prompt, 24), prompt, capacity=24, page_size=4, pads=pads)
+    stepped.load_prompt(prompt, prompt)
+    for position in range(decoded.shape[2]):
+        token = decoded[:, :, position : position + 1]
+        stepped.append(token, token)
+    whole = PagedStore(FullStore(keys, 24), keys, capacity=24, page_size=4, pads=pads)
+    whole.load_prompt(keys, keys)
+    assert torch.equal(stepped.lows, whole.lows) and torch.equal(stepped.highs, whole.highs)
+
+
 def test_the_page_bound_is_an_upper_bound_of_every_query_key_product():
     torch.manual_seed(0)
     keys = torch.randn(1, 2, 64, 8)

@@ -99,6 +99,11 @@ class PagedStore(LayerState):
         if self.pages > self.lows.shape[3]:  # more tokens than the capacity announced: double
             self.lows = torch.cat([self.lows, torch.full_like(self.lows, float("inf"))], dim=3)
             self.highs = torch.cat([self.highs, torch.full_like(self.highs, float("-inf"))], dim=3)
+        if self.uniform:  # every row writes the same page: widened in place (a served step does so at every layer)
+            written = (self.full.length - 1 - self.fewest_pads) // self.page_size
+            for bounds, widen in ((self.lows[..., written], torch.minimum), (self.highs[..., written], torch.maximum)):
+                widen(bounds, key[:, :, 0], out=bounds)
+            return
         channels = key.transpose(2, 3)  # (B, Hkv, D, 1)
         page = self.current_pages().view(-1, 1, 1, 1).expand_as(channels)
         self.lows.scatter_reduce_(3, page, channels, "amin")
