@@ -188,6 +188,9 @@ class Request:
         layer.recorded, layer.held_steps = False, held_steps
         self.answer_kv.setdefault(layer_idx, []).append(torch.cat((key, value)))
         output = self.policy.decode(layer, query, key, value, scaling)
+        # not kept past the step: it holds the step's queries and output rows (the engine's tensors, those of a step
+        # with prefill chunks in it 8K tokens long) and every request's C_p that took its partial step beside this one
+        layer.held_steps = None
         if not layer.recorded:
             raise PolicyError(f"method '{self.policy.name}' decoded without calling layer.record(...)")
         return output
