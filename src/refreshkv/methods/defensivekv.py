@@ -13,9 +13,9 @@ selected budget, (K - window) per KV head on average, by one joint top-k over it
 `alpha` of the mean, plus the window.
 
 Choices where the paper is silent or that differ from its released code:
-- Pooling: max-pooling with this package's `kernel` (5, the released code's size) and `pooling` (span, as snapkv's,
-  chosen on the dev sets; `preset="paper"`: the centred kernel); the released code average-pools and renormalises
-  each query's row before the max.
+- Pooling: max-pooling with this package's `kernel` (7) and `pooling` (span), as snapkv's, chosen on the dev sets
+  (`preset="paper"`: the released code's size 5, centred; it found fewer needles there); the released code
+  average-pools and renormalises each query's row before the max.
 - The released code also reweights scores by the norm of each value projected through the output matrix and first
   keeps each head's tokens up to 90% of its attention mass (both from CriticalKV); neither is part of defensive
   aggregation, and neither is done here.
@@ -41,18 +41,16 @@ class DefensiveKV(AdaKV):
     """DefensiveKV: each token's worst case over the window's queries, floored at the head's mean; Ada-KV's budgets.
 
     Parameters: `budget`: K tokens per KV head on average (or `budget_ratio`: K as a share of the longest prompt, 1/8
-    by default), window included; `window` (32) last prompt queries; `kernel` (5) and `pooling` (span;
-    `preset="paper"`: centered) of the max-pooling over positions; `aggregation` (max: the worst case over a GQA
-    group, the method's own; mean and first are accepted); `alpha` (0.2) as in adakv; `compress_every` (None) as in
-    snapkv.
+    by default), window included; `window` (32) last prompt queries; `kernel` (7) and `pooling` (span) of the
+    max-pooling over positions, chosen on the dev sets as snapkv's were (`preset="paper"`: kernel 5, centered);
+    `aggregation` (max: the worst case over a GQA group, the method's own; mean and first are accepted); `alpha`
+    (0.2) as in adakv; `compress_every` (None) as in snapkv.
     """
 
     name = "defensivekv"
     summary = "worst-case (max over the window's queries) importance floored at the head mean; Ada-KV head budgets"
 
     presets = {"paper": {"window": 32, "kernel": 5, "pooling": "centered", "aggregation": "max", "alpha": 0.2}}
-
-    kernel: int = 5
 
     def score(
         self, layer: SelectionLayer, query: Tensor, key: Tensor, scaling: Scaling, valid: Tensor | None
