@@ -3,8 +3,8 @@
 Each request's method takes its decode step in turn (its schedule, its query check, the new token into C_p); where
 the step attends over the tokens the method holds (`MethodLayer.attend_held`), the request layer hands the query and
 the held tokens here and returns an output row that `attend` fills: one C call over every request's C_p where it
-lies (core/native_attention.py, `attend_stores`), in place of a small attention per request. The rows are the
-engine's own output rows where the step's decoded tokens lie one after another there, so nothing is copied after.
+lies (core/native_attention.py, `attend_stores`), in place of a small attention per request, written straight into
+the engine's output rows where the held ones follow one another (the engine puts decoded tokens last).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from ..core.native_attention import attend_stores
 
 
 class HeldSteps:
-    """The partial steps of a layer's decodes, whose outputs go to `outputs` (decodes, Hq, D), a row per decode."""
+    """The partial steps of a layer's decodes, whose outputs go to rows of `outputs` (rows, Hq, D)."""
 
     def __init__(self, outputs: Tensor):
         self.outputs = outputs
-        self.row = 0  # the row of the decode taking its step now (the caller sets it before each)
+        self.row = 0  # the output row of the decode taking its step now (the caller sets it before each)
         self.rows: list[int] = []
         self.queries: list[Tensor] = []
         self.stores: list[tuple[Tensor, Tensor]] = []

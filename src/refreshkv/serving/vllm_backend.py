@@ -181,22 +181,17 @@ class RefreshKVImpl(CPUAttentionBackendImpl):
 
     def _decode(self, layer_idx, decodes, query, key, value, blocks, output) -> None:  # type: ignore[no-untyped-def]
         """Each served request's decode step in turn; their partial steps' attention at the end, in one call, into
-        the output rows themselves where the decoded tokens follow one another (the engine puts them last)."""
-        tokens = [token for token, _, _, _ in decodes]
-        first, rows_shape = tokens[0], (len(tokens), *query.shape[1:])
-        in_order = tokens[-1] - first + 1 == len(tokens)
-        outputs = output[first : first + len(tokens)].view(rows_shape) if in_order else query.new_empty(rows_shape)
-        held = HeldSteps(outputs)
-        for row, (token, request, seq_len, block_ids) in enumerate(decodes):
+        the step's output rows (held_steps.py)."""
+        rows = output.view(len(output), *query.shape[1:])  # (tokens, Hq, D)
+        held = HeldSteps(rows)
+        for token, request, seq_len, block_ids in decodes:
             request.restore_answer(layer_idx, blocks, block_ids)  # after a preemption's recomputation
             q, k, v = (x[token].reshape(1, -1, 1, x.shape[-1]) for x in (query, key, value))  # (1, heads, 1, D)
-            held.row, before = row, len(held)
+            held.row, before = token, len(held)
             attended = request.decode(layer_idx, q, k, v, self.scale, blocks, block_ids, seq_len, held)
             if len(held) == before:  # not held: its own output
-                outputs[row] = attended.reshape(outputs.shape[1:])
+                rows[token] = attended.reshape(rows.shape[1:])
         held.attend(self.scale)
-        if not in_order:
-            output.index_copy_(0, torch.tensor(tokens), outputs.to(output.dtype))
 
 
 def check_memory(policy: Policy, max_model_len: int, max_num_seqs: int, layers: int, slot_bytes: int) -> None:
