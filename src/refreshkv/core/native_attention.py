@@ -213,7 +213,8 @@ def attend_paged_at(
         logits.masked_fill_(~valid.view(kv_heads, 1, k), float("-inf"))
     probs = logits.softmax(dim=-1)
     output = torch.empty_like(packed)
-    kernels().paged_weigh_at(probs.data_ptr(), values.data_ptr(), *at, output.data_ptr(), threads)
+    if kernels().paged_weigh_at(probs.data_ptr(), values.data_ptr(), *at, output.data_ptr(), _wide(), threads):
+        raise MemoryError(f"attention: no scratch space for {kv_heads} heads' sums")
     return output.reshape(1, 1, kv_heads * group, dim)
 
 

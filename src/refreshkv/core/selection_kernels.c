@@ -1254,13 +1254,16 @@ AVX2_CLONE void paged_logits_at(const float *query, const char *key_source, Bloc
     }
 }
 
-AVX2_CLONE void paged_weigh_at(const float *probs, const char *value_source, BlockStrides strides,
-                               const int64_t *block_ids, int64_t block_size, const int64_t *index, int64_t k,
-                               int64_t heads, int64_t group, int64_t dim, float *out, int threads) {
+AVX2_CLONE int paged_weigh_at(const float *probs, const char *value_source, BlockStrides strides,
+                              const int64_t *block_ids, int64_t block_size, const int64_t *index, int64_t k,
+                              int64_t heads, int64_t group, int64_t dim, float *out, int wide, int threads) {
+    float *runs = malloc((size_t)(heads * group * dim) * sizeof(float)); /* per head, one run's sums */
+    if (!runs) return 1;
+    wide = wide_values(wide, dim);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t h = 0; h < heads; h++) {
         const int64_t *positions = index + h * k;
-        float *sums = out + h * group * dim;
+        float *sums = out + h * group * dim, *run = runs + h * group * dim;
         memset(sums, 0, (size_t)(group * dim) * sizeof(float));
         int64_t cursor = 0, ahead = 0;
         for (int64_t i = 0, count; i < k; i += count, ahead--) {
@@ -1269,11 +1272,10 @@ AVX2_CLONE void paged_weigh_at(const float *probs, const char *value_source, Blo
             count = run_length(positions, i, k, block_size);
             const float *values = token_at(value_source, strides.value_batch, strides.value_head, block_ids,
                                            block_size, h, positions[i], dim);
-            for (int64_t g = 0; g < group; g++) {
-                const float *weights = probs + (h * group + g) * k + i;
-                for (int64_t t = 0; t < count; t++)
-                    for (int64_t d = 0; d < dim; d++) sums[g * dim + d] += weights[t] * values[t * dim + d];
-            }
+            weigh_span(probs + h * group * k + i, values, group, k, dim, 0, count, run, wide);
+            for (int64_t e = 0; e < group * dim; e++) sums[e] += run[e];
         }
     }
+    free(runs);
+    return 0;
 }
