@@ -171,6 +171,26 @@ def test_the_partial_steps_of_a_batch_attend_in_one_call_as_each_alone(method, p
         assert max(held_counts) == len(prompts) and min(held_counts) < len(prompts), held_counts
 
 
+def test_a_released_request_frees_its_state_without_the_garbage_collector():
+    """A request owns its layers and each layer refers to its request weakly: the last reference gone, its C_p goes at
+    once (in a cycle it would wait for Python's full collection, which vLLM's frozen heap makes rare, and then free
+    every finished request at once inside one decode step)."""
+    torch.manual_seed(4)
+    keys, values = torch.randn(1, 2, 60, 16), torch.randn(1, 2, 60, 16)
+    facts = ModelFacts("llama", [1.0 / 10000 ** (torch.arange(0, 16, 2) / 16)])
+    request = Request(make_policy("refreshkv", budget=16, pooling="centered"), [0] * 60, 8, facts, StepCounts())
+    request.prompt_length = 60
+    request.keep_window(0, torch.randn(1, 6, 32, 16), 0)
+    request.store_prompt(0, *paged(keys, values, 16, list(range(4)), "vllm_cpu"), 0.25)
+    layer, state = weakref.ref(request.layers[0]), weakref.ref(request.layers[0].state)
+    gc.disable()
+    try:
+        del request
+        assert layer() is None and state() is None
+    finally:
+        gc.enable()
+
+
 def test_the_memory_of_released_requests_goes_back_to_the_system():
     """Blocks as large as a C_p layer store, freed between small survivors, stay in glibc's heap (the server's RSS
     stayed at its peak); the trim when the last request's state went gives them back. Trims come every 16 releases

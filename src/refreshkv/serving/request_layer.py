@@ -204,12 +204,23 @@ class RequestLayer:
     max_pad = 0
 
     def __init__(self, request: Request, layer_idx: int, blocks: PagedBlocks, block_ids: Tensor):
-        self.request, self.layer_idx = request, layer_idx
+        # weakly: the request owns its layers, and a cycle between them would keep a finished request's C_p until
+        # Python's rare full collection (the engine freezes its own objects, so one comes seldom), which then frees
+        # every such request at once, inside some decode step
+        self._request = weakref.ref(request)
+        self.layer_idx = layer_idx
         self.state: LayerState | None = None
         self.full: PagedFullStore | None = None  # C_f, once a method asked for it
         self.recorded = False
         self.held_steps: HeldSteps | None = None  # where this step's attention over held tokens goes, if anywhere
         self.at(blocks, block_ids, 0)
+
+    @property
+    def request(self) -> Request:
+        request = self._request()
+        if request is None:
+            raise PolicyError("a served request's layer was used after its request was released")
+        return request
 
     @property
     def step(self) -> int:
