@@ -1205,7 +1205,7 @@ AVX2_CLONE void weigh_stores(const float *probs, const int64_t *value_sources, c
    of a paged cache where it lies (as paged_logits's): each run of consecutive positions in one block is read as
    paged_logits reads a block, its keys' channel rows at once. `paged_logits_at`: the products times `scale` into
    `logits` (heads x group x k). `paged_weigh_at`: the probabilities (as `logits`) times the values into `out` (heads
-   x group x dim), the runs added in order. One task per head. */
+   x group x dim), each run's sums (`weigh_span`) added in order; 0, or 1 without scratch space. One task per head. */
 static int64_t run_length(const int64_t *positions, int64_t i, int64_t k, int64_t block_size) {
     int64_t count = 1, block = positions[i] / block_size;
     while (i + count < k && positions[i + count] == positions[i] + count && positions[i + count] / block_size == block)
