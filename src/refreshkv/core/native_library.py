@@ -155,7 +155,7 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     at = [pointer, pointer, BlockStrides, pointer, size, pointer, size, size, size, size]  # positions of one request
     library.paged_logits_at.argtypes = at + [ctypes.c_float, pointer, status, status]
     library.paged_weigh_at.argtypes = at + [pointer, status, status]
-    library.paged_logits_at.restype, library.paged_weigh_at.restype = None, status
+    library.paged_logits_at.restype = library.paged_weigh_at.restype = None
     stores: list[Any] = [pointer, pointer, pointer, pointer, size, size, size, size, size]  # n requests' stores
     library.logits_stores.argtypes = stores + [ctypes.c_float, pointer, status, status]
     library.weigh_stores.argtypes = stores + [pointer, status, status]

@@ -1205,7 +1205,7 @@ AVX2_CLONE void weigh_stores(const float *probs, const int64_t *value_sources, c
    of a paged cache where it lies (as paged_logits's): each run of consecutive positions in one block is read as
    paged_logits reads a block, its keys' channel rows at once. `paged_logits_at`: the products times `scale` into
    `logits` (heads x group x k). `paged_weigh_at`: the probabilities (as `logits`) times the values into `out` (heads
-   x group x dim), each run's sums (`weigh_span`) added in order; 0, or 1 without scratch space. One task per head. */
+   x group x dim), each run's sums (`weigh_span`) added in order. One task per head. */
 static int64_t run_length(const int64_t *positions, int64_t i, int64_t k, int64_t block_size) {
     int64_t count = 1, block = positions[i] / block_size;
     while (i + count < k && positions[i + count] == positions[i] + count && positions[i + count] / block_size == block)
@@ -1254,16 +1254,14 @@ AVX2_CLONE void paged_logits_at(const float *query, const char *key_source, Bloc
     }
 }
 
-AVX2_CLONE int paged_weigh_at(const float *probs, const char *value_source, BlockStrides strides,
-                              const int64_t *block_ids, int64_t block_size, const int64_t *index, int64_t k,
-                              int64_t heads, int64_t group, int64_t dim, float *out, int wide, int threads) {
-    float *runs = malloc((size_t)(heads * group * dim) * sizeof(float)); /* per head, one run's sums */
-    if (!runs) return 1;
+AVX2_CLONE void paged_weigh_at(const float *probs, const char *value_source, BlockStrides strides,
+                               const int64_t *block_ids, int64_t block_size, const int64_t *index, int64_t k,
+                               int64_t heads, int64_t group, int64_t dim, float *out, int wide, int threads) {
     wide = wide_values(wide, dim);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t h = 0; h < heads; h++) {
         const int64_t *positions = index + h * k;
-        float *sums = out + h * group * dim, *run = runs + h * group * dim;
+        float *sums = out + h * group * dim, run[group * dim]; /* one run's sums */
         memset(sums, 0, (size_t)(group * dim) * sizeof(float));
         int64_t cursor = 0, ahead = 0;
         for (int64_t i = 0, count; i < k; i += count, ahead--) {
@@ -1276,6 +1274,4 @@ AVX2_CLONE int paged_weigh_at(const float *probs, const char *value_source, Bloc
             for (int64_t e = 0; e < group * dim; e++) sums[e] += run[e];
         }
     }
-    free(runs);
-    return 0;
 }
