@@ -124,27 +124,35 @@ def test_a_request_over_paged_blocks_decodes_as_the_transformers_cache(llama, mo
     [
         ("refreshkv", {"qc_stride": 2, "threshold": 0.99, "pooling": "centered"}),
         ("recycled", {"stride": 3, "pooling": "centered"}),
-        ("quest", {"page_size": 8}),
+        ("quest", {"page_size": 8, "dense_layers": 0}),
     ],
 )
 def test_the_partial_steps_of_a_batch_attend_in_one_call_as_each_alone(method, params):
-    """Requests of different lengths at one layer: their partial steps handed to one `HeldSteps` call give what each
-    request's step alone gives; refreshes and methods that do not attend over held tokens (quest) stay their own."""
+    """Requests of different lengths at one layer, in one cache of vLLM's CPU layout: their partial steps (quest's:
+    every step, over its pages where they lie) handed to one `HeldSteps` call give what each request's step alone
+    gives; refreshes stay their own. Each step finds in the blocks only the tokens so far (NaN after them)."""
     from refreshkv.serving.held_steps import HeldSteps
 
     torch.manual_seed(3)
     heads, kv_heads, dim, new = 6, 2, 16, 7
     facts = ModelFacts("llama", [1.0 / 10000 ** (torch.arange(0, dim, 2) / dim)])
     prompts = [torch.randn(2, 1, kv_heads, length + new, dim) for length in (50, 83, 64)]
+    blocks = cpu_blocks(torch.full((30, kv_heads, 16, 2 * dim), float("nan")))
+    tables = [torch.randperm(30, generator=torch.Generator().manual_seed(9))[10 * i : 10 * i + 10] for i in range(3)]
+
+    def write(request: int, start: int, end: int) -> None:
+        keys, values = prompts[request]
+        blocks.write(tables[request], start, keys[:, :, start:end], values[:, :, start:end])
 
     def requests():
         made = []
-        for keys, values in prompts:
+        for i, (keys, _) in enumerate(prompts):
             length = keys.shape[2] - new
+            write(i, 0, length)
             request = Request(make_policy(method, budget=16, **params), [0] * length, new, facts, StepCounts())
             request.prompt_length = length
             request.keep_window(0, torch.randn(1, heads, 32, dim, generator=torch.Generator().manual_seed(length)), 0)
-            request.store_prompt(0, *paged(keys, values, 16, list(range(10)), "vllm_cpu"), 0.25)
+            request.store_prompt(0, blocks, tables[i], 0.25)
             made.append(request)
         return made
 
@@ -156,17 +164,17 @@ def test_the_partial_steps_of_a_batch_attend_in_one_call_as_each_alone(method, p
         for row, (request, twin, (keys, values)) in enumerate(zip(alone, together, prompts)):
             held.row = row
             seen = keys.shape[2] - new + step
-            blocks, table = paged(keys[:, :, :seen], values[:, :, :seen], 16, list(range(10)), "vllm_cpu")
+            write(row, seen - 1, seen)
             query = torch.randn(1, heads, 1, dim, generator=torch.Generator().manual_seed(seen))
             new_kv = (keys[:, :, seen - 1 : seen], values[:, :, seen - 1 : seen])
-            expected.append(request.decode(0, query, *new_kv, 0.25, blocks, table, seen))
-            rows.append(twin.decode(0, query, *new_kv, 0.25, blocks, table, seen, held))
+            expected.append(request.decode(0, query, *new_kv, 0.25, blocks, tables[row], seen))
+            rows.append(twin.decode(0, query, *new_kv, 0.25, blocks, tables[row], seen, held))
         held_counts.append(len(held))
         held.attend(0.25)
         for got, want in zip(rows, expected):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     if method == "quest":
-        assert set(held_counts) == {0}
+        assert set(held_counts) == {len(prompts)}
     else:  # the partial steps were held, the refreshes not
         assert max(held_counts) == len(prompts) and min(held_counts) < len(prompts), held_counts
 
@@ -307,25 +315,32 @@ def test_a_refresh_over_vllms_cpu_blocks_copies_the_tokens_it_held_and_reads_the
 
 @pytest.mark.parametrize("wide", [0, 1])
 def test_quests_pages_are_attended_where_they_lie_in_vllms_cpu_blocks(monkeypatch, wide):
-    """Pages of 16 tokens chosen per head (runs that cross no block, one cut short at the last token) attended over
-    vLLM's CPU layout in place: PyTorch's attention over the same tokens gathered."""
+    """Pages of 16 tokens chosen per head (runs that cross no block, the page being written past the last token, a
+    position masked) attended over vLLM's CPU layout in place: PyTorch's attention over the same tokens gathered.
+    The positions past the tokens are never read (NaN there)."""
     from refreshkv.core import native_attention
     from refreshkv.core.attention_math import decode_attention
 
     monkeypatch.setattr(native_attention, "_wide", lambda: wide)
     torch.manual_seed(2)
     keys, values = torch.randn(1, 3, 1000, 64), torch.randn(1, 3, 1000, 64)
-    blocks, table = paged(keys, values, 128, [7, 2, 0, 5, 1, 3, 6, 4], "vllm_cpu")
+    blocks, table = paged(keys, values, 128, [7, 2, 0, 5, 1, 3, 6, 4], "vllm_cpu")  # NaN past token 999
     pages = torch.stack([torch.randperm(62)[:20].sort().values for _ in range(3)])
     index = torch.cat(
         [(pages.unsqueeze(-1) * 16 + torch.arange(16)).flatten(-2), 992 + torch.arange(16).expand(3, -1)], -1
     )
-    valid, index = index < 1000, index.clamp(max=999)
+    chosen = torch.ones_like(index, dtype=torch.bool)
+    chosen[1, 5] = False
     query = torch.randn(1, 9, 1, 64)
-    got = native_attention.attend_paged_at(query, blocks.keys, blocks.values, table, index, valid, 0.125)
+    got = native_attention.attend_paged_at(query, blocks.keys, blocks.values, table, index, chosen, 1000, 0.125)
+    valid, index = chosen & (index < 1000), index.clamp(max=999)
     heads = torch.arange(3).unsqueeze(1)
-    chosen = keys[0, heads, index].unsqueeze(0), values[0, heads, index].unsqueeze(0)
-    torch.testing.assert_close(got, decode_attention(query, *chosen, 0.125, valid.unsqueeze(0)), rtol=0, atol=1e-6)
+    gathered = keys[0, heads, index].unsqueeze(0), values[0, heads, index].unsqueeze(0)
+    want = decode_attention(query, *gathered, 0.125, valid.unsqueeze(0))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    outside = torch.cat([index[:, :-1], torch.full((3, 1), 1024)], dim=1)  # past the 8 blocks, and a token
+    with pytest.raises(IndexError, match="outside"):
+        native_attention.attend_paged_at(query, blocks.keys, blocks.values, table, outside, None, 1100, 0.125)
 
 
 def test_the_batch_rows_follow_removals_additions_and_moves():

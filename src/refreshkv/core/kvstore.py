@@ -165,8 +165,9 @@ class FullStore(LayerState):
         self, query: torch.Tensor, scaling: object, index: torch.Tensor, valid: torch.Tensor | None
     ) -> torch.Tensor | None:
         """`attention_math.decode_attention` of one query token over the tokens at `index` (B, H, k; ascending per
-        head) where `valid` (B, H, k bool, or None) holds, computed where a store that holds them otherwise holds
-        them (a serving engine's blocks). None here, and where that store cannot: gather them first."""
+        head; positions at or past `length` are none, and skipped) where `valid` (B, H, k bool, or None) holds,
+        computed where a store that holds them otherwise holds them (a serving engine's blocks). None here, and where
+        that store cannot: gather them first."""
         return None
 
     def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:

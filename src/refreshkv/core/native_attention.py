@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .native_library import BlockStrides, kernels, on_cpu, operator, rows_whole
+from .native_library import BlockStrides, PagedAt, kernels, on_cpu, operator, rows_whole
 
 
 @functools.cache
@@ -193,28 +193,60 @@ def attend_paged_at(
     block_ids: torch.Tensor,
     index: torch.Tensor,
     valid: torch.Tensor | None,
+    tokens: int,
     scaling: object,
 ) -> torch.Tensor | None:
     """`attention_math.decode_attention` of one request's query token (1, Hq, 1, D) over its tokens at `index` (Hkv,
-    k; ascending per head, as quest's pages), those where `valid` (Hkv, k bool, or None) holds, in paged blocks read
-    where they lie (as `attend_paged`'s): the output (1, 1, Hq, D). None where the C cannot: then gather them first."""
-    kv_heads, k = index.shape
-    dim = keys.shape[3]
-    if not (paged_fits(keys, values) and query_fits(query, scaling, (1, kv_heads, k, dim), None, per_head=False)):
+    k; ascending per head, as quest's pages; those at or past `tokens` are none, never read), those where `valid`
+    (Hkv, k bool, or None) holds, in paged blocks read where they lie (as `attend_paged`'s): the output (1, 1, Hq, D).
+    None where the C cannot (`paged_at_fits`): then gather them first."""
+    if not (paged_fits(keys, values) and paged_at_fits(query, index, valid, keys.shape[3], scaling)):
         return None
-    group = query.shape[1] // kv_heads
-    packed = query.reshape(kv_heads, group, dim).contiguous()
-    index, table = paged_positions(index, block_ids, keys.shape[2], "attention")
-    at = (BlockStrides.of(keys, values), table.data_ptr(), keys.shape[2], index.data_ptr(), k, kv_heads, group, dim)
-    threads = torch.get_num_threads()
-    logits = torch.empty(kv_heads, group, k)
-    kernels().paged_logits_at(packed.data_ptr(), keys.data_ptr(), *at, scaling, logits.data_ptr(), _wide(), threads)
-    if valid is not None:
-        logits.masked_fill_(~valid.view(kv_heads, 1, k), float("-inf"))
+    output = query.new_empty(1, 1, query.shape[1], query.shape[3])
+    attend_paged_many(keys, values, [(query, block_ids, index, valid, tokens, output)], scaling)  # type: ignore[arg-type]
+    return output
+
+
+def paged_at_fits(
+    query: torch.Tensor, index: torch.Tensor, valid: torch.Tensor | None, dim: int, scaling: object
+) -> bool:
+    """Whether `attend_paged_many` takes this request's query and positions beside blocks that `paged_fits`."""
+    kv_heads, k = index.shape
+    return query_fits(query, scaling, (1, kv_heads, k, dim), valid, per_head=True)
+
+
+def attend_paged_many(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    requests: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int, torch.Tensor]],
+    scaling: float,
+) -> None:
+    """`attend_paged_at` of n requests over one layer's paged blocks (that `paged_fits`) in one call, each request
+    (query (1, Hq, 1, D), block ids, index (Hkv, k), valid (Hkv, k) or None, its tokens, out: Hq x D float32
+    contiguous) one that `paged_at_fits`: every output written into its `out`. IndexError where a token lies outside
+    its request's blocks: the C reads no memory outside them."""
+    kv_heads, dim = keys.shape[1], keys.shape[3]
+    group = requests[0][0].shape[1] // kv_heads
+    kept = []  # the tensors the C reads, alive until it has
+    described = []
+    for query, block_ids, index, valid, tokens, out in requests:
+        query, index, table = query.contiguous(), index.to(torch.int64).contiguous(), block_ids.to(torch.int64)
+        table = table.contiguous()
+        mask = None if valid is None else valid.contiguous()
+        kept += [query, index, table, mask]
+        address = 0 if mask is None else mask.data_ptr()
+        fields = (query.data_ptr(), table.data_ptr(), table.numel(), index.data_ptr(), address, index.shape[1])
+        described.append(PagedAt(*fields, tokens, out.data_ptr()))
+    at = ((PagedAt * len(described))(*described), len(described))
+    width = max(request[2].shape[1] for request in requests)
+    sizes = (keys.shape[2], kv_heads, group, dim, width)
+    threads, wide = torch.get_num_threads(), _wide()
+    logits = torch.empty(len(requests), kv_heads, group, width)
+    strides = BlockStrides.of(keys, values)
+    if kernels().paged_logits_at(*at, keys.data_ptr(), strides, *sizes, scaling, logits.data_ptr(), wide, threads):
+        raise IndexError("attention: a token is outside its request's blocks")
     probs = logits.softmax(dim=-1)
-    output = torch.empty_like(packed)
-    kernels().paged_weigh_at(probs.data_ptr(), values.data_ptr(), *at, output.data_ptr(), _wide(), threads)
-    return output.reshape(1, 1, kv_heads * group, dim)
+    kernels().paged_weigh_at(*at, probs.data_ptr(), values.data_ptr(), strides, *sizes, wide, threads)
 
 
 def paged_fits(keys: torch.Tensor, values: torch.Tensor) -> bool:

@@ -51,6 +51,12 @@ class BlockStrides(ctypes.Structure):
         return cls(keys.stride(0) * size, keys.stride(1) * size, values.stride(0) * size, values.stride(1) * size)
 
 
+class PagedAt(ctypes.Structure):
+    """The C's PagedAt: one request's query, block table, positions, mask and output (addresses) and their counts."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("query", "table", "blocks", "index", "valid", "k", "tokens", "out")]
+
+
 class QuantizedPart(ctypes.Structure):
     """The C's QuantizedPart: where a quantized C_f's codes, scales and minimums of keys (or values) lie."""
 
@@ -152,10 +158,12 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     library.paged_gather.argtypes = [pointer, pointer, BlockStrides, pointer, size, pointer, size, size, size, size]
     library.paged_gather.argtypes += [pointer, size, pointer, pointer]
     library.paged_gather.restype = status
-    at = [pointer, pointer, BlockStrides, pointer, size, pointer, size, size, size, size]  # positions of one request
-    library.paged_logits_at.argtypes = at + [ctypes.c_float, pointer, status, status]
-    library.paged_weigh_at.argtypes = at + [pointer, status, status]
-    library.paged_logits_at.restype = library.paged_weigh_at.restype = None
+    at = [pointer, size]  # n requests' PagedAt
+    library.paged_logits_at.argtypes = [*at, pointer, BlockStrides, size, size, size, size, size, ctypes.c_float]
+    library.paged_logits_at.argtypes += [pointer, status, status]
+    library.paged_weigh_at.argtypes = [*at, pointer, pointer, BlockStrides, size, size, size, size, size, status]
+    library.paged_weigh_at.argtypes += [status]
+    library.paged_logits_at.restype, library.paged_weigh_at.restype = status, None
     stores: list[Any] = [pointer, pointer, pointer, pointer, size, size, size, size, size]  # n requests' stores
     library.logits_stores.argtypes = stores + [ctypes.c_float, pointer, status, status]
     library.weigh_stores.argtypes = stores + [pointer, status, status]

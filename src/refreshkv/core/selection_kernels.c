@@ -1201,14 +1201,26 @@ AVX2_CLONE void weigh_stores(const float *probs, const int64_t *value_sources, c
     }
 }
 
-/* One request's attention over its k tokens at `index` (heads x k positions, ascending per head, as quest's pages)
-   of a paged cache where it lies (as paged_logits's): each run of consecutive positions in one block is read as
-   paged_logits reads a block, its keys' channel rows at once. `paged_logits_at`: the products times `scale` into
-   `logits` (heads x group x k). `paged_weigh_at`: the probabilities (as `logits`) times the values into `out` (heads
-   x group x dim), each run's sums (`weigh_span`) added in order. One task per head. */
-static int64_t run_length(const int64_t *positions, int64_t i, int64_t k, int64_t block_size) {
+/* The attention of n requests' query tokens, each over its own positions of one layer's paged cache where they lie
+   (as paged_logits's), quest's pages (PagedAt: request r's query, heads x group x dim; its block table of `blocks`
+   blocks; its k positions per head, `index` heads x k, ascending per head, those at or past its `tokens` not tokens
+   (the page being written runs past them): never read, not attended; `valid`, heads x k bytes, 0 where a position
+   is not attended, or 0: all are; `out`, heads x group x dim). Each run of consecutive positions in one block is
+   read as paged_logits reads a block, its keys' channel rows at once. `paged_logits_at`: the products times `scale`
+   into `logits` (n x heads x group x width, width >= every k; -inf where not attended and past k), or 1 with nothing
+   read where a token lies outside its request's blocks. `paged_weigh_at`: the probabilities (as `logits`) times the
+   values into each `out`, each run's sums (`weigh_span`) added in order. One task per (request, head). */
+typedef struct {
+    int64_t query, table, blocks, index, valid, k, tokens, out; /* addresses, and counts */
+} PagedAt;
+
+/* The positions from the i-th on that lie one after another in one block, all before `tokens`; 0 where the i-th is
+   not a token. */
+static int64_t run_length(const int64_t *positions, int64_t i, int64_t k, int64_t block_size, int64_t tokens) {
+    if (positions[i] >= tokens) return 0;
     int64_t count = 1, block = positions[i] / block_size;
-    while (i + count < k && positions[i + count] == positions[i] + count && positions[i + count] / block_size == block)
+    while (i + count < k && positions[i + count] == positions[i] + count && positions[i + count] / block_size == block &&
+           positions[i + count] < tokens)
         count++;
     return count;
 }
@@ -1220,10 +1232,14 @@ enum { RUNS_AHEAD = 4 }; /* runs whose lines are asked for before they are summe
    one line of rows) until `*ahead` runs are asked for, moving `*cursor`: a quest page's rows lie too far apart, and
    its pages too, for the hardware's own prefetch to guess them. */
 INLINE void prefetch_runs(const char *source, int64_t batch_stride, int64_t head_stride, const int64_t *block_ids,
-                          int64_t block_size, const int64_t *positions, int64_t k, int64_t h, int64_t row,
-                          int64_t dim, int64_t *cursor, int64_t *ahead) {
+                          int64_t block_size, const int64_t *positions, int64_t k, int64_t tokens, int64_t h,
+                          int64_t row, int64_t dim, int64_t *cursor, int64_t *ahead) {
     for (; *ahead < RUNS_AHEAD && *cursor < k; (*ahead)++) {
-        int64_t count = run_length(positions, *cursor, k, block_size);
+        int64_t count = run_length(positions, *cursor, k, block_size, tokens);
+        if (count == 0) { /* not a token: nothing to read */
+            *cursor += 1;
+            continue;
+        }
         const float *first =
             token_at(source, batch_stride, head_stride, block_ids, block_size, h, positions[*cursor], row);
         int64_t lines = row == 1 ? dim : 1, stride = row == 1 ? block_size : 0, width = row == 1 ? count : count * dim;
@@ -1233,44 +1249,69 @@ INLINE void prefetch_runs(const char *source, int64_t batch_stride, int64_t head
     }
 }
 
-AVX2_CLONE void paged_logits_at(const float *query, const char *key_source, BlockStrides strides,
-                                const int64_t *block_ids, int64_t block_size, const int64_t *index, int64_t k,
-                                int64_t heads, int64_t group, int64_t dim, float scale, float *logits, int wide,
-                                int threads) {
+AVX2_CLONE int paged_logits_at(const PagedAt *requests, int64_t n, const char *key_source, BlockStrides strides,
+                               int64_t block_size, int64_t heads, int64_t group, int64_t dim, int64_t width,
+                               float scale, float *logits, int wide, int threads) {
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t *index = (const int64_t *)requests[r].index, end = requests[r].blocks * block_size;
+        for (int64_t i = 0; i < heads * requests[r].k; i++)
+            if (index[i] < 0 || index[i] < requests[r].tokens && index[i] >= end) return 1;
+    }
     wide = wide_paged(wide);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t h = 0; h < heads; h++) {
-        const int64_t *positions = index + h * k;
+#pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && n * heads > 1)
+    for (int64_t task = 0; task < n * heads; task++) {
+        const PagedAt *at = requests + task / heads;
+        int64_t h = task % heads, k = at->k;
+        const int64_t *positions = (const int64_t *)at->index + h * k, *table = (const int64_t *)at->table;
+        const float *q = (const float *)at->query + h * group * dim;
+        float *out = logits + task * group * width;
         int64_t cursor = 0, ahead = 0;
         for (int64_t i = 0, count; i < k; i += count, ahead--) {
-            prefetch_runs(key_source, strides.key_batch, strides.key_head, block_ids, block_size, positions, k, h, 1,
-                          dim, &cursor, &ahead);
-            count = run_length(positions, i, k, block_size);
+            prefetch_runs(key_source, strides.key_batch, strides.key_head, table, block_size, positions, k, at->tokens,
+                          h, 1, dim, &cursor, &ahead);
+            count = run_length(positions, i, k, block_size, at->tokens);
+            if (count == 0) { /* not a token */
+                for (int64_t g = 0; g < group; g++) out[g * width + i] = -INFINITY;
+                count = 1;
+                continue;
+            }
             const float *keys =
-                token_at(key_source, strides.key_batch, strides.key_head, block_ids, block_size, h, positions[i], 1);
-            paged_run_logits(query + h * group * dim, keys, block_size, count, group, k, dim, scale,
-                             logits + h * group * k + i, wide);
+                token_at(key_source, strides.key_batch, strides.key_head, table, block_size, h, positions[i], 1);
+            paged_run_logits(q, keys, block_size, count, group, width, dim, scale, out + i, wide);
+        }
+        const uint8_t *valid = at->valid ? (const uint8_t *)at->valid + h * k : NULL;
+        for (int64_t g = 0; g < group; g++) {
+            for (int64_t i = 0; valid && i < k; i++)
+                if (!valid[i]) out[g * width + i] = -INFINITY;
+            for (int64_t i = k; i < width; i++) out[g * width + i] = -INFINITY;
         }
     }
+    return 0;
 }
 
-AVX2_CLONE void paged_weigh_at(const float *probs, const char *value_source, BlockStrides strides,
-                               const int64_t *block_ids, int64_t block_size, const int64_t *index, int64_t k,
-                               int64_t heads, int64_t group, int64_t dim, float *out, int wide, int threads) {
+AVX2_CLONE void paged_weigh_at(const PagedAt *requests, int64_t n, const float *probs, const char *value_source,
+                               BlockStrides strides, int64_t block_size, int64_t heads, int64_t group, int64_t dim,
+                               int64_t width, int wide, int threads) {
     wide = wide_values(wide, dim);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t h = 0; h < heads; h++) {
-        const int64_t *positions = index + h * k;
-        float *sums = out + h * group * dim, run[group * dim]; /* one run's sums */
+#pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && n * heads > 1)
+    for (int64_t task = 0; task < n * heads; task++) {
+        const PagedAt *at = requests + task / heads;
+        int64_t h = task % heads, k = at->k;
+        const int64_t *positions = (const int64_t *)at->index + h * k, *table = (const int64_t *)at->table;
+        float *sums = (float *)at->out + h * group * dim, run[group * dim]; /* one run's sums */
         memset(sums, 0, (size_t)(group * dim) * sizeof(float));
         int64_t cursor = 0, ahead = 0;
         for (int64_t i = 0, count; i < k; i += count, ahead--) {
-            prefetch_runs(value_source, strides.value_batch, strides.value_head, block_ids, block_size, positions, k,
-                          h, dim, dim, &cursor, &ahead);
-            count = run_length(positions, i, k, block_size);
-            const float *values = token_at(value_source, strides.value_batch, strides.value_head, block_ids,
-                                           block_size, h, positions[i], dim);
-            weigh_span(probs + h * group * k + i, values, group, k, dim, 0, count, run, wide);
+            prefetch_runs(value_source, strides.value_batch, strides.value_head, table, block_size, positions, k,
+                          at->tokens, h, dim, dim, &cursor, &ahead);
+            count = run_length(positions, i, k, block_size, at->tokens);
+            if (count == 0) { /* not a token: weighs 0 */
+                count = 1;
+                continue;
+            }
+            const float *values =
+                token_at(value_source, strides.value_batch, strides.value_head, table, block_size, h, positions[i], dim);
+            weigh_span(probs + task * group * width + i, values, group, width, dim, 0, count, run, wide);
             for (int64_t e = 0; e < group * dim; e++) sums[e] += run[e];
         }
     }

@@ -100,9 +100,9 @@ class PagedStore(LayerState):
             self.lows = torch.cat([self.lows, torch.full_like(self.lows, float("inf"))], dim=3)
             self.highs = torch.cat([self.highs, torch.full_like(self.highs, float("-inf"))], dim=3)
         if self.uniform:  # every row writes the same page: widened in place (a served step does so at every layer)
-            written = (self.full.length - 1 - self.fewest_pads) // self.page_size
+            written, token = (self.full.length - 1 - self.fewest_pads) // self.page_size, key[:, :, 0]
             for bounds, widen in ((self.lows[..., written], torch.minimum), (self.highs[..., written], torch.maximum)):
-                widen(bounds, key[:, :, 0], out=bounds)
+                widen(bounds, token, out=bounds)
             return
         channels = key.transpose(2, 3)  # (B, Hkv, D, 1)
         page = self.current_pages().view(-1, 1, 1, 1).expand_as(channels)
@@ -115,7 +115,8 @@ class PagedStore(LayerState):
 
     def metadata_bytes(self) -> int:
         """Bytes of the pages' minima and maxima (read in full at every step)."""
-        return 2 * self.lows[..., : self.pages].numel() * self.lows.element_size()
+        batch, heads, dim, _ = self.lows.shape
+        return 2 * batch * heads * dim * self.pages * self.lows.element_size()
 
     def nbytes(self) -> int:
         return self.full.nbytes() + self.metadata_bytes()
@@ -187,14 +188,14 @@ class Quest(BudgetPolicy[PagedStore]):
             attended = full.attend(query, scaling, valid)  # where C_f lies otherwise (a serving engine's blocks)
             return decode_attention(query, *full.view(), scaling, valid) if attended is None else attended[0]
         index, chosen = self.selected_tokens(store, query, selected_pages)  # (B, Hkv, k) each
-        # the page being written runs past the tokens held: read the last one there, mask what is not a token
-        valid = index < full.length if chosen is None else chosen & (index < full.length)
-        index = index.clamp(max=full.length - 1)
         layer.record(0.0, full.attended_bytes() // full.length * index.shape[-1] + store.metadata_bytes())
-        chosen_attended = full.attend_at(query, scaling, index, valid)  # where C_f lies otherwise (an engine's blocks)
-        if chosen_attended is None:
-            return decode_attention(query, *self.gathered(store, index), scaling, valid)
-        return chosen_attended
+        # the page being written runs past the tokens held: a store that attends where C_f lies (an engine's blocks)
+        # skips those positions; gathered, read the last token there and mask what is not a token
+        chosen_attended = full.attend_at(query, scaling, index, chosen)
+        if chosen_attended is not None:
+            return chosen_attended
+        valid = index < full.length if chosen is None else chosen & (index < full.length)
+        return decode_attention(query, *self.gathered(store, index.clamp(max=full.length - 1)), scaling, valid)
 
     @staticmethod
     def gathered(store: PagedStore, index: Tensor) -> tuple[Tensor, Tensor]:

@@ -13,8 +13,9 @@ import torch
 from torch import Tensor
 
 from ..core.kvstore import FullStore
-from ..core.native_attention import attend_paged, attend_paged_at, gather_paged
+from ..core.native_attention import attend_paged, attend_paged_at, gather_paged, paged_at_fits
 from ..core.policy import PolicyError
+from .held_steps import HeldSteps
 
 
 class PagedBlocks:
@@ -76,6 +77,7 @@ class PagedFullStore(FullStore):
     def __init__(self, blocks: PagedBlocks, block_ids: Tensor):
         self.blocks, self.block_ids = blocks, block_ids
         self.length = 0
+        self.held_steps: HeldSteps | None = None  # where this step's attention over chosen tokens goes, if anywhere
 
     def append(self, keys: Tensor, values: Tensor) -> None:
         self.length += keys.shape[2]  # the engine wrote them into the blocks
@@ -93,11 +95,15 @@ class PagedFullStore(FullStore):
         return attend_paged(query, blocks.keys, blocks.values, self.block_ids, self.length, scaling)
 
     def attend_at(self, query: Tensor, scaling: object, index: Tensor, valid: Tensor | None) -> Tensor | None:
-        """The chosen tokens alone, attended where they lie (native_attention.attend_paged_at): one request."""
-        blocks = self.blocks
-        return attend_paged_at(
-            query, blocks.keys, blocks.values, self.block_ids, index[0], None if valid is None else valid[0], scaling
-        )
+        """The chosen tokens alone, attended where they lie (native_attention.attend_paged_at): one request, or with
+        `held_steps`, every such request of the layer's step in one call there (the row returned filled then)."""
+        keys, values = self.blocks.keys, self.blocks.values
+        index, valid = index[0], None if valid is None else valid[0]
+        if self.held_steps is not None and paged_at_fits(query, index, valid, keys.shape[3], scaling):
+            held = self.held_steps.add_paged(query, (keys, values), self.block_ids, index, valid, self.length)
+            if held is not None:
+                return held
+        return attend_paged_at(query, keys, values, self.block_ids, index, valid, self.length, scaling)
 
     def gather(
         self, index: Tensor, out: tuple[Tensor, Tensor], rows: Tensor | None = None, held: Tensor | None = None

@@ -12,6 +12,7 @@ takes the same decisions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable
 
@@ -78,7 +79,7 @@ class Request:
     def prefilled(self) -> int:
         return len(self.prefilled_ids)
 
-    @property
+    @functools.cached_property
     def budget(self) -> int:
         return self.policy.budget_for(self.prefilled)
 
@@ -185,12 +186,13 @@ class Request:
         if layer is None:
             raise PolicyError("the plugin saw none of this request's prefill (it was switched on mid-request)")
         layer.at(blocks, block_ids, seq_len)
-        layer.recorded, layer.held_steps = False, held_steps
+        layer.recorded = False
+        layer.hold(held_steps)
         self.answer_kv.setdefault(layer_idx, []).append(torch.cat((key, value)))
         output = self.policy.decode(layer, query, key, value, scaling)
         # not kept past the step: it holds the step's queries and output rows (the engine's tensors, those of a step
         # with prefill chunks in it 8K tokens long) and every request's C_p that took its partial step beside this one
-        layer.held_steps = None
+        layer.hold(None)
         if not layer.recorded:
             raise PolicyError(f"method '{self.policy.name}' decoded without calling layer.record(...)")
         return output
@@ -265,6 +267,12 @@ class RequestLayer:
         self.blocks, self.block_ids, self.seen = blocks, block_ids, seen
         if self.full is not None:
             self.full.blocks, self.full.block_ids = blocks, block_ids
+
+    def hold(self, held_steps: HeldSteps | None) -> None:
+        """Where this step's attention over held tokens, or over chosen tokens of C_f, goes (None: computed here)."""
+        self.held_steps = held_steps
+        if self.full is not None:
+            self.full.held_steps = held_steps
 
     def capacity(self) -> int:
         return self.request.prefilled + self.request.new_tokens

@@ -88,7 +88,8 @@ class RefreshKVMetadataBuilder(CPUAttentionMetadataBuilder):
             if request is None or end == start:  # vLLM's alone: no block table to slice
                 engine_rows.append((row, start, end, seq_len))
                 continue
-            block_ids = batch.block_table_tensor[row, : -(-seq_len // self.block_size)]
+            # as the C reads block tables: converted once here, not at each layer
+            block_ids = batch.block_table_tensor[row, : -(-seq_len // self.block_size)].to(torch.int64)
             if request.is_decoding(seq_len, end - start):
                 decodes.append((end - 1, request, seq_len, block_ids))
                 if end - 1 > start:  # a resumed request's recomputed tokens: vLLM's, before its last
@@ -184,9 +185,13 @@ class RefreshKVImpl(CPUAttentionBackendImpl):
         the step's output rows (held_steps.py)."""
         rows = output.view(len(output), *query.shape[1:])  # (tokens, Hq, D)
         held = HeldSteps(rows)
-        for token, request, seq_len, block_ids in decodes:
+        tokens = torch.tensor([token for token, _, _, _ in decodes])
+        # each decoded token's query, key and value as (1, heads, 1, D), taken out of the step's rows at once
+        taken = (
+            x.index_select(0, tokens).view(len(decodes), 1, -1, 1, x.shape[-1]).unbind(0) for x in (query, key, value)
+        )
+        for (token, request, seq_len, block_ids), q, k, v in zip(decodes, *taken):
             request.restore_answer(layer_idx, blocks, block_ids)  # after a preemption's recomputation
-            q, k, v = (x[token].reshape(1, -1, 1, x.shape[-1]) for x in (query, key, value))  # (1, heads, 1, D)
             held.row, before = token, len(held)
             attended = request.decode(layer_idx, q, k, v, self.scale, blocks, block_ids, seq_len, held)
             if len(held) == before:  # not held: its own output
