@@ -17,7 +17,7 @@ from refreshkv.core.policy import PolicyError
 from refreshkv.serving.batch_rows import BatchRows
 from refreshkv.serving.paged_store import PagedBlocks, PagedFullStore, cpu_blocks
 from refreshkv.serving.plugin_config import served_policy
-from refreshkv.serving.request_layer import ModelFacts, Request, StepCounts
+from refreshkv.serving.request_layer import ModelFacts, Request, StepCounts, tokens_left
 
 
 def paged(keys: torch.Tensor, values: torch.Tensor, block_size: int, order: list[int], layout: str = "rows"):
@@ -381,20 +381,24 @@ def test_a_request_that_leaves_the_batch_is_parked_until_the_engine_drops_its_pa
 
 
 def test_a_request_that_finished_is_not_parked():
-    """A request that leaves having decoded all it may, or with a stop token last, is done: its state goes at once,
-    whether or not the engine still holds its parameters."""
+    """A request that leaves having decoded all it may (its max_tokens, or the model's context), or with a stop token
+    last, is done: its state goes at once, whether or not the engine still holds its parameters."""
 
     class Params:  # stands for vLLM's SamplingParams: held by the engine while the request lives
         all_stop_token_ids = {2}
 
     params, facts = Params(), ModelFacts("llama", [None])
-    for answer, parked in (([5, 6], 1), ([5, 6, 7], 0), ([5, 2], 0)):
-        request = Request(make_policy("refreshkv", budget=4), [1] * 10, 3, facts, StepCounts())
+    # (max_tokens, the answer when the request leaves, whether it is parked): the engine's context is 13 tokens, so
+    # one with room for 5 more ends at its third token as one whose max_tokens is 3
+    for max_tokens, answer, parked in ((3, [5, 6], 1), (3, [5, 6, 7], 0), (3, [5, 2], 0), (5, [5, 6, 7], 0)):
+        new_tokens = tokens_left(max_tokens, 13, 10, 0)
+        request = Request(make_policy("refreshkv", budget=4), [1] * 10, new_tokens, facts, StepCounts())
         request.owner, request.answer, request.prompt_length = weakref.ref(params), answer, 10
         rows = BatchRows()
         rows.update([], [(0, request)], [])
         rows.update([0], [], [])
         assert len(rows.parked) == parked, answer
+    assert tokens_left(None, 13, 10, 1) == 2 and tokens_left(8, 13, 10, 4) == 0
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,13 @@ class StepCounts:
     resumed: int = 0  # requests that came back after leaving the batch (preempted, or skipped for a step)
 
 
+def tokens_left(max_tokens: int | None, context: int, prompt_length: int, decoded: int) -> int:
+    """How many tokens a request of `prompt_length` tokens that has `decoded` so far may still decode: the engine
+    ends it at its `max_tokens` (None: no limit) or at the model's `context`, whichever comes first."""
+    room = context - prompt_length
+    return max((room if max_tokens is None else min(max_tokens, room)) - decoded, 0)
+
+
 @dataclasses.dataclass
 class Request:
     """One request of the engine's batch: its method, the tokens prefilled before its first decode, how many it may

@@ -25,7 +25,7 @@ from ..core.rope import inverse_frequencies
 from .batch_rows import ROWS
 from .heap import HEAP
 from .plugin_config import CONFIG_KEY, served_policy
-from .request_layer import ModelFacts, Request, StepCounts
+from .request_layer import ModelFacts, Request, StepCounts, tokens_left
 
 LOG = init_logger("vllm.refreshkv")  # under vLLM's logger: its handlers print it
 COUNTS = StepCounts()  # this worker's decode layer-steps, summed over requests
@@ -140,12 +140,12 @@ class RequestRows(LogitsProcessor):
                 budget,
                 context,
             )
-        new_tokens = (params.max_tokens if params.max_tokens is not None else context) - len(output)
+        new_tokens = tokens_left(params.max_tokens, context, len(prompt), len(output))
         facts = self.facts.get(policy.name + str(policy.uses_word_spans()))
         if facts is None:
             facts = self.facts[policy.name + str(policy.uses_word_spans())] = model_facts(self.config, policy)
         # an answer so far without a parked state: its request was parked past PARKED_AT_MOST; what vLLM prefills
         # again, the prompt and the answer so far, is its question
-        request = Request(policy, [*prompt, *output], max(new_tokens, 0), facts, COUNTS)
+        request = Request(policy, [*prompt, *output], new_tokens, facts, COUNTS)
         request.owner, request.answer, request.prompt_length = weakref.ref(params), output, len(prompt)
         return request if request.served else None
