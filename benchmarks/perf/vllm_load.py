@@ -4,11 +4,14 @@ the plugin's state returns to zero or not, and the server's memory (every proces
     python benchmarks/perf/vllm_load.py --out docs/results/vllm-load/rows.jsonl      # in the vllm virtualenv
 
 Per configuration (`plugin`: refreshkv at K = L/8 as the engine's method; `vllm`: no engine method), a server is
-started, `--requests` completion requests of `--min-tokens` to `--max-tokens` prompt tokens (book passages, token
-ids) are sent by `--clients` concurrent streaming clients, `--cancel` of them closed after their third chunk, and
-the server's RSS (the sum over its process tree) is sampled every second. The plugin logs how many requests hold its
-state whenever that changes (at DEBUG, which the script turns on): after the run the last such line must say 0.
-One JSON row per configuration; a configuration already in `--out` is skipped (resumable).
+started, `--requests` completion requests of `--min-tokens` to `--max-tokens` prompt tokens (token ids: the opening
+of one of `--openings` documents and a question of its own, `load_prompts`) are sent by `--clients` concurrent
+streaming clients, `--cancel` of them closed after their third chunk, and the server's RSS (the sum over its process
+tree) is sampled every second. Shared documents keep the prefill within what a 2-core CPU does in an hour: 1,000
+prompts of their own, 3.8M tokens, are about 3 hours of prefill per server there (`--openings 0` runs that load).
+The plugin logs how many requests hold its state whenever that changes (at DEBUG, which the script turns on): after
+the run the last such line must say 0. One JSON row per configuration; a configuration already in `--out` is skipped
+(resumable).
 """
 
 import argparse
@@ -124,6 +127,25 @@ def serve(name: str, args, prompts: list[list[int]]) -> dict:
         server.wait(timeout=120)
 
 
+def load_prompts(book: list[int], args, rng: random.Random) -> list[list[int]]:
+    """`--requests` prompts of `--min-tokens` to `--max-tokens` tokens. With `--openings`, each is the start of one of
+    that many documents (book passages) and then a question of its own (a passage of 64-256 tokens from anywhere in
+    the books): the documents' blocks come from vLLM's prefix cache after their first prefill, each question's are
+    prefilled. Without, each prompt is a passage of its own, all of it prefilled."""
+    documents = [rng.randrange(len(book) - args.max_tokens) for _ in range(args.openings)]
+    prompts = []
+    for _ in range(args.requests):
+        length = rng.randint(args.min_tokens, args.max_tokens)
+        if not documents:
+            start = rng.randrange(len(book) - length)
+            prompts.append(book[start : start + length])
+            continue
+        question = rng.randint(64, 256)
+        document, asked = rng.choice(documents), rng.randrange(len(book) - question)
+        prompts.append(book[document : document + length - question] + book[asked : asked + question])
+    return prompts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -133,18 +155,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--cancel", type=float, default=0.05)
+    parser.add_argument("--openings", type=int, default=16, help="documents the prompts begin with (0: none)")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m")))
     text = " ".join(path.read_text(encoding="utf-8") for path in sorted(BOOKS.glob("austen-*.txt")))
     book = tokenizer.encode(text, add_special_tokens=False)
-    rng = random.Random(1)
-    prompts = []
-    for _ in range(args.requests):
-        length = rng.randint(args.min_tokens, args.max_tokens)
-        start = rng.randrange(len(book) - length)
-        prompts.append(book[start : start + length])
+    prompts = load_prompts(book, args, random.Random(1))
     done = set()
     if args.out.exists():
         done = {json.loads(line)["config"] for line in args.out.read_text().splitlines() if line.strip()}
