@@ -272,6 +272,12 @@ def test_a_full_step_over_vllms_cpu_blocks_attends_and_gathers_where_they_lie():
         out[1][0, :, :4], values[0, heads, index]
     )
     assert not out[0][0, :, 4:].any()  # the slots after k untouched
+    for outside in (320, -1):  # past the request's 10 blocks of 32 tokens, or before them: refused, nothing written
+        wrong = index.clone()
+        wrong[2, 1] = outside
+        with pytest.raises(IndexError, match="outside the request's 10 blocks"):
+            gather_paged(blocks.keys, blocks.values, table, wrong, (torch.zeros(1, 3, 6, 64), out[1]))
+    assert torch.equal(out[1][0, :, :4], values[0, heads, index])
 
 
 @pytest.mark.parametrize("seed", range(6))
