@@ -10,7 +10,8 @@ cache). Every engine step is timed, and inside it the plugin's attention layers 
 vLLM's own kernel for the rows it does not serve) and each C call of the plugin (timed around the library's
 functions). A step is a refresh where at least half of its request-layer steps read the whole cache. Prints, per
 kind of step, the median step and its parts in ms: the rest of the model (the step less the attention layers), the C
-calls by name, and host work (the plugin's layers less their C calls; for vLLM's own, its kernel).
+calls by name, and host work (the plugin's layers less their C calls, the timers' own microsecond a call in it);
+for vLLM's own, its attention layers.
 """
 
 import argparse
@@ -107,17 +108,18 @@ def main() -> None:
             kinds = {"refresh": [s for s in decode if s[1] >= 0.5], "other": [s for s in decode if s[1] < 0.5]}
         for kind, chosen in kinds.items():
             if chosen:
-                print(f"{label}, {kind} steps ({len(chosen)}): " + ", ".join(step_parts(chosen, label)))
+                own = run_settings["method"] == "full"
+                print(f"{label}, {kind} steps ({len(chosen)}): " + ", ".join(step_parts(chosen, own)))
 
 
-def step_parts(chosen: list[tuple[float, float, dict[str, float]]], label: str) -> list[str]:
-    """The median step of `chosen` and the median of each part, in ms."""
+def step_parts(chosen: list[tuple[float, float, dict[str, float]]], own: bool) -> list[str]:
+    """The median step of `chosen` and the median of each part, in ms (`own`: vLLM's own attention's steps)."""
     step_ms = statistics.median(1e3 * seconds for seconds, _, _ in chosen)
     names = sorted({name for _, _, parts in chosen for name in parts})
     part_ms = {name: statistics.median(1e3 * parts.get(name, 0.0) for _, _, parts in chosen) for name in names}
     layers_ms = part_ms.pop("attention layers", 0.0)
     shown = [f"step {step_ms:.0f} (max {1e3 * max(chosen)[0]:.0f})", f"rest of the model {step_ms - layers_ms:.0f}"]
-    if label == "vLLM's own":
+    if own:
         return shown + [f"vLLM's attention {layers_ms:.0f}"]
     shown += [f"{name} {ms:.0f}" for name, ms in sorted(part_ms.items(), key=lambda item: -item[1]) if ms >= 1]
     return shown + [f"host {layers_ms - sum(part_ms.values()):.0f}"]
