@@ -22,27 +22,15 @@ import time
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its layers timed here
 
-from vllm import EngineArgs, LLMEngine  # noqa: E402
-from vllm_serving import book_tokens  # noqa: E402
+from call_timer import timed_call  # noqa: E402
+from vllm_serving import book_tokens, serving_engine  # noqa: E402
 
 from refreshkv.core import native_attention, native_selection  # noqa: E402
-from refreshkv.runtime.loading import resolve_model_dir  # noqa: E402
 from refreshkv.serving import vllm_backend  # noqa: E402
 from refreshkv.serving.vllm_rows import COUNTS  # noqa: E402
 from refreshkv.serving.wall_clock import timed_run  # noqa: E402
 
 spent: dict[str, float] = collections.defaultdict(float)  # seconds per part, summed since the start
-
-
-def timed(function, name: str):
-    def call(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            spent[name] += time.perf_counter() - start
-
-    return call
 
 
 class TimedKernels:
@@ -52,7 +40,7 @@ class TimedKernels:
         self.library = library
 
     def __getattr__(self, name: str):
-        return timed(getattr(self.library, name), "C " + name)
+        return timed_call(getattr(self.library, name), "C " + name, spent)
 
 
 def main() -> None:
@@ -63,22 +51,11 @@ def main() -> None:
     parser.add_argument("--method", default="recycled")
     parser.add_argument("--new-tokens", type=int, default=41)
     args = parser.parse_args()
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=str(resolve_model_dir("smollm2-135m")),
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=args.length + args.new_tokens + 8,
-            max_num_seqs=args.batch,
-            max_num_batched_tokens=args.length + args.new_tokens + 8,
-            gpu_memory_utilization=0.3,
-            additional_config={"refreshkv": {"method": "full"}},
-        )
-    )
+    engine = serving_engine(args.length + args.new_tokens + 8, args.batch)
     kernels = TimedKernels(native_attention.kernels())
     native_attention.kernels = native_selection.kernels = lambda: kernels
     layers = vllm_backend.RefreshKVImpl
-    layers.forward = timed(layers.forward, "attention layers")
+    layers.forward = timed_call(layers.forward, "attention layers", spent)
     steps: list[tuple[float, float, dict[str, float]]] = []  # (seconds, share of full request-layers, parts)
     engine_step = engine.step
 

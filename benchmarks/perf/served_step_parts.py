@@ -22,6 +22,7 @@ import time
 from collections import defaultdict
 
 import torch
+from call_timer import timed_call
 from transformers import AutoTokenizer
 
 from refreshkv.core.policy import make_policy
@@ -46,19 +47,8 @@ PARTS = {
 def timed(parts: tuple[tuple[str, str], ...], spent: dict[str, float]):
     """Each (module, name) of `parts` timed into `spent[name]` (seconds, summed) while inside; put back after."""
     originals = {(module, name): getattr(importlib.import_module(module), name) for module, name in parts}
-
-    def timer(name, function):
-        def call(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                spent[name] += time.perf_counter() - start
-
-        return call
-
     for (module, name), function in originals.items():
-        setattr(importlib.import_module(module), name, timer(name, function))
+        setattr(importlib.import_module(module), name, timed_call(function, name, spent))
     try:
         yield
     finally:

@@ -38,6 +38,23 @@ OWN = "vllm"  # vLLM's own attention (the plugin's method `full`)
 RATIOS = ("tokens_per_s", "first_token_s_mean", "step_ms_max")
 
 
+def serving_engine(max_model_len: int, max_num_seqs: int) -> LLMEngine:
+    """The in-process engine the serving benchmarks time: SmolLM2 in float32, eager, a whole prompt per prefill chunk,
+    the plugin on with `full` (vLLM's own attention) unless a request names its method."""
+    return LLMEngine.from_engine_args(
+        EngineArgs(
+            model=str(resolve_model_dir("smollm2-135m")),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_model_len,
+            gpu_memory_utilization=0.3,
+            additional_config={"refreshkv": {"method": "full"}},
+        )
+    )
+
+
 def book_tokens(tokenizer) -> list[int]:
     text = " ".join(path.read_text(encoding="utf-8") for path in sorted(BOOKS.glob("austen-*.txt")))
     return tokenizer.encode(text, add_special_tokens=False)
@@ -56,18 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     lengths, batches = [int(x) for x in args.lengths.split(",")], [int(x) for x in args.batches.split(",")]
     methods = args.methods.split(",")
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=str(resolve_model_dir("smollm2-135m")),
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=max(lengths) + args.new_tokens + 8,
-            max_num_seqs=max(batches),
-            max_num_batched_tokens=max(lengths) + args.new_tokens + 8,
-            gpu_memory_utilization=0.3,
-            additional_config={"refreshkv": {"method": "full"}},
-        )
-    )
+    engine = serving_engine(max(lengths) + args.new_tokens + 8, max(batches))
     book = book_tokens(engine.get_tokenizer())
     # untimed: the engine's first prefill at each length (and the plugin's first selection) cost more than later ones
     unseen = [book[-length:] for length in lengths]
