@@ -310,6 +310,34 @@ def test_a_refresh_carries_the_held_scores_in_c_as_in_pytorch(monkeypatch, carry
     assert not torch.equal(layer.state.partial.store.positions, held[0][0])  # the carry changed the selection
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_a_refresh_leaves_each_token_it_keeps_in_its_slot(monkeypatch, native):
+    """C_p holds positions 10, 20, 30, 40 and a decoded 50 in its spare slot; the refresh selects 20, 35, 40 and 50:
+    20 and 40 stay where they are, 35 and 50 (the spare slot is past K) take the freed slots 0 and 2 in position
+    order, in C as in PyTorch, their keys and values with them."""
+    monkeypatch.setenv("REFRESHKV_NATIVE", native)
+    length, budget = 60, 4
+    keys, values = torch.randn(1, 1, length, 8), torch.randn(1, 1, length, 8)
+    probs = torch.full((1, 1, 1, 1, length), 0.001)
+    probs[..., [20, 35, 40, 50]] = torch.tensor([0.2, 0.3, 0.1, 0.4])
+    partial = SelectionState.empty_like(keys, budget + 1)
+    partial.load(keys, values, torch.tensor([[[10, 20, 30, 40, 50]]]), torch.tensor([[[0.5, 0.4, 0.3, 0.2, 3.0]]]))
+    layer = SimpleNamespace(
+        state=SimpleNamespace(partial=partial, question_positions=None, question_scores=None),
+        prompt_spans=None,
+        budget=budget,
+        model_type="llama",
+    )
+    RefreshKV(budget=budget, kernel=1, pooling="centered", carry=0.0, question_floor=0.0).selection_rule(layer).refresh(
+        layer, probs, None, (keys, values)
+    )
+    held = [35, 20, 50, 40]
+    assert partial.store.positions.tolist() == [[held + [-1]]]
+    assert partial.scores[0, 0, :4].tolist() == pytest.approx([0.3, 0.2, 0.4, 0.1])
+    assert torch.equal(partial.store.keys[0, 0, :4], keys[0, 0, held])
+    assert torch.equal(partial.store.values[0, 0, :4], values[0, 0, held])
+
+
 @needs_compiler
 # dim: products in 16 lanes (16, 64, 80, 128) or one after another (40); value rows summed 64 floats at a time (64,
 # 128), in part (16, 40) or both (80); an odd group sums its last head beside itself. With `wide` on an AVX-512 CPU:

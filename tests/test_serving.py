@@ -281,42 +281,40 @@ def test_a_full_step_over_vllms_cpu_blocks_attends_and_gathers_where_they_lie():
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_a_refresh_over_vllms_cpu_blocks_copies_the_tokens_it_held_and_reads_the_others(seed):
-    """The slots hold tokens in any order (and empty slots): the new selection's tokens found there are copied from
-    their slots, through chains and cycles of copies (the blocks are wrong at exactly the held positions, so a token
-    read again, or a slot overwritten before it was read, would show); the others, and every token without `held`,
-    come from the blocks."""
+def test_a_refresh_over_vllms_cpu_blocks_reads_only_the_tokens_not_already_in_their_slots(seed):
+    """The slots hold tokens (and empty slots); the new selection leaves some in their slots (a refresh keeps a token
+    in its slot), asks for a held one in another slot and for new ones. Those in their slots are left as they are
+    (the blocks are wrong at exactly their positions, so a token read again would show); the others, and every
+    token without `held`, come from the blocks."""
     from refreshkv.core.native_attention import gather_paged
 
     generator = torch.Generator().manual_seed(seed)
     heads, length, dim, slots, k = 3, 700, 64, 90, 50
     keys, values = torch.randn(1, heads, length, dim, generator=generator), torch.randn(1, heads, length, dim)
     held = torch.stack([torch.randperm(length, generator=generator)[:80] for _ in range(heads)])
-    if seed % 2:  # ascending, as a refresh leaves them
-        held = held.sort(dim=1).values
     held[:, 70:] = -1  # empty slots
-    index = torch.stack(
-        [
-            torch.cat([row[:70][torch.randperm(70, generator=generator)[:50]], torch.randperm(length)[:30]])
-            for row in held
-        ]
+    stays = torch.rand(heads, k, generator=generator) < 0.6
+    fresh_positions = torch.stack(
+        [row[~torch.isin(row, held[h])][:k] for h, row in enumerate(torch.randperm(length).expand(heads, -1))]
     )
-    index = torch.stack([row.unique()[:k] for row in index])  # ascending, as a refresh selects
+    index = torch.where(stays, held[:, :k], fresh_positions)
+    index[:, 7] = held[:, 60]  # a held token asked for in another slot: read from the blocks
+    stays[:, 7] = False
     heads_at = torch.arange(heads).unsqueeze(1)
     out = torch.zeros(1, heads, slots, dim), torch.zeros(1, heads, slots, dim)
     filled = held.clamp(min=0)
     out[0][0, :, :80], out[1][0, :, :80] = keys[0, heads_at, filled], values[0, heads_at, filled]
-    was_held = torch.zeros(heads, length, dtype=torch.bool)
-    was_held[heads_at, held[:, :70]] = True
+    in_place = torch.zeros(heads, length, dtype=torch.bool)
+    in_place[heads_at.expand(-1, k)[stays], index[stays]] = True
     wrong_keys, wrong_values = keys.clone(), values.clone()
-    wrong_keys[0][was_held], wrong_values[0][was_held] = float("nan"), float("nan")
+    wrong_keys[0][in_place], wrong_values[0][in_place] = float("nan"), float("nan")
     blocks, table = paged(wrong_keys, wrong_values, 32, list(range(21))[::-1] + [21], "vllm_cpu")
     assert gather_paged(blocks.keys, blocks.values, table, index, out, held)
     assert torch.equal(out[0][0, :, :k], keys[0, heads_at, index])
     assert torch.equal(out[1][0, :, :k], values[0, heads_at, index])
     fresh = torch.zeros(1, heads, slots, dim), torch.zeros(1, heads, slots, dim)
     assert gather_paged(blocks.keys, blocks.values, table, index, fresh)  # without `held`: every token read again
-    assert torch.isnan(fresh[0][0, :, :k]).any(dim=-1).equal(was_held[heads_at, index])
+    assert torch.isnan(fresh[0][0, :, :k]).any(dim=-1).equal(stays)
 
 
 @pytest.mark.parametrize("wide", [0, 1])

@@ -288,8 +288,8 @@ def gather_paged(
     """Each KV head's tokens at `index` (Hkv, k) of one request's paged blocks (as `attend_paged`'s) into the first k
     slots of `out` (keys, values: (1, Hkv, n >= k, D) float32, each head's slots one after another, as a store's
     slots from some slot on lie). `held` (Hkv, m <= n), where given: the positions of the tokens in `out`'s first m
-    slots now (-1: none), which the C copies from their slots instead of reading them from the blocks again.
-    False, with nothing written, where the C cannot."""
+    slots now (-1: none): a slot that holds the position asked for is left as it is, not read from the blocks again
+    (a refresh leaves the tokens it keeps in their slots). False, with nothing written, where the C cannot."""
     heads, k = index.shape
     dim = keys.shape[3]
     slots = out[0].stride(1) // dim
@@ -304,7 +304,7 @@ def gather_paged(
         held = held.to(torch.int64).contiguous()
         if held.shape[0] != heads or held.shape[1] > out[0].shape[2]:
             raise ValueError(f"gather: held positions {tuple(held.shape)} for {heads} heads of {out[0].shape[2]} slots")
-    failed = kernels().paged_gather(
+    kernels().paged_gather(
         keys.data_ptr(),
         values.data_ptr(),
         BlockStrides.of(keys, values),
@@ -320,8 +320,6 @@ def gather_paged(
         out[0].data_ptr(),
         out[1].data_ptr(),
     )
-    if failed:
-        raise MemoryError(f"gather: no scratch space for {k} positions")
     return True
 
 

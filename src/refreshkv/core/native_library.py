@@ -157,7 +157,7 @@ def _declared(library: ctypes.CDLL) -> ctypes.CDLL:
     library.paged_logits.restype, library.paged_weigh_values.restype = None, status
     library.paged_gather.argtypes = [pointer, pointer, BlockStrides, pointer, size, pointer, size, size, size, size]
     library.paged_gather.argtypes += [pointer, size, pointer, pointer]
-    library.paged_gather.restype = status
+    library.paged_gather.restype = None
     at: list[Any] = [pointer, size]  # n requests' PagedAt
     library.paged_logits_at.argtypes = [*at, pointer, BlockStrides, size, size, size, size, size, ctypes.c_float]
     library.paged_logits_at.argtypes += [pointer, status, status]

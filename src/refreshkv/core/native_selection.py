@@ -188,8 +188,9 @@ def refresh_partial(
 ) -> bool:
     """A partial cache refreshed in one C call: `attention_math.selection_scores` with max (or `first_only`)
     aggregation and pooling `window` (before, after), spread over `words` (B, L) when given, -inf where `valid`
-    (broadcastable to (B, 1, 1, n)) is False, its top k in position order (`top_k`), and those tokens loaded into
-    `store` = (keys, values, positions, scores) of a `SelectionState` as its `load` does, the slots from k on emptied;
+    (broadcastable to (B, 1, 1, n)) is False, its top k (`top_k`), and those tokens loaded into the first k slots of
+    `store` = (keys, values, positions, scores) of a `SelectionState` as its `load` does, a token the store holds
+    there staying in its slot (partial_cache.py `held_slot_order`), the slots from k on emptied;
     with `carry` = (share, below) and share > 0, each token the store holds with a score below `below` (the selected
     ones, not the decoded ones) first scores at least share x its score there, and with `floor` = (positions, scores,
     share) ((B, Hkv, slots) each, a selection kept aside) each token there at least share x its score there. With

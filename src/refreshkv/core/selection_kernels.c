@@ -373,10 +373,11 @@ int gather_rows(const char *keys, const char *values, BlockStrides strides, int6
    (batch x length) is given, -inf where `valid` (batch x n bytes, or NULL) is 0, and with `carry` > 0 at least carry
    x its score in the store where the store holds it with a score below `carried_below` (the selected tokens, not the
    decoded ones), and with `floor_share` > 0 at least floor_share x its score in `floor_positions` and `floor_scores`
-   (batch x heads x floor_slots: a selection kept aside, the question's). Its k highest in position order
-   (top_k_of_keys) fill the first k of the store's `slots`: their positions (`positions`, batch x heads x slots),
-   scores (`kept_scores`, likewise) and key and value rows (as gather_rows; not where `key_source` is NULL: the
-   caller gathers them). The slots from k on are empty: position -1, score -inf, a copy of the last kept row.
+   (batch x heads x floor_slots: a selection kept aside, the question's). Its k highest (top_k_of_keys) fill the
+   first k of the store's `slots` (keep_held_slots: a token the store holds in one of them stays there, the others
+   take the slots left in position order): their positions (`positions`, batch x heads x slots), scores
+   (`kept_scores`, likewise) and key and value rows (as gather_rows; not where `key_source` is NULL: the caller
+   gathers them). The slots from k on are empty: position -1, score -inf, a copy of the last kept row.
    Per batch element (only those marked in `rows`, batch bytes, where it is not NULL), five steps, each shared out
    between `threads` threads: the group's highest and the pooling in pieces of positions, the spread in parts cut where
    words start, the top K by head, the gather in pieces of slots. Returns 0, or -1 with nothing written if no scratch
@@ -392,6 +393,28 @@ INLINE void raise_to_floor(float *scores, int64_t n, const int64_t *held_positio
     }
 }
 
+/* The k positions `taken` (ascending) reordered into the slots they fill: one that `held` (the positions the first k
+   slots hold, -1: none) holds stays in its slot, the others take the slots left in slot order, in position order. A
+   refresh keeps most of what it held, and a store that gathers from a cache laid out otherwise then reads only the
+   new tokens. `slot_of` (n entries, all -1) is left so; `placed` (k entries) is scratch. */
+INLINE void keep_held_slots(int64_t *taken, int64_t k, const int64_t *held, int64_t n, int64_t *slot_of,
+                            int64_t *placed) {
+    for (int64_t slot = 0; slot < k; slot++) {
+        placed[slot] = -1;
+        if (held[slot] >= 0 && held[slot] < n) slot_of[held[slot]] = slot;
+    }
+    for (int64_t i = 0; i < k; i++)
+        if (slot_of[taken[i]] >= 0) placed[slot_of[taken[i]]] = taken[i];
+    for (int64_t i = 0, free = 0; i < k; i++) {
+        if (slot_of[taken[i]] >= 0) continue;
+        while (placed[free] >= 0) free++;
+        placed[free] = taken[i];
+    }
+    for (int64_t slot = 0; slot < k; slot++)
+        if (held[slot] >= 0 && held[slot] < n) slot_of[held[slot]] = -1;
+    memcpy(taken, placed, (size_t)k * sizeof(int64_t));
+}
+
 AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads, int64_t group, int64_t n,
                                int first_only, int64_t before, int64_t after, const int64_t *words, int64_t length,
                                const uint8_t *valid, int64_t k, const char *key_source, const char *value_source,
@@ -400,12 +423,16 @@ AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads,
                                const int64_t *floor_positions, const float *floor_scores, int64_t floor_slots,
                                float floor_share, const uint8_t *rows, int threads) {
     /* per batch element: each head's k taken, its group's highest and its scores; per thread: order keys, candidates */
+    /* per thread: n order keys, n candidates; a slot per position (all -1) and k placed slots */
     size_t indices = (size_t)(heads * k) * sizeof(int64_t), floats = (size_t)(2 * heads * n) * sizeof(float);
-    char *space = scratch(indices + floats + (size_t)(threads * 2 * n) * sizeof(uint32_t));
+    size_t per_thread = (size_t)(2 * n) * sizeof(uint32_t) + (size_t)(n + k) * sizeof(int64_t);
+    char *space = scratch(indices + floats + (size_t)threads * per_thread);
     if (!space) return -1;
     int64_t *taken = (int64_t *)space;
     float *highest = (float *)(space + indices), *all_scores = highest + heads * n;
-    uint32_t *thread_keys = (uint32_t *)(space + indices + floats);
+    char *thread_space = space + indices + floats;
+    for (int t = 0; t < threads; t++) /* the slot of each position: none */
+        memset(thread_space + t * per_thread + (size_t)(2 * n) * sizeof(uint32_t), 0xff, (size_t)n * sizeof(int64_t));
     int64_t pieces = (n + PIECE - 1) / PIECE, slot_pieces = (slots + SLOT_PIECE - 1) / SLOT_PIECE;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     for (int64_t b = 0; b < batch; b++) {
@@ -443,7 +470,9 @@ AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads,
 #pragma omp for schedule(static, 1)
         for (int64_t h = 0; h < heads; h++) {
             float *scores = all_scores + h * n;
-            uint32_t *keys = thread_keys + THREAD_NUMBER() * 2 * n;
+            char *own = thread_space + THREAD_NUMBER() * per_thread;
+            uint32_t *keys = (uint32_t *)own;
+            int64_t *slot_of = (int64_t *)(own + (size_t)(2 * n) * sizeof(uint32_t));
             int64_t out = (b * heads + h) * slots;
             if (valid)
                 for (int64_t i = 0; i < n; i++) scores[i] = valid[b * n + i] ? scores[i] : -INFINITY;
@@ -454,6 +483,7 @@ AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads,
                                floor_scores + (b * heads + h) * floor_slots, floor_slots, floor_share, carried_below);
             for (int64_t i = 0; i < n; i++) keys[i] = order_key(scores[i]);
             top_k_of_keys(keys, n, k, taken + h * k, keys + n);
+            keep_held_slots(taken + h * k, k, positions + out, n, slot_of, slot_of + n);
             for (int64_t slot = 0; slot < slots; slot++) {
                 positions[out + slot] = slot < k ? taken[h * k + slot] : -1;
                 kept_scores[out + slot] = slot < k ? scores[taken[h * k + slot]] : -INFINITY;
@@ -880,82 +910,28 @@ INLINE const float *token_at(const char *source, int64_t batch_stride, int64_t h
     return (const float *)block + position % block_size * row;
 }
 
-/* Copies row `from` to row `to` of a head's keys and values (rows of dim floats). */
-INLINE void move_row(float *keys, float *values, int64_t to, int64_t from, int64_t dim) {
-    memcpy(keys + to * dim, keys + from * dim, (size_t)dim * sizeof(float));
-    memcpy(values + to * dim, values + from * dim, (size_t)dim * sizeof(float));
-}
-
 /* The keys and values of each KV head's `k` positions (`index`: heads x k) of one request's paged cache (as
    paged_logits's) into the first k of `slots` rows per head of `key_out` / `value_out` (heads x slots x dim). With
-   `held` (heads x held_slots, or NULL): the positions of the tokens those rows hold now (-1: none). A refresh keeps
-   most of the tokens it held, and a block's keys lie channel-major, a float per line for one token: a position held
-   in a row is copied from that row instead of read again from the blocks. Each row is the source of one copy at
-   most, so the copies form chains and cycles: a chain is copied from its end (a row no copy reads), so that every
-   row is read before it is written, a cycle through one spare row. The positions not held are read from the blocks
-   last. 0, or 1 without scratch space. */
+   `held` (heads x held_slots, or NULL): the positions of the tokens those rows hold now (-1: none); a row that holds
+   the position asked for is left as it is. A refresh leaves each token it keeps in its slot (keep_held_slots), and a
+   block's keys lie channel-major, a float per line for one token: only the new tokens are read from the blocks. */
 enum { TOKENS_AHEAD = 4 }; /* tokens read from the blocks whose lines are asked for before they are copied */
 
-int paged_gather(const char *key_source, const char *value_source, BlockStrides strides, const int64_t *block_ids,
-                 int64_t block_size, const int64_t *index, int64_t heads, int64_t k, int64_t dim, int64_t slots,
-                 const int64_t *held, int64_t held_slots, float *key_out, float *value_out) {
-    int64_t span = 0; /* the positions a held row may hold: up to the largest one asked for */
-    for (int64_t e = 0; e < heads * k; e++) span = index[e] + 1 > span ? index[e] + 1 : span;
-    size_t ints = (size_t)(held ? span + k : k) + 1, flags = (size_t)slots + 1;
-    int64_t *source = scratch(ints * sizeof(int64_t) + flags + (size_t)dim * 2 * sizeof(float));
-    if (!source) return 1;
-    int64_t *row_of = source + k; /* per position: the held row that holds it, or -1 */
-    uint8_t *read_by_copy = (uint8_t *)(source + ints); /* per row: a copy still has to read it */
-    float *spare = (float *)(read_by_copy + flags); /* a row's keys and values, to close a cycle */
+INLINE int row_holds(const int64_t *held, int64_t held_slots, int64_t slot, int64_t position) {
+    return held && slot < held_slots && held[slot] == position;
+}
+
+void paged_gather(const char *key_source, const char *value_source, BlockStrides strides, const int64_t *block_ids,
+                  int64_t block_size, const int64_t *index, int64_t heads, int64_t k, int64_t dim, int64_t slots,
+                  const int64_t *held, int64_t held_slots, float *key_out, float *value_out) {
     for (int64_t h = 0; h < heads; h++) {
-        const int64_t *positions = index + h * k;
+        const int64_t *positions = index + h * k, *held_here = held ? held + h * held_slots : NULL;
         float *keys_here = key_out + h * slots * dim, *values_here = value_out + h * slots * dim;
-        memset(read_by_copy, 0, flags);
-        for (int64_t slot = 0; slot < k; slot++) source[slot] = -1;
-        if (held) {
-            const int64_t *old = held + h * held_slots;
-            for (int64_t p = 0; p < span; p++) row_of[p] = -1;
-            for (int64_t row = 0; row < held_slots; row++)
-                if (old[row] >= 0 && old[row] < span) row_of[old[row]] = row;
-            for (int64_t slot = 0; slot < k; slot++) {
-                int64_t from = row_of[positions[slot]];
-                if (from == slot) { /* already in its row */
-                    source[slot] = slot;
-                } else if (from >= 0 && !read_by_copy[from]) { /* (a position asked for twice: read again) */
-                    source[slot] = from;
-                    read_by_copy[from] = 1;
-                }
-            }
-            for (int64_t end = 0; end < k; end++) { /* each chain from its end: rows no copy reads any more */
-                for (int64_t to = end; to < k && !read_by_copy[to] && source[to] >= 0 && source[to] != to;) {
-                    int64_t from = source[to];
-                    move_row(keys_here, values_here, to, from, dim);
-                    source[to] = to; /* done */
-                    read_by_copy[from] = 0;
-                    to = from;
-                }
-            }
-            for (int64_t first = 0; first < k; first++) { /* what is left are cycles */
-                if (source[first] < 0 || source[first] == first) continue;
-                memcpy(spare, keys_here + first * dim, (size_t)dim * sizeof(float));
-                memcpy(spare + dim, values_here + first * dim, (size_t)dim * sizeof(float));
-                int64_t to = first;
-                while (source[to] != first) {
-                    int64_t from = source[to];
-                    move_row(keys_here, values_here, to, from, dim);
-                    source[to] = to;
-                    to = from;
-                }
-                memcpy(keys_here + to * dim, spare, (size_t)dim * sizeof(float));
-                memcpy(values_here + to * dim, spare + dim, (size_t)dim * sizeof(float));
-                source[to] = to;
-            }
-        }
         for (int64_t slot = 0, cursor = 0, ahead = 0; slot < k; slot++) {
-            if (source[slot] >= 0) continue;
+            if (row_holds(held_here, held_slots, slot, positions[slot])) continue;
             /* the lines of the tokens read next, asked for ahead: a token's keys lie a line per channel */
             for (; ahead < TOKENS_AHEAD && cursor < k; cursor++) {
-                if (source[cursor] >= 0 || cursor < slot) continue;
+                if (cursor < slot || row_holds(held_here, held_slots, cursor, positions[cursor])) continue;
                 const float *keys = token_at(key_source, strides.key_batch, strides.key_head, block_ids, block_size,
                                              h, positions[cursor], 1);
                 const float *values = token_at(value_source, strides.value_batch, strides.value_head, block_ids,
@@ -974,7 +950,6 @@ int paged_gather(const char *key_source, const char *value_source, BlockStrides 
             memcpy(values_here + slot * dim, values, (size_t)dim * sizeof(float));
         }
     }
-    return 0;
 }
 
 /* A C_f held in `bits` bits (core/quantized_store.py) as this file sees it: per (batch, KV head) block, `stored`

@@ -108,8 +108,8 @@ class PagedFullStore(FullStore):
     def gather(
         self, index: Tensor, out: tuple[Tensor, Tensor], rows: Tensor | None = None, held: Tensor | None = None
     ) -> bool:
-        """The selected tokens alone into the first k slots of `out`: those `held` there copied (in C), the others
-        read from the blocks."""
+        """The selected tokens alone into the first k slots of `out`: those `held` in their slots left there (in C),
+        the others read from the blocks."""
         if rows is not None and not bool(rows.all()):
             return False
         blocks = self.blocks

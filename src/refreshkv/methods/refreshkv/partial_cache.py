@@ -3,15 +3,20 @@
 A refresh rebuilds C_p from attention probabilities over C_f (the prefill's window, a full step's query): scores
 pooled, aggregated over a GQA group and spread over words (`selection_scores`), where each token C_p holds scores at
 least `carry` x its score there and each token the question's window selected at least `question_floor` x its score
-there; then the top K. With `keep_decoded` the answer so far is held after the K. C_f may be the transformers cache's
-store, a quantized one, static decoding's fixed-size buffers or a paged engine's blocks (refreshkv.serving): it is
-read through the `FullCacheStore` interface (`view`, `span`, `length`; `attend` and `gather` where it reads in place).
+there; then the top K, in C_p's first K slots. With `keep_decoded` the answer so far is held after the K. C_f may
+be the transformers cache's store, a quantized one, static decoding's fixed-size buffers or a paged engine's blocks
+(refreshkv.serving): it is read through the `FullCacheStore` interface (`view`, `span`, `length`; `attend` and
+`gather` where it reads in place).
 
 Choices where the papers are silent:
 - Tokens appended by partial steps are never evicted before recycled ones (the papers evict "the recycled token with
   the lowest score"); if all recycled tokens are gone, the oldest appended token goes first.
 - A full step's own token is a candidate for the refreshed C_p. With rows of a batch on different schedules, only the
   rows that take a full step are refreshed.
+- A token that stays selected keeps its slot; the new ones take the slots freed, in position order
+  (`held_slot_order`). The partial steps sum over C_p in slot order and evict the first of equal scores by slot, so
+  this order is part of the method's arithmetic, the same on every path; it lets a C_f in a serving engine's blocks
+  copy only the new tokens at a refresh, none of the held ones moved.
 """
 
 from __future__ import annotations
@@ -85,6 +90,27 @@ def carried(held: tuple[Tensor, Tensor], scores: Tensor, share: float) -> Tensor
     return scores.scatter_reduce(-1, positions.clamp(min=0) * selected, floor, reduce="amax")
 
 
+def held_slot_order(index: Tensor, held: Tensor, n: int) -> Tensor:
+    """The slot each of the k selected positions `index` (B, Hkv, k; ascending) fills, as the order (B, Hkv, k) that
+    puts them there (slot j takes `index.gather(-1, order)[..., j]`): a position that `held` (the positions C_p's
+    first k slots hold, -1: none) holds stays in its slot, the others take the slots left in slot order, in position
+    order (selection_kernels.c `keep_held_slots`). No host read: a compiled step runs it on the device."""
+    k = index.shape[-1]
+    slots = torch.arange(k, device=index.device).expand_as(index)
+    known = (held >= 0) & (held < n)
+    slot_of = torch.full((*index.shape[:2], n + 1), -1, dtype=torch.long, device=index.device)
+    slot_of.scatter_(-1, torch.where(known, held, n), torch.where(known, slots, -1))
+    stays_at = slot_of.gather(-1, index)
+    stays = stays_at >= 0
+    taken = torch.zeros_like(index).scatter_add_(-1, stays_at.clamp(min=0), stays.long()) > 0
+    # the i-th selected token that moves takes the i-th slot left
+    movers_first = torch.argsort(stays.int(), dim=-1, stable=True)
+    free_first = torch.argsort(taken.int(), dim=-1, stable=True)
+    target = torch.empty_like(index).scatter_(-1, movers_first, free_first)
+    target = torch.where(stays, stays_at, target)
+    return torch.empty_like(index).scatter_(-1, target, slots)
+
+
 @dataclasses.dataclass(frozen=True)
 class SelectionRule:
     """How a refresh scores and keeps tokens: the method's selection parameters, resolved for one layer."""
@@ -119,7 +145,7 @@ class SelectionRule:
         partial = layer.state.partial
         assert partial is not None  # a refresh rebuilds C_p
         # the tokens C_p's slots hold before the refresh rewrites its positions: a C_f that gathers the selected
-        # tokens itself copies those it finds there instead of reading them again
+        # tokens itself reads none that stayed in their slots
         slot_positions = None if isinstance(full_kv, tuple) else partial.store.positions.clone()
         n = probs.shape[-1]
         k = min(layer.budget, n if before is None else before)
@@ -172,6 +198,8 @@ class SelectionRule:
             positions, floor_scores, share = floor
             scores = carried((positions, floor_scores), scores, share)
         index, kept = keep_top(scores, k)  # pads scored -inf: a top k, no entry -1
+        order = held_slot_order(index, partial.store.positions[..., :k], n)
+        index, kept = index.gather(-1, order), kept.gather(-1, order)
         if not isinstance(full_kv, tuple) and partial.load_gathered(full_kv, index, kept, rows):
             return k
         keys, values = full_kv if isinstance(full_kv, tuple) else full_kv.view()
@@ -212,7 +240,7 @@ def gather_selected(
 ) -> None:
     """The keys and values of the k tokens C_p's first slots hold (just selected) into those slots, read from a C_f
     that holds them otherwise (`gather`; `held`: the positions of the tokens the slots' keys and values are still of,
-    which it may copy instead), or where it cannot, from its `view()` (only `rows` if given)."""
+    which it may leave where they are), or where it cannot, from its `view()` (only `rows` if given)."""
     store = partial.store
     index, out = store.positions[..., :k], (store.keys, store.values)
     if full.gather(index, out, rows, held):
