@@ -2,7 +2,9 @@
 host work around those, against the rest of the model, for steps where the batch refreshes and steps where it
 does not, beside vLLM's own attention on the same batch.
 
-    python benchmarks/perf/served_refresh_parts.py --batch 16 --method recycled   # in the vllm virtualenv
+    VLLM_CPU_KVCACHE_SPACE=8 python benchmarks/perf/served_refresh_parts.py --batch 16 --method recycled   # vLLM's venv
+
+(vLLM's default KV space does not hold 16 prompts of 8K tokens: the engine would run fewer of them at a time.)
 
 One in-process engine (as `vllm_serving.py`'s) prefills `--batch` prompts of `--length` tokens (book passages) once,
 untimed; then vLLM's own attention and the method each decode `--new-tokens` tokens for them (found in the prefix
