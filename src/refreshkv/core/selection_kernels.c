@@ -405,10 +405,10 @@ INLINE void keep_held_slots(int64_t *taken, int64_t k, const int64_t *held, int6
     }
     for (int64_t i = 0; i < k; i++)
         if (slot_of[taken[i]] >= 0) placed[slot_of[taken[i]]] = taken[i];
-    for (int64_t i = 0, free = 0; i < k; i++) {
+    for (int64_t i = 0, left = 0; i < k; i++) {
         if (slot_of[taken[i]] >= 0) continue;
-        while (placed[free] >= 0) free++;
-        placed[free] = taken[i];
+        while (placed[left] >= 0) left++;
+        placed[left] = taken[i];
     }
     for (int64_t slot = 0; slot < k; slot++)
         if (held[slot] >= 0 && held[slot] < n) slot_of[held[slot]] = -1;
@@ -422,8 +422,8 @@ AVX2_CLONE int refresh_partial(const float *probs, int64_t batch, int64_t heads,
                                int64_t *positions, float *kept_scores, float carry, float carried_below,
                                const int64_t *floor_positions, const float *floor_scores, int64_t floor_slots,
                                float floor_share, const uint8_t *rows, int threads) {
-    /* per batch element: each head's k taken, its group's highest and its scores; per thread: order keys, candidates */
-    /* per thread: n order keys, n candidates; a slot per position (all -1) and k placed slots */
+    /* per batch element: each head's k taken, its group's highest and its scores; per thread: n order keys, n
+       candidates, a slot per position (all -1) and k placed slots */
     size_t indices = (size_t)(heads * k) * sizeof(int64_t), floats = (size_t)(2 * heads * n) * sizeof(float);
     size_t per_thread = (size_t)(2 * n) * sizeof(uint32_t) + (size_t)(n + k) * sizeof(int64_t);
     char *space = scratch(indices + floats + (size_t)threads * per_thread);
